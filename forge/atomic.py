@@ -1,0 +1,76 @@
+"""Transactional output files: nothing half-written is ever visible under a real name.
+
+On Linux the data goes to an anonymous ``O_TMPFILE`` inode in the destination folder, which is
+linked into the folder only after it is complete and fsynced; a process killed mid-write (even by
+SIGKILL) leaves nothing behind. Elsewhere a named temporary file is used and removed on any error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from forge.errors import ForgeError
+
+
+def check_output_path(dest: str | os.PathLike[str], need_bytes: int = 0) -> Path:
+    """Refuse a destination whose folder is missing, or that lacks ``need_bytes`` of free space."""
+    dest = Path(dest)
+    parent = dest.parent if str(dest.parent) else Path(".")
+    if not parent.is_dir():
+        raise ForgeError(f"{dest}: output folder {parent} does not exist")
+    if dest.is_dir():
+        raise ForgeError(f"{dest}: is a folder, expected a file name")
+    if need_bytes:
+        free = shutil.disk_usage(parent).free
+        if free < need_bytes:
+            raise ForgeError(f"{dest}: needs {need_bytes:,} bytes, only {free:,} free in {parent}")
+    return dest
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_output(dest: str | os.PathLike[str], need_bytes: int = 0) -> Iterator[BinaryIO]:
+    """Yield a binary file; on clean exit it is fsynced and renamed onto ``dest``.
+
+    On any exception the destination is untouched and no temporary file remains.
+    """
+    dest = check_output_path(dest, need_bytes)
+    folder = dest.parent if str(dest.parent) else Path(".")
+    anonymous = hasattr(os, "O_TMPFILE")
+    fd = -1
+    tmp_name = ""
+    if anonymous:
+        try:
+            fd = os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o644)
+        except OSError:
+            anonymous = False
+    if not anonymous:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w+b") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+            if anonymous:
+                tmp_name = str(folder / f".{dest.name}.{os.getpid()}.tmp")
+                os.link(f"/proc/self/fd/{f.fileno()}", tmp_name, follow_symlinks=True)
+        os.replace(tmp_name, dest)
+        tmp_name = ""
+        fsync_dir(folder)
+    finally:
+        if tmp_name:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_name)

@@ -1,0 +1,1 @@
+"""Every module here defines QuantType subclasses; importing forge.quant imports them all."""

@@ -1,0 +1,76 @@
+"""The quant-type registry: every GGUF tensor type we can encode and/or decode.
+
+A type is a subclass of :class:`QuantType` carrying its geometry as class attributes; defining the
+subclass registers it (the ``gguf`` package's ``quants.py`` pattern). The quantizer uses
+``encode``; the runtime imports only ``decode`` (and its torch twin, registered beside it).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from forge.errors import ForgeError
+
+_REGISTRY: dict[GGMLQuantizationType, type[QuantType]] = {}
+
+
+class QuantType:
+    """One GGUF tensor type. Rows are the fastest GGUF dimension (ne[0]); blocks run along rows."""
+
+    ggml_type: ClassVar[GGMLQuantizationType]
+    block_size: ClassVar[int]
+    type_size: ClassVar[int]
+    #: Bump when the encoder's output bytes change for the same input (it is part of reuse keys).
+    version: ClassVar[int] = 1
+    #: The encoder reads importance weights when given them.
+    uses_imatrix: ClassVar[bool] = False
+    #: llama.cpp refuses to produce this type without importance weights.
+    needs_imatrix: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "ggml_type" in cls.__dict__:
+            cls.block_size, cls.type_size = GGML_QUANT_SIZES[cls.ggml_type]
+            _REGISTRY[cls.ggml_type] = cls
+
+    @classmethod
+    def name(cls) -> str:
+        return cls.ggml_type.name
+
+    @classmethod
+    def row_bytes(cls, n_per_row: int) -> int:
+        return n_per_row // cls.block_size * cls.type_size
+
+    @classmethod
+    def encode(cls, rows: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+        """float32 (n_rows, n_per_row) -> uint8 (n_rows, row_bytes). ``importance``: (n_per_row,)."""
+        raise ForgeError(f"encoding to {cls.name()} is not supported")
+
+    @classmethod
+    def decode(cls, data: np.ndarray, n_per_row: int) -> np.ndarray:
+        """uint8 (..., row_bytes) -> float32 (..., n_per_row)."""
+        raise ForgeError(f"decoding {cls.name()} is not supported")
+
+
+def get_type(key: str | int | GGMLQuantizationType) -> type[QuantType]:
+    """Look a type up by name (case-insensitive) or ggml type id."""
+    _load_all()
+    try:
+        gtype = GGMLQuantizationType[key.upper()] if isinstance(key, str) else GGMLQuantizationType(key)
+    except (KeyError, ValueError):
+        raise ForgeError(f"unknown tensor type {key!r}; known: {', '.join(known_type_names())}") from None
+    if gtype not in _REGISTRY:
+        raise ForgeError(f"tensor type {gtype.name} is not supported; known: {', '.join(known_type_names())}")
+    return _REGISTRY[gtype]
+
+
+def known_type_names() -> list[str]:
+    _load_all()
+    return [t.name for t in sorted(_REGISTRY, key=int)]
+
+
+def _load_all() -> None:
+    import forge.quant  # noqa: F401  (registers every type module)
