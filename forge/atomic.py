@@ -8,6 +8,7 @@ SIGKILL) leaves nothing behind. Elsewhere a named temporary file is used and rem
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import tempfile
@@ -16,6 +17,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from forge.errors import ForgeError
+
+_AT_FDCWD = -100
+_AT_EMPTY_PATH = 0x1000
 
 
 def check_output_path(dest: str | os.PathLike[str], need_bytes: int = 0) -> Path:
@@ -39,6 +43,31 @@ def fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _materialize(f: BinaryIO, name: str) -> None:
+    """Give the anonymous file ``f`` the name ``name`` (same folder)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.linkat(f.fileno(), b"", _AT_FDCWD, os.fsencode(name), _AT_EMPTY_PATH) == 0:
+        return
+    try:
+        os.link(f"/proc/self/fd/{f.fileno()}", name, follow_symlinks=True)
+        return
+    except OSError:
+        pass
+    # Neither link form is allowed here: copy into a named file (rare; still all-or-nothing).
+    size = f.seek(0, os.SEEK_END)
+    out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        offset = 0
+        while offset < size:
+            offset += os.sendfile(out, f.fileno(), offset, min(size - offset, 1 << 30))
+        os.fsync(out)
+    except BaseException:
+        os.close(out)
+        os.unlink(name)
+        raise
+    os.close(out)
 
 
 @contextlib.contextmanager
@@ -66,7 +95,7 @@ def atomic_output(dest: str | os.PathLike[str], need_bytes: int = 0) -> Iterator
             os.fsync(f.fileno())
             if anonymous:
                 tmp_name = str(folder / f".{dest.name}.{os.getpid()}.tmp")
-                os.link(f"/proc/self/fd/{f.fileno()}", tmp_name, follow_symlinks=True)
+                _materialize(f, tmp_name)
         os.replace(tmp_name, dest)
         tmp_name = ""
         fsync_dir(folder)
