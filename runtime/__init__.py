@@ -1,0 +1,1 @@
+"""The compact PyTorch runtime that loads and validates gguf-forge outputs."""

@@ -1,0 +1,93 @@
+"""Byte-level helpers shared by the torch dequantizers (bit unpacking, fp16 fields, lookup tables).
+
+Every decoder takes ``blocks``: uint8 (n_blocks, type_size) and returns float32 (n_blocks, block_size).
+Bit work stays in uint8/int32 (MPS lacks some int64 bit ops); int64 appears only as gather indices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+Decoder = Callable[[torch.Tensor], torch.Tensor]
+
+
+def f16_at(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The little-endian fp16 field at byte ``offset`` of each block, as float32 (n_blocks, 1)."""
+    return blocks[:, offset : offset + 2].contiguous().view(torch.float16).float()
+
+
+def f16_from_bytes(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """An fp16 value assembled from two uint8 tensors (low byte, high byte), as float32."""
+    return torch.stack((lo, hi), dim=-1).view(torch.float16).squeeze(-1).float()
+
+
+def u16(b: torch.Tensor) -> torch.Tensor:
+    """Pairs of bytes (..., 2k) read as little-endian uint16 values, int32 (..., k)."""
+    return b[..., 0::2].int() | (b[..., 1::2].int() << 8)
+
+
+def u28(b: torch.Tensor) -> torch.Tensor:
+    """The low 28 bits of little-endian uint32 values (..., 4k) -> int32 (..., k); fits a signed int."""
+    return (
+        b[..., 0::4].int()
+        | (b[..., 1::4].int() << 8)
+        | (b[..., 2::4].int() << 16)
+        | ((b[..., 3::4] & 0x0F).int() << 24)
+    )
+
+
+def unpack(b: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """Split each byte into 8/width fields of ``width`` bits, least significant first.
+
+    The fields become a new axis at ``dim`` (-1: right after each byte; -2: before the byte axis,
+    i.e. all bytes' first fields, then all second fields, ... as ggml's ``>> shift`` loops lay them out).
+    """
+    mask = (1 << width) - 1
+    return torch.stack([(b >> s) & mask for s in range(0, 8, width)], dim=dim)
+
+
+_TABLES: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def cached_table(name: str, device: torch.device, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A lookup table built once on the CPU and kept per device."""
+    key = (name, str(device))
+    table = _TABLES.get(key)
+    if table is None:
+        cpu_key = (name, "cpu")
+        if cpu_key not in _TABLES:
+            _TABLES[cpu_key] = build()
+        table = _TABLES[key] = _TABLES[cpu_key].to(device)
+    return table
+
+
+def _sign_rows(bytes_: torch.Tensor) -> torch.Tensor:
+    """(n,) byte values -> (n, 8) float32 of +1/-1: bit j set gives -1 at position j."""
+    bits = (bytes_.view(-1, 1) >> torch.arange(8)) & 1
+    return (1 - 2 * bits).float()
+
+
+def byte_signs(device: torch.device) -> torch.Tensor:
+    """(256, 8): the eight signs stored as the bits of one byte (IQ2_S, IQ3_S)."""
+    return cached_table("byte_signs", device, lambda: _sign_rows(torch.arange(256)))
+
+
+def parity_signs(device: torch.device) -> torch.Tensor:
+    """(128, 8): 7 stored sign bits plus an implied 8th that makes the count of minus signs even.
+
+    This is ggml's ``ksigns_iq2xs`` table (value i | parity(i) << 7), used by IQ2_XXS/IQ2_XS/IQ3_XXS.
+    """
+
+    def build() -> torch.Tensor:
+        i = torch.arange(128)
+        parity = sum((i >> j) & 1 for j in range(7)) & 1
+        return _sign_rows(i | (parity << 7))
+
+    return cached_table("parity_signs", device, build)
+
+
+def lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``table[index]`` for an integer index tensor of any shape (rows of a 2-D table are appended)."""
+    return table.index_select(0, index.reshape(-1).long()).view(*index.shape, *table.shape[1:])

@@ -1,0 +1,54 @@
+"""Torch dequantizers for the 32-element block types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
+
+In every type the 16 bytes of nibbles hold element j in the low nibble of byte j and element j+16
+in the high nibble. Arithmetic follows ggml's order (``d * q`` or ``d * q + m``) so results are
+bit-identical to ggml and to ``gguf.quants``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.dequant_bits import f16_at, unpack
+
+
+def _nibbles32(qs: torch.Tensor) -> torch.Tensor:
+    """(n, 16) packed bytes -> (n, 32) uint8 values: low nibbles first, then high nibbles."""
+    return unpack(qs, 4, -2).reshape(-1, 32)
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """(n, 4) bytes of a little-endian uint32 -> (n, 32): bit j is element j's fifth bit, shifted to 16."""
+    return unpack(qh, 1, -1).reshape(-1, 32) << 4
+
+
+def q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    # fp16 d | 16 B nibbles; x = d * (q - 8)
+    d = f16_at(blocks, 0)
+    return d * (_nibbles32(blocks[:, 2:18]).float() - 8)
+
+
+def q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    # fp16 d | fp16 m | 16 B nibbles; x = d * q + m
+    d, m = f16_at(blocks, 0), f16_at(blocks, 2)
+    return d * _nibbles32(blocks[:, 4:20]).float() + m
+
+
+def q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    # fp16 d | uint32 qh (fifth bits) | 16 B nibbles; x = d * (q - 16)
+    d = f16_at(blocks, 0)
+    q = _nibbles32(blocks[:, 6:22]) | _fifth_bits(blocks[:, 2:6])
+    return d * (q.float() - 16)
+
+
+def q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    # fp16 d | fp16 m | uint32 qh | 16 B nibbles; x = d * q + m
+    d, m = f16_at(blocks, 0), f16_at(blocks, 2)
+    q = _nibbles32(blocks[:, 8:24]) | _fifth_bits(blocks[:, 4:8])
+    return d * q.float() + m
+
+
+def q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    # fp16 d | 32 x int8; x = q * d
+    d = f16_at(blocks, 0)
+    return blocks[:, 2:34].view(torch.int8).float() * d
