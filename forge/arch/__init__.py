@@ -1,0 +1,29 @@
+"""Architecture tables: one module per Hugging Face ``model_type`` family."""
+
+from __future__ import annotations
+
+from forge.arch.base import Architecture, OutTensor, SourceArray
+from forge.arch.qwen3moe import Qwen3Moe
+from forge.arch.qwen35moe import Qwen35Moe
+from forge.checkpoint import Checkpoint
+from forge.errors import ForgeError
+
+ARCHITECTURES: tuple[type[Architecture], ...] = (Qwen3Moe, Qwen35Moe)
+
+
+def supported_model_types() -> list[str]:
+    return [t for a in ARCHITECTURES for t in a.hf_model_types]
+
+
+def architecture_for(ckpt: Checkpoint, mtp: bool = True) -> Architecture:
+    cfg = ckpt.config
+    model_type = cfg.get("model_type")
+    for arch in ARCHITECTURES:
+        if model_type in arch.hf_model_types:
+            return arch(ckpt, mtp=mtp)
+    raise ForgeError(
+        f"{ckpt.path}: unsupported model_type {model_type!r}; supported: {', '.join(supported_model_types())}"
+    )
+
+
+__all__ = ["ARCHITECTURES", "Architecture", "OutTensor", "SourceArray", "architecture_for", "supported_model_types"]

@@ -1,0 +1,193 @@
+"""What every architecture table provides, and the machinery they share.
+
+An architecture maps a checkpoint's config.json to GGUF KVs and its tensors to GGUF tensors. The
+mapping is planned from names and shapes alone; data is produced lazily, tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from forge.checkpoint import Checkpoint, HFTensor
+from forge.errors import ForgeError
+from gguf import GGUFValueType
+
+from forge.gguf_file import KV, T
+
+
+@dataclass(frozen=True)
+class SourceArray:
+    """Tensor values as stored: BF16 kept as uint16 bits (so bf16 -> bf16 is a bit copy)."""
+
+    data: np.ndarray
+    dtype: str  # "BF16", "F16" or "F32"
+
+    def float32(self) -> np.ndarray:
+        if self.dtype == "BF16":
+            return (self.data.astype(np.uint32) << 16).view(np.float32)
+        return self.data.astype(np.float32, copy=False)
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """A planned GGUF tensor: name, numpy-order shape, and how to produce its values."""
+
+    name: str
+    shape: tuple[int, ...]
+    produce: Callable[[], SourceArray]
+    sources: tuple[HFTensor, ...]
+    #: llama.cpp's converter keeps these in F32 whatever the output type (norms, router, ssm...)
+    force_f32: bool = False
+
+
+def raw(t: HFTensor) -> SourceArray:
+    if t.dtype not in ("BF16", "F16", "F32"):
+        return SourceArray(t.float32(), "F32")
+    return SourceArray(t.raw(), t.dtype)
+
+
+def stacked(parts: list[HFTensor]) -> SourceArray:
+    dtypes = {p.dtype for p in parts}
+    if len(dtypes) == 1 and parts[0].dtype in ("BF16", "F16", "F32"):
+        return SourceArray(np.stack([p.raw() for p in parts]), parts[0].dtype)
+    return SourceArray(np.stack([p.float32() for p in parts]), "F32")
+
+
+def transformed(t: HFTensor | tuple[HFTensor, ...], fn: Callable[..., np.ndarray], exact: bool = True) -> Callable[[], SourceArray]:
+    """``fn`` applied to the stored values; ``exact`` means it only moves values (keeps dtype)."""
+    ts = t if isinstance(t, tuple) else (t,)
+
+    def produce() -> SourceArray:
+        if exact:
+            srcs = [raw(x) for x in ts]
+            return SourceArray(np.ascontiguousarray(fn(*[s.data for s in srcs])), srcs[0].dtype)
+        return SourceArray(np.ascontiguousarray(fn(*[x.float32() for x in ts]), dtype=np.float32), "F32")
+
+    return produce
+
+
+class Architecture:
+    """Base of the per-architecture tables (one subclass per HF ``model_type``)."""
+
+    hf_model_types: ClassVar[tuple[str, ...]]
+    gguf_arch: ClassVar[str]
+    #: HF name prefixes stripped before mapping (multimodal wrappers nest the text model).
+    prefixes: ClassVar[tuple[str, ...]] = ("model.language_model.", "model.", "language_model.model.")
+
+    def __init__(self, ckpt: Checkpoint, mtp: bool = True):
+        self.ckpt = ckpt
+        self.cfg = ckpt.config
+        self.mtp = mtp
+
+    # -- config helpers
+    def hp(self, *keys: str, default: Any = ...) -> Any:
+        for k in keys:
+            if k in self.cfg and self.cfg[k] is not None:
+                return self.cfg[k]
+            rope = self.cfg.get("rope_parameters") or self.cfg.get("rope_scaling") or {}
+            if k in rope and rope[k] is not None:
+                return rope[k]
+        if default is ...:
+            raise ForgeError(f"{self.ckpt.path}/config.json: missing {keys[0]}")
+        return default
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.hp("num_hidden_layers"))
+
+    @property
+    def n_experts(self) -> int:
+        return int(self.hp("num_experts", "num_local_experts"))
+
+    def kv(self, key: str, value: Any, vtype: GGUFValueType = T.UINT32) -> KV:
+        return KV(f"{self.gguf_arch}.{key}", value, vtype)
+
+    # -- what subclasses provide
+    def model_kvs(self, file_type: int) -> list[KV]:
+        """Architecture KVs in llama.cpp's order, ``general.file_type`` where llama.cpp puts it."""
+        raise NotImplementedError
+
+    def map_tensor(self, name: str, t: HFTensor) -> list[OutTensor] | None:
+        """Map one (prefix-stripped) HF tensor; None = part of a group (experts) handled later."""
+        raise NotImplementedError
+
+    # -- shared planning
+    def strip(self, name: str) -> str | None:
+        if name.startswith(("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")):
+            return None  # vision tower: not part of the text model
+        if name.startswith("mtp."):
+            if not self.mtp:
+                return None
+            # the multi-token-prediction block is exported as one extra decoder layer
+            return re.sub(r"^mtp\.layers\.0\.", f"layers.{self.n_layers}.", name)
+        if name == "lm_head.weight":
+            return name
+        for p in self.prefixes:
+            if name.startswith(p):
+                return name[len(p) :]
+        return name
+
+    def plan(self) -> list[OutTensor]:
+        """All GGUF tensors in llama.cpp's converter order."""
+        experts: dict[tuple[int, str], dict[int, HFTensor]] = {}
+        out: list[OutTensor] = []
+        tied = True
+        for t in self.ckpt:
+            name = self.strip(t.name)
+            if name is None:
+                continue
+            if name == "lm_head.weight":
+                tied = False
+            m = _EXPERT_RE.match(name)
+            if m:
+                layer, e, proj = int(m["layer"]), int(m["expert"]), m["proj"]
+                experts.setdefault((layer, proj), {})[e] = t
+                done = self._expert_group_done(experts, layer)
+                if done:
+                    out += done
+                continue
+            mapped = self.map_tensor(name, t)
+            if mapped is None:
+                raise ForgeError(f"{self.ckpt.path}: cannot map tensor {t.name} to GGUF ({self.gguf_arch})")
+            out += mapped
+        left = [k for k, v in experts.items() if v]
+        if left:
+            layer, proj = left[0]
+            raise ForgeError(f"{self.ckpt.path}: layer {layer} has an incomplete set of {proj} experts")
+        if tied and not self.cfg.get("tie_word_embeddings", False):
+            raise ForgeError(f"{self.ckpt.path}: lm_head.weight is missing and tie_word_embeddings is false")
+        return out
+
+    def _expert_group_done(self, experts: dict[tuple[int, str], dict[int, HFTensor]], layer: int) -> list[OutTensor]:
+        n = self.n_experts
+        groups = [experts.get((layer, p), {}) for p in ("down_proj", "gate_proj", "up_proj")]
+        if any(len(g) < n for g in groups):
+            return []
+        out = []
+        for proj, g in zip(("down", "gate", "up"), groups, strict=True):
+            parts = [g[e] for e in range(n)]
+            shape = (n, *parts[0].shape)
+            out.append(OutTensor(f"blk.{layer}.ffn_{proj}_exps.weight", shape, lambda p=parts: stacked(p), tuple(parts)))
+            g.clear()
+        return out
+
+    def fused_experts(self, layer: int, name: str, t: HFTensor) -> list[OutTensor]:
+        """Fused expert tensors (``experts.gate_up_proj`` (E, 2I, H), ``experts.down_proj`` (E, H, I))."""
+        if name.endswith("gate_up_proj"):
+            half = t.shape[1] // 2
+            return [
+                OutTensor(f"blk.{layer}.ffn_gate_exps.weight", (t.shape[0], half, t.shape[2]),
+                          transformed(t, lambda a: a[:, :half]), (t,)),
+                OutTensor(f"blk.{layer}.ffn_up_exps.weight", (t.shape[0], half, t.shape[2]),
+                          transformed(t, lambda a: a[:, half:]), (t,)),
+            ]  # fmt: skip
+        return [OutTensor(f"blk.{layer}.ffn_down_exps.weight", t.shape, lambda: raw(t), (t,))]
+
+
+_EXPERT_RE = re.compile(r"^layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+LAYER_RE = re.compile(r"^layers\.(?P<layer>\d+)\.(?P<rest>.+)$")

@@ -1,0 +1,182 @@
+"""Hugging Face checkpoints: config, tokenizer files and lazily memory-mapped safetensors tensors.
+
+Nothing is loaded into RAM up front: shard headers are parsed (a few KB each) and each tensor is a
+``numpy.memmap`` view created on demand.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from forge.errors import ForgeError
+
+#: safetensors dtype -> (numpy storage dtype, itemsize). BF16 is kept as its uint16 bit pattern.
+_DTYPES = {
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),
+    "F64": np.dtype("<f8"),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+}
+
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """One tensor inside a safetensors shard, not yet read."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    shard: Path
+    offset: int  # absolute byte offset in the shard file
+    nbytes: int
+
+    def raw(self) -> np.ndarray:
+        """The stored values (BF16 as uint16 bits), memory-mapped, in the stored shape."""
+        if self.nbytes == 0:
+            return np.zeros(self.shape, _DTYPES[self.dtype])
+        return np.memmap(self.shard, dtype=_DTYPES[self.dtype], mode="r", offset=self.offset, shape=self.shape)
+
+    def float32(self) -> np.ndarray:
+        data = self.raw()
+        if self.dtype == "BF16":
+            return bf16_bits_to_f32(data)
+        return np.asarray(data, dtype=np.float32)
+
+
+def read_safetensors_header(path: Path) -> list[HFTensor]:
+    """Parse a shard's header, checking that every tensor lies inside the file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ForgeError(f"{path}: truncated safetensors file (no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100 << 20:
+            raise ForgeError(f"{path}: truncated or corrupt safetensors file (header length {n})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ForgeError(f"{path}: corrupt safetensors header") from None
+    base = 8 + n
+    out = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = info.get("dtype")
+        if dtype not in _DTYPES:
+            raise ForgeError(f"{path}: tensor {name} has unsupported dtype {dtype}")
+        start, end = info["data_offsets"]
+        shape = tuple(int(d) for d in info["shape"])
+        if end - start != int(np.prod(shape, dtype=np.int64)) * _DTYPES[dtype].itemsize:
+            raise ForgeError(f"{path}: tensor {name} byte size does not match its shape")
+        if base + end > size:
+            raise ForgeError(f"{path}: truncated safetensors file (tensor {name} ends past the end of the file)")
+        out.append(HFTensor(name, dtype, shape, path, base + start, end - start))
+    return out
+
+
+class Checkpoint:
+    """A Hugging Face model folder."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise ForgeError(f"{self.path}: no such folder")
+        if not self.path.is_dir():
+            raise ForgeError(f"{self.path}: not a folder (expected a Hugging Face checkpoint folder)")
+        config_path = self.path / "config.json"
+        if not config_path.is_file():
+            raise ForgeError(f"{self.path}: missing config.json (not a Hugging Face checkpoint folder?)")
+        try:
+            self.raw_config: dict[str, Any] = json.loads(config_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ForgeError(f"{config_path}: invalid JSON ({e})") from None
+
+    @cached_property
+    def config(self) -> dict[str, Any]:
+        """The text model's config: ``text_config`` (multimodal wrappers) merged over the top level."""
+        cfg = dict(self.raw_config)
+        text = cfg.get("text_config")
+        if isinstance(text, dict):
+            cfg.update(text)
+        return cfg
+
+    @cached_property
+    def shard_names(self) -> list[str]:
+        """Shard file names in the order llama.cpp's converter visits them (sorted, from the index)."""
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ForgeError(f"{index}: invalid index (no weight_map)") from None
+            names = sorted(set(weight_map.values()))
+            missing = [n for n in names if not (self.path / n).is_file()]
+            if missing:
+                raise ForgeError(f"{self.path}: shard {missing[0]} is listed in the index but absent")
+            return names
+        if (self.path / "model.safetensors").is_file():
+            return ["model.safetensors"]
+        found = sorted(p.name for p in self.path.glob("*.safetensors"))
+        if not found:
+            raise ForgeError(f"{self.path}: no safetensors weights (model.safetensors or an index)")
+        return found
+
+    @cached_property
+    def tensors(self) -> dict[str, HFTensor]:
+        """Every tensor, keyed by name, in the converter's visiting order (shard by shard)."""
+        out: dict[str, HFTensor] = {}
+        for name in self.shard_names:
+            for t in read_safetensors_header(self.path / name):
+                out[t.name] = t
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            listed = set(json.loads(index.read_text())["weight_map"])
+            missing = sorted(listed - set(out))
+            if missing:
+                raise ForgeError(f"{self.path}: tensor {missing[0]} is listed in the index but in no shard")
+        return out
+
+    def __iter__(self) -> Iterator[HFTensor]:
+        return iter(self.tensors.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self)
+
+    def read_json(self, name: str) -> dict[str, Any] | None:
+        p = self.path / name
+        if not p.is_file():
+            return None
+        try:
+            return json.loads(p.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ForgeError(f"{p}: invalid JSON ({e})") from None
+
+    def chat_template(self) -> str | None:
+        jinja = self.path / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text(encoding="utf-8")
+        cfg = self.read_json("tokenizer_config.json") or {}
+        tmpl = cfg.get("chat_template")
+        if isinstance(tmpl, list):  # named templates: llama.cpp takes "default"
+            tmpl = next((t["template"] for t in tmpl if t.get("name") == "default"), None)
+        return tmpl

@@ -1,0 +1,131 @@
+"""Lossless Hugging Face -> GGUF conversion (bf16 / f16 / f32), streamed tensor by tensor."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType, LlamaFileType
+
+from forge.arch import Architecture, OutTensor, architecture_for
+from forge.arch.tokenizer import tokenizer_kvs
+from forge.checkpoint import Checkpoint
+from forge.errors import ForgeError
+from forge.gguf_file import KV, T, TensorSpec, write_gguf, write_gguf_split
+
+OUTTYPES = {
+    "bf16": (GGMLQuantizationType.BF16, LlamaFileType.MOSTLY_BF16),
+    "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
+    "f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
+}
+
+
+@dataclass
+class ModelSource:
+    """A checkpoint seen through its architecture table: GGUF KVs and planned tensors."""
+
+    ckpt: Checkpoint
+    arch: Architecture
+    tensors: list[OutTensor]
+
+    @classmethod
+    def open(cls, hf_dir: str | Path, mtp: bool = True) -> ModelSource:
+        ckpt = Checkpoint(hf_dir)
+        arch = architecture_for(ckpt, mtp=mtp)
+        return cls(ckpt, arch, arch.plan())
+
+    def kvs(self, file_type: int) -> list[KV]:
+        """Every KV llama.cpp's converter writes, in its order."""
+        vocab_size = int(self.arch.hp("vocab_size"))
+        return [
+            KV("general.architecture", self.arch.gguf_arch, T.STRING),
+            KV("general.type", "model", T.STRING),
+            KV("general.name", model_name(self.ckpt.path), T.STRING),
+            KV("general.size_label", self.size_label(), T.STRING),
+            *self.arch.model_kvs(file_type),
+            KV("general.quantization_version", gguf.GGML_QUANT_VERSION, T.UINT32),
+            *tokenizer_kvs(self.ckpt, vocab_size),
+        ]
+
+    def size_label(self) -> str:
+        sizes = [int(np.prod(t.shape)) for t in self.tensors]
+        expert = sum(s for s, t in zip(sizes, self.tensors, strict=True) if "_exps." in t.name)
+        total = sum(sizes)
+        n_exp = self.arch.n_experts if expert else 0
+        # gguf's size_label takes the parameters of one expert, as the GGUF writer counts them
+        return gguf.utility.size_label(total, total - expert, expert // max(n_exp, 1), n_exp)
+
+
+def model_name(path: Path) -> str:
+    """'tiny-qwen3moe' -> 'Tiny Qwen3Moe' (llama.cpp derives general.name from the folder the same way)."""
+    return path.resolve().name.replace("-", " ").replace("_", " ").title()
+
+
+def float_type_for(t: OutTensor, outtype: GGMLQuantizationType) -> GGMLQuantizationType:
+    """llama.cpp's converter rule: 1-D tensors and the listed F32 tensors stay F32."""
+    if t.force_f32 or len(t.shape) <= 1:
+        return GGMLQuantizationType.F32
+    return outtype
+
+
+def encode_float(t: OutTensor, gtype: GGMLQuantizationType) -> np.ndarray:
+    """Produce a tensor's values in F32, F16 or BF16 (a BF16 source to BF16 is a bit copy)."""
+    src = t.produce()
+    if src.data.shape != t.shape:
+        raise ForgeError(f"tensor {t.name}: produced shape {src.data.shape}, planned {t.shape}")
+    if gtype == GGMLQuantizationType.BF16 and src.dtype == "BF16":
+        return src.data
+    f32 = src.float32()
+    if gtype == GGMLQuantizationType.F32:
+        return f32
+    if gtype == GGMLQuantizationType.F16:
+        return f32.astype(np.float16)
+    return gguf.quants.quantize(f32, GGMLQuantizationType.BF16)
+
+
+@dataclass
+class ConvertReport:
+    paths: list[Path]
+    n_tensors: int
+    bytes_written: int
+    source_bytes: int
+    seconds: float
+
+
+def convert_checkpoint(
+    hf_dir: str | Path,
+    out: str | Path,
+    outtype: str = "bf16",
+    split_max_size: int | None = None,
+    mtp: bool = True,
+    on_tensor: Callable[[TensorSpec], None] | None = None,
+) -> ConvertReport:
+    """Convert a checkpoint folder to GGUF; memory stays bounded by the largest tensor."""
+    if outtype not in OUTTYPES:
+        raise ForgeError(f"unsupported --outtype {outtype!r}; choose from {', '.join(OUTTYPES)}")
+    gtype, ftype = OUTTYPES[outtype]
+    start = time.perf_counter()
+    src = ModelSource.open(hf_dir, mtp=mtp)
+    kvs = src.kvs(int(ftype))
+    specs = [TensorSpec(t.name, t.shape, float_type_for(t, gtype)) for t in src.tensors]
+
+    def data() -> Iterator[np.ndarray]:
+        for t, spec in zip(src.tensors, specs, strict=True):
+            yield encode_float(t, spec.ggml_type)
+
+    if split_max_size:
+        paths = write_gguf_split(out, kvs, specs, data(), split_max_size, on_tensor=on_tensor)
+    else:
+        write_gguf(out, kvs, specs, data(), on_tensor=on_tensor)
+        paths = [Path(out)]
+    return ConvertReport(
+        paths=paths,
+        n_tensors=len(specs),
+        bytes_written=sum(p.stat().st_size for p in paths),
+        source_bytes=src.ckpt.total_bytes,
+        seconds=time.perf_counter() - start,
+    )

@@ -1,0 +1,312 @@
+"""GGUF files: read through the ``gguf`` package's mmap reader, write transactionally.
+
+The writer knows every tensor's name, shape, type and byte size before the first byte is written
+(the *plan*), so it lays out the header and offsets up front and then streams tensor data one
+tensor at a time: memory stays bounded by the largest tensor, and a dry run knows the exact size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGUF_MAGIC, GGUF_VERSION, GGMLQuantizationType, GGUFReader, GGUFValueType
+
+from forge.atomic import atomic_output
+from forge.errors import ForgeError
+
+DEFAULT_ALIGNMENT = 32
+T = GGUFValueType
+
+
+@dataclass(frozen=True)
+class KV:
+    """One metadata entry. ``vtype`` is the GGUF value type; arrays also name their item type."""
+
+    key: str
+    value: Any
+    vtype: GGUFValueType
+    item_type: GGUFValueType | None = None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor as it will sit in the file. ``shape`` is numpy order (the reverse of ggml ne)."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: GGMLQuantizationType
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.shape, self.ggml_type)
+
+
+def tensor_nbytes(shape: Sequence[int], ggml_type: GGMLQuantizationType) -> int:
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    n_per_row = shape[-1] if shape else 1
+    if n_per_row % block:
+        raise ForgeError(f"row length {n_per_row} is not a multiple of {ggml_type.name}'s block size {block}")
+    return int(np.prod(shape, dtype=np.int64)) // block * size
+
+
+def align_up(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+# ---------------------------------------------------------------------------------------- reading
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
+    """Open a GGUF file read-only (mmap). Any malformed file becomes one clear ForgeError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ForgeError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if len(magic) < 4 or struct.unpack("<I", magic)[0] != GGUF_MAGIC:
+        raise ForgeError(f"{path}: not a GGUF file (bad magic)")
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:  # the gguf package raises ValueError, IndexError, struct errors...
+        raise ForgeError(f"{path}: malformed or truncated GGUF ({type(e).__name__}: {e})") from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ForgeError(f"{path}: truncated GGUF (tensor {t.name} ends past the end of the file)")
+    return reader
+
+
+def kv_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """A KV's Python value (strings decoded, arrays as lists), or ``default`` when absent."""
+    field_ = reader.fields.get(key)
+    if field_ is None:
+        return default
+    return field_.contents()
+
+
+def read_kvs(reader: GGUFReader) -> list[KV]:
+    """All metadata entries of a file (without the GGUF header pseudo-fields), in file order."""
+    out = []
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        vtype = f.types[0]
+        item = f.types[-1] if vtype == T.ARRAY else None
+        out.append(KV(name, f.contents(), vtype, item))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- writing
+
+
+def _pack_scalar(value: Any, vtype: GGUFValueType) -> bytes:
+    if vtype == T.STRING:
+        raw = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+        return struct.pack("<Q", len(raw)) + raw
+    if vtype == T.BOOL:
+        return struct.pack("<?", bool(value))
+    fmt = {
+        T.UINT8: "<B", T.INT8: "<b", T.UINT16: "<H", T.INT16: "<h", T.UINT32: "<I", T.INT32: "<i",
+        T.FLOAT32: "<f", T.UINT64: "<Q", T.INT64: "<q", T.FLOAT64: "<d",
+    }[vtype]  # fmt: skip
+    return struct.pack(fmt, value)
+
+
+_NUMPY_ITEM = {
+    T.UINT8: "<u1", T.INT8: "<i1", T.UINT16: "<u2", T.INT16: "<i2", T.UINT32: "<u4", T.INT32: "<i4",
+    T.FLOAT32: "<f4", T.UINT64: "<u8", T.INT64: "<i8", T.FLOAT64: "<f8", T.BOOL: "?",
+}  # fmt: skip
+
+
+def pack_kv(kv: KV) -> bytes:
+    head = _pack_scalar(kv.key, T.STRING) + struct.pack("<I", int(kv.vtype))
+    if kv.vtype != T.ARRAY:
+        return head + _pack_scalar(kv.value, kv.vtype)
+    assert kv.item_type is not None
+    items = kv.value
+    head += struct.pack("<IQ", int(kv.item_type), len(items))
+    if kv.item_type == T.STRING:
+        return head + b"".join(_pack_scalar(v, T.STRING) for v in items)
+    return head + np.asarray(items, dtype=_NUMPY_ITEM[kv.item_type]).tobytes()
+
+
+def _pack_tensor_info(spec: TensorSpec, offset: int) -> bytes:
+    ne = tuple(reversed(spec.shape)) or (1,)
+    return (
+        _pack_scalar(spec.name, T.STRING)
+        + struct.pack("<I", len(ne))
+        + struct.pack(f"<{len(ne)}Q", *ne)
+        + struct.pack("<IQ", int(spec.ggml_type), offset)
+    )
+
+
+@dataclass
+class GGUFLayout:
+    """Byte layout of one GGUF file: header bytes, and each tensor's offset in the data section."""
+
+    kvs: list[KV]
+    tensors: list[TensorSpec]
+    alignment: int = DEFAULT_ALIGNMENT
+    header: bytes = field(init=False)
+    offsets: list[int] = field(init=False)
+    data_start: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ForgeError(f"duplicate tensor name {dup!r}")
+        self.offsets, pos = [], 0
+        for t in self.tensors:
+            self.offsets.append(pos)
+            pos = align_up(pos + t.nbytes, self.alignment)
+        parts = [struct.pack("<IIQQ", GGUF_MAGIC, GGUF_VERSION, len(self.tensors), len(self.kvs))]
+        parts += [pack_kv(kv) for kv in self.kvs]
+        parts += [_pack_tensor_info(t, o) for t, o in zip(self.tensors, self.offsets, strict=True)]
+        self.header = b"".join(parts)
+        self.data_start = align_up(len(self.header), self.alignment)
+
+    @property
+    def total_size(self) -> int:
+        if not self.tensors:
+            return self.data_start
+        return self.data_start + self.offsets[-1] + self.tensors[-1].nbytes
+
+
+TensorData = np.ndarray | bytes | memoryview
+#: Writes one tensor's bytes to the open file (for copies that bypass Python buffers).
+TensorWriter = Callable[[Any], None]
+
+
+def _write_tensor_bytes(f: Any, spec: TensorSpec, data: TensorData | TensorWriter) -> None:
+    start = f.tell()
+    if callable(data):
+        data(f)
+    else:
+        buf = memoryview(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data).cast("B")
+        f.write(buf)
+    written = f.tell() - start
+    if written != spec.nbytes:
+        raise ForgeError(f"tensor {spec.name}: produced {written} bytes, planned {spec.nbytes}")
+
+
+def write_gguf(
+    dest: str | os.PathLike[str],
+    kvs: list[KV],
+    tensors: list[TensorSpec],
+    data: Iterable[TensorData | TensorWriter],
+    alignment: int = DEFAULT_ALIGNMENT,
+    on_tensor: Callable[[TensorSpec], None] | None = None,
+) -> int:
+    """Write one GGUF file transactionally; ``data`` yields each tensor's bytes in ``tensors`` order.
+
+    Returns the file size. On any error the destination is untouched and nothing is left behind.
+    """
+    layout = GGUFLayout(kvs, tensors, alignment)
+    with atomic_output(dest, need_bytes=layout.total_size) as f:
+        _write_layout(f, layout, iter(data), on_tensor)
+    return layout.total_size
+
+
+def _write_layout(
+    f: Any,
+    layout: GGUFLayout,
+    data: Iterator[TensorData | TensorWriter],
+    on_tensor: Callable[[TensorSpec], None] | None,
+) -> None:
+    f.write(layout.header)
+    f.write(b"\0" * (layout.data_start - len(layout.header)))
+    for spec, offset in zip(layout.tensors, layout.offsets, strict=True):
+        pad = layout.data_start + offset - f.tell()
+        if pad:
+            f.write(b"\0" * pad)
+        try:
+            item = next(data)
+        except StopIteration:
+            raise ForgeError(f"no data for tensor {spec.name}") from None
+        _write_tensor_bytes(f, spec, item)
+        if on_tensor:
+            on_tensor(spec)
+
+
+# ------------------------------------------------------------------------------------------ splits
+
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
+
+
+def split_path(dest: Path, index: int, count: int) -> Path:
+    """llama.cpp's gguf-split naming: ``model-00001-of-00003.gguf``."""
+    stem = dest.name.removesuffix(".gguf")
+    return dest.with_name(f"{stem}-{index + 1:05d}-of-{count:05d}.gguf")
+
+
+def plan_splits(tensors: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
+    """Greedy split by tensor bytes: a shard closes before it would exceed ``max_bytes``."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def split_layouts(
+    kvs: list[KV], tensors: list[TensorSpec], max_bytes: int, alignment: int = DEFAULT_ALIGNMENT
+) -> list[GGUFLayout]:
+    """Layouts of the shards: the first carries every KV, all carry the split.* keys."""
+    shards = plan_splits(tensors, max_bytes)
+    out = []
+    for i, shard in enumerate(shards):
+        split_kvs = [
+            KV(SPLIT_NO, i, T.UINT16),
+            KV(SPLIT_COUNT, len(shards), T.UINT16),
+            KV(SPLIT_TENSORS, len(tensors), T.INT32),
+        ]
+        base = kvs if i == 0 else [kv for kv in kvs if kv.key == "general.architecture"]
+        out.append(GGUFLayout(base + split_kvs, shard, alignment))
+    return out
+
+
+def write_gguf_split(
+    dest: str | os.PathLike[str],
+    kvs: list[KV],
+    tensors: list[TensorSpec],
+    data: Iterable[TensorData | TensorWriter],
+    max_bytes: int,
+    alignment: int = DEFAULT_ALIGNMENT,
+    on_tensor: Callable[[TensorSpec], None] | None = None,
+) -> list[Path]:
+    """Write ``dest`` as ``-0000i-of-0000N`` shards; all appear together or none does."""
+    dest = Path(dest)
+    layouts = split_layouts(kvs, tensors, max_bytes, alignment)
+    paths = [split_path(dest, i, len(layouts)) for i in range(len(layouts))]
+    it = iter(data)
+    with contextlib.ExitStack() as stack:
+        for layout, path in zip(layouts, paths, strict=True):
+            f = stack.enter_context(atomic_output(path, need_bytes=layout.total_size))
+            _write_layout(f, layout, it, on_tensor)
+    return paths
+
+
+def parse_size(text: str) -> int:
+    """'2G', '500M', '4096', '1.5GiB' -> bytes (powers of 1024 like gguf-split's M/G)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    num = t[:-1] if t[-1:] in "KMGT" else t
+    try:
+        value = int(float(num) * mult)
+    except ValueError:
+        raise ForgeError(f"cannot parse size {text!r} (examples: 4096, 500M, 2G)") from None
+    if value <= 0:
+        raise ForgeError(f"size must be positive: {text!r}")
+    return value
