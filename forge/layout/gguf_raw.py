@@ -7,6 +7,7 @@ KVs) and encodes directory entries for the files they write. GGUF v3 only (what 
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -22,7 +23,19 @@ DEFAULT_ALIGNMENT = 32
 
 # Fixed byte sizes of the scalar GGUF value types (8 = string, 9 = array are variable).
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALAR_FORMATS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _STRING, _ARRAY = 8, 9
 
 
@@ -49,7 +62,9 @@ def tensor_nbytes(ggml_type: int, dims: tuple[int, ...], what: str = "tensor") -
     """Byte size of a tensor with ``dims`` in GGUF order (ne0 first)."""
     block, size = type_geometry(ggml_type)
     if not dims or dims[0] % block:
-        raise ForgeError(f"{what}: ne0={dims[0] if dims else 0} is not a multiple of {type_name(ggml_type)}'s block of {block}")
+        raise ForgeError(
+            f"{what}: ne0={dims[0] if dims else 0} is not a multiple of {type_name(ggml_type)}'s block of {block}"
+        )
     n = dims[0] // block * size
     for d in dims[1:]:
         n *= d
@@ -101,10 +116,9 @@ class RawGGUF:
 
     def close(self) -> None:
         if isinstance(self.mm, mmap.mmap):
-            try:
+            # A caller may still hold a view; the mapping then goes away with the last view.
+            with contextlib.suppress(BufferError):
                 self.mm.close()
-            except BufferError:  # a caller still holds a view; the mapping goes with it
-                pass
 
     def __enter__(self) -> RawGGUF:
         return self
@@ -120,7 +134,9 @@ class _Cursor:
     def take(self, n: int) -> int:
         start = self.pos
         if n < 0 or start + n > self.end:
-            raise ForgeError(f"{self.path}: truncated GGUF (header wants bytes up to {start + n:,}, file has {self.end:,})")
+            raise ForgeError(
+                f"{self.path}: truncated GGUF (header wants bytes up to {start + n:,}, file has {self.end:,})"
+            )
         self.pos = start + n
         return start
 
@@ -211,7 +227,9 @@ def _parse(path: Path, mm: mmap.mmap | bytes, size: int) -> RawGGUF:
         end = data_start + t.offset + t.nbytes
         if end > size:
             raise ForgeError(f"{path}: truncated: tensor {t.name} ends at byte {end:,}, file has {size:,}")
-    return RawGGUF(path, size, version, n_kv, kv_start, kv_end, dir_end, data_start, alignment, tensors, kv, mm)
+    return RawGGUF(
+        path, size, version, n_kv, kv_start, kv_end, dir_end, data_start, alignment, tensors, kv, mm
+    )
 
 
 def encode_header(n_tensors: int, n_kv: int) -> bytes:

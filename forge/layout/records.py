@@ -81,7 +81,9 @@ def check_component(c: Component, role: int, experts: int, where: str) -> None:
     except ForgeError as e:
         raise ForgeError(str(e)) from None
     if c.expert_bytes * experts != total:
-        raise ForgeError(f"{where} {name}: per-expert bytes {c.expert_bytes}, type and dims give {total // experts}")
+        raise ForgeError(
+            f"{where} {name}: per-expert bytes {c.expert_bytes}, type and dims give {total // experts}"
+        )
 
 
 def check_ffn_shape(comps: tuple[Component, Component, Component], where: str) -> None:

@@ -91,13 +91,17 @@ def plan_source(raw: RawGGUF) -> SourcePlan:
     arch, family = family_of(raw)
     for t in raw.tensors:
         if t.name in STORE_TENSOR_NAMES:
-            raise ForgeError(f"{raw.path}: already expert-major (holds tensor {t.name}); convert it to canonical first")
+            raise ForgeError(
+                f"{raw.path}: already expert-major (holds tensor {t.name}); convert it to canonical first"
+            )
     block_count = _kv_int(raw, f"{arch}.block_count")
     experts = _kv_int(raw, f"{arch}.expert_count")
     used = _kv_int(raw, f"{arch}.expert_used_count")
     first = _kv_int(raw, f"{arch}.leading_dense_block_count") if family == FAMILY_GLM_DSA else 0
     if experts == 0 or not first < block_count:
-        raise ForgeError(f"{raw.path}: no routed layers ({arch}.expert_count={experts}, block_count={block_count})")
+        raise ForgeError(
+            f"{raw.path}: no routed layers ({arch}.expert_count={experts}, block_count={block_count})"
+        )
     index = {t.name: i for i, t in enumerate(raw.tensors)}
     layers = []
     for layer in range(first, block_count):
@@ -114,16 +118,22 @@ def plan_source(raw: RawGGUF) -> SourcePlan:
     kept = tuple(t for i, t in enumerate(raw.tensors) if i not in routed)
     for t in kept:
         if is_routed_name(t.name):
-            raise ForgeError(f"{raw.path}: routed tensor {t.name} lies outside the routed layers {first}..{block_count - 1}")
+            raise ForgeError(
+                f"{raw.path}: routed tensor {t.name} lies outside the routed layers {first}..{block_count - 1}"
+            )
     check_canonical_packing(raw)
     return SourcePlan(raw, arch, family, experts, used, tuple(layers), kept)
 
 
-def _check_routed(raw: RawGGUF, layer: int, tensors: tuple[RawTensor, RawTensor, RawTensor], experts: int) -> None:
+def _check_routed(
+    raw: RawGGUF, layer: int, tensors: tuple[RawTensor, RawTensor, RawTensor], experts: int
+) -> None:
     gate, up, down = tensors
-    for role, t in zip(ROLES, tensors):
+    for role, t in zip(ROLES, tensors, strict=True):
         if len(t.dims) != 3 or t.dims[2] != experts:
-            raise ForgeError(f"{raw.path}: layer {layer} {role}: dims {list(t.dims)} are not (ne0, ne1, {experts} experts)")
+            raise ForgeError(
+                f"{raw.path}: layer {layer} {role}: dims {list(t.dims)} are not (ne0, ne1, {experts} experts)"
+            )
     if up.dims != gate.dims or down.dims != (gate.dims[1], gate.dims[0], experts):
         raise ForgeError(
             f"{raw.path}: layer {layer}: gate {list(gate.dims)}, up {list(up.dims)}, down {list(down.dims)} "
@@ -138,21 +148,23 @@ def check_canonical_packing(raw: RawGGUF) -> None:
     llama.cpp and gguf-py write); a file with other offsets or non-zero padding is refused.
     """
     offsets = packed_offsets([t.nbytes for t in raw.tensors], raw.alignment)
-    for t, want in zip(raw.tensors, offsets):
+    for t, want in zip(raw.tensors, offsets, strict=True):
         if t.offset != want:
             raise ForgeError(
                 f"{raw.path}: tensor {t.name} at data offset {t.offset}, packed layout puts it at {want}; "
                 "cannot guarantee a byte-identical inverse"
             )
     gaps = [(raw.dir_end, raw.data_start)]
-    for t, nxt in zip(raw.tensors, offsets[1:] + [None]):
+    for t, nxt in zip(raw.tensors, offsets[1:] + [None], strict=True):
         end = raw.data_start + t.offset + t.nbytes
         gaps.append((end, raw.data_start + nxt if nxt is not None else raw.size))
     if not raw.tensors:
         gaps.append((raw.data_start, raw.size))
     for start, end in gaps:
         if end - start > 0 and any(raw.mm[start:end]):
-            raise ForgeError(f"{raw.path}: non-zero padding at bytes {start}..{end}; cannot guarantee a byte-identical inverse")
+            raise ForgeError(
+                f"{raw.path}: non-zero padding at bytes {start}..{end}; cannot guarantee a byte-identical inverse"
+            )
     if raw.tensors and raw.size - raw.data_end() >= raw.alignment:
         raise ForgeError(f"{raw.path}: {raw.size - raw.data_end():,} trailing bytes after the last tensor")
 
@@ -202,7 +214,9 @@ def rebuild_order(
             routed.setdefault(int(name.split(".")[1]), []).append(name)
         order = sorted_rule_order(kept_names, {k: sorted(v) for k, v in routed.items()})
         if order is None:
-            raise ForgeError(f"{where}: cannot derive the source tensor order (a routed block has no other tensor)")
+            raise ForgeError(
+                f"{where}: cannot derive the source tensor order (a routed block has no other tensor)"
+            )
     else:
         slots: list[str | None] = [None] * n_tensors
         for name, i in explicit.items():

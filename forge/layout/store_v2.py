@@ -99,8 +99,10 @@ class HeaderV2:
 def encode_descriptor(lr: LayerRecords, record_source_index: bool) -> bytes:
     out = bytearray(DESCRIPTOR_BYTES)
     _LAYER.pack_into(out, 0, lr.layer, lr.experts, lr.record_bytes, lr.data_offset, lr.data_size)
-    for c, at in zip(lr.components, _COMPONENT_AT):
-        _COMPONENT.pack_into(out, at, c.role, c.ggml_type, 3, c.block_elements, *c.dims, c.expert_bytes, c.record_offset)
+    for c, at in zip(lr.components, _COMPONENT_AT, strict=True):
+        _COMPONENT.pack_into(
+            out, at, c.role, c.ggml_type, 3, c.block_elements, *c.dims, c.expert_bytes, c.record_offset
+        )
     if record_source_index:
         assert lr.source_index is not None
         _EXTENSION.pack_into(out, 200, *(i + 1 for i in lr.source_index))
@@ -135,7 +137,9 @@ def layout_layers(
     for i, (layer, comps) in enumerate(layers):
         pos = align_up(pos, PAGE)
         record = sum(c.expert_bytes for c in comps)
-        out.append(LayerRecords(layer, experts, comps, pos, record, source_index[i] if source_index else None))
+        out.append(
+            LayerRecords(layer, experts, comps, pos, record, source_index[i] if source_index else None)
+        )
         pos += record * experts
     return out, data_offset, pos
 
@@ -172,23 +176,35 @@ def parse_store(buf: memoryview | bytes, where: str) -> StoreV2:
         raise ForgeError(f"{where}: unknown family id {h.family:#x}")
     n = h.layer_count
     if not 1 <= n <= MAX_LAYERS or not 1 <= h.experts <= MAX_EXPERTS or not 1 <= h.experts_used <= h.experts:
-        raise ForgeError(f"{where}: header limits: layers {n}, experts {h.experts}, experts used {h.experts_used}")
-    if h.descriptor_count != n or h.descriptor_bytes != DESCRIPTOR_BYTES * n or h.descriptor_offset != HEADER_BYTES:
+        raise ForgeError(
+            f"{where}: header limits: layers {n}, experts {h.experts}, experts used {h.experts_used}"
+        )
+    if (
+        h.descriptor_count != n
+        or h.descriptor_bytes != DESCRIPTOR_BYTES * n
+        or h.descriptor_offset != HEADER_BYTES
+    ):
         raise ForgeError(
             f"{where}: descriptor count/bytes/offset {h.descriptor_count}/{h.descriptor_bytes}/{h.descriptor_offset} "
             f"do not match {n} layers"
         )
     if h.source_tensor_count <= 3 * n or h.source_size == 0:
-        raise ForgeError(f"{where}: source tensor count {h.source_tensor_count} / size {h.source_size} invalid for {n} layers")
+        raise ForgeError(
+            f"{where}: source tensor count {h.source_tensor_count} / size {h.source_size} invalid for {n} layers"
+        )
     if h.data_offset % PAGE or h.data_offset != align_up(HEADER_BYTES + DESCRIPTOR_BYTES * n, PAGE):
-        raise ForgeError(f"{where}: data offset {h.data_offset} is not the first 4,096 boundary after the descriptors")
+        raise ForgeError(
+            f"{where}: data offset {h.data_offset} is not the first 4,096 boundary after the descriptors"
+        )
     if h.store_size != size or h.data_offset + h.data_size != h.store_size:
         raise ForgeError(
             f"{where}: data offset {h.data_offset} + data size {h.data_size} != store size {h.store_size} "
             f"(tensor holds {size})"
         )
     if h.storage != STORAGE_GGML or h.group_size != 0:
-        raise ForgeError(f"{where}: storage format {h.storage} / group size {h.group_size} not supported (GGML blocks only)")
+        raise ForgeError(
+            f"{where}: storage format {h.storage} / group size {h.group_size} not supported (GGML blocks only)"
+        )
     if any(h.reserved):
         raise ForgeError(f"{where}: reserved header bytes 200..255 are not zero")
     desc_end = HEADER_BYTES + DESCRIPTOR_BYTES * n
@@ -199,7 +215,9 @@ def parse_store(buf: memoryview | bytes, where: str) -> StoreV2:
     pos = h.data_offset
     for i in range(n):
         lw = f"{where}: descriptor {i}"
-        lr, (data_size, record_bytes), meta = decode_descriptor(descriptors[i * DESCRIPTOR_BYTES : (i + 1) * DESCRIPTOR_BYTES], lw)
+        lr, (data_size, record_bytes), meta = decode_descriptor(
+            descriptors[i * DESCRIPTOR_BYTES : (i + 1) * DESCRIPTOR_BYTES], lw
+        )
         lw = f"{where}: layer {lr.layer}"
         _check_layer(h, lr, data_size, record_bytes, meta, lw)
         if layers and lr.layer <= layers[-1].layer:
@@ -209,7 +227,9 @@ def parse_store(buf: memoryview | bytes, where: str) -> StoreV2:
         if lr.data_offset < pos:
             raise ForgeError(f"{lw}: data at {lr.data_offset} overlaps the previous extent ending at {pos}")
         if lr.data_offset != align_up(pos, PAGE):
-            raise ForgeError(f"{lw}: data at {lr.data_offset}, expected the next 4,096 boundary {align_up(pos, PAGE)}")
+            raise ForgeError(
+                f"{lw}: data at {lr.data_offset}, expected the next 4,096 boundary {align_up(pos, PAGE)}"
+            )
         pos = lr.data_offset + lr.data_size
         if pos > h.store_size:
             raise ForgeError(f"{lw}: data ends at {pos}, beyond the store's {h.store_size} bytes")
@@ -222,7 +242,9 @@ def parse_store(buf: memoryview | bytes, where: str) -> StoreV2:
     return StoreV2(h, tuple(layers), descriptors)
 
 
-def _check_layer(h: HeaderV2, lr: LayerRecords, data_size: int, record_bytes: int, meta: tuple[int, ...], where: str) -> None:
+def _check_layer(
+    h: HeaderV2, lr: LayerRecords, data_size: int, record_bytes: int, meta: tuple[int, ...], where: str
+) -> None:
     if lr.layer > MAX_LAYER_INDEX or lr.experts != h.experts:
         raise ForgeError(f"{where}: layer index {lr.layer} / expert count {lr.experts} invalid")
     n_dims, blocks = meta[:3], meta[3:]
@@ -230,13 +252,17 @@ def _check_layer(h: HeaderV2, lr: LayerRecords, data_size: int, record_bytes: in
     for role, c in enumerate(lr.components):
         check_component(c, role, h.experts, where)
         if n_dims[role] != 3 or blocks[role] != type_geometry(c.ggml_type)[0]:
-            raise ForgeError(f"{where} component {role}: n_dims {n_dims[role]} / block elements {blocks[role]} invalid")
+            raise ForgeError(
+                f"{where} component {role}: n_dims {n_dims[role]} / block elements {blocks[role]} invalid"
+            )
         if c.record_offset != offset:
             raise ForgeError(f"{where} component {role}: record offset {c.record_offset}, expected {offset}")
         offset += c.expert_bytes
     check_ffn_shape(lr.components, where)
     if record_bytes != offset or data_size != record_bytes * h.experts:
-        raise ForgeError(f"{where}: record bytes {record_bytes} / data size {data_size} do not match its components")
+        raise ForgeError(
+            f"{where}: record bytes {record_bytes} / data size {data_size} do not match its components"
+        )
     if lr.data_offset % PAGE:
         raise ForgeError(f"{where}: data offset {lr.data_offset} is not 4,096-aligned")
 

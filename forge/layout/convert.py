@@ -1,0 +1,248 @@
+"""canonical -> expert-major v1/v2 and back, byte for byte, through transactional writes."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from forge.atomic import atomic_output
+from forge.errors import ForgeError
+from forge.layout import store_v1, store_v2
+from forge.layout.gguf_raw import (
+    RawGGUF,
+    align_up,
+    encode_header,
+    encode_tensor_info,
+    open_gguf,
+    packed_offsets,
+)
+from forge.layout.reader import parse_native
+from forge.layout.records import PAGE, LayerRecords, components_from_source
+from forge.layout.source import (
+    SourcePlan,
+    file_aligned_offset,
+    plan_source,
+    source_order_is_derivable,
+)
+from forge.layout.streams import HashPipe, Sink, sha256_async
+from forge.layout.verify import verify_native
+
+CHUNK_BYTES = 32 << 20
+# Test hook: seconds to sleep after each layer's records are written (used to kill a conversion mid-write).
+PAUSE_ENV = "FORGE_LAYOUT_PAUSE_S"
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    dest: Path
+    output_bytes: int
+    source_sha256: str
+    payload_sha256: str | None
+    verified: bool
+
+
+def _pause_hook(layer: int) -> None:
+    pause = os.environ.get(PAUSE_ENV)
+    if pause:
+        print(f"forge-layout: wrote layer {layer}", file=sys.stderr, flush=True)
+        time.sleep(float(pause))
+
+
+def _chunks(experts: int, stride: int) -> Iterator[tuple[int, int]]:
+    step = max(1, CHUNK_BYTES // max(stride, 1))
+    for e0 in range(0, experts, step):
+        yield e0, min(experts, e0 + step)
+
+
+def _canonical_rows(raw: RawGGUF, plan: SourcePlan, layer_pos: int, role: int) -> np.ndarray:
+    t = plan.layers[layer_pos].tensors[role]
+    start = raw.data_start + t.offset
+    return np.frombuffer(raw.mm, np.uint8, t.nbytes, start).reshape(plan.experts, t.nbytes // plan.experts)
+
+
+def to_expert_major(
+    src: str | os.PathLike[str], dest: str | os.PathLike[str], version: int, verify: bool = True
+) -> ConvertResult:
+    """Write ``dest``: canonical GGUF ``src`` with its routed experts moved into a v1/v2 store."""
+    if version not in (1, 2):
+        raise ForgeError(f"unknown expert-major version {version}")
+    with open_gguf(src) as raw:
+        plan = plan_source(raw)
+        if version == 1 and plan.family not in store_v1.V1_FAMILIES:
+            raise ForgeError(f"{raw.path}: v1 supports qwen35moe and qwen3moe only, not {plan.arch}")
+        comps = components_from_source(plan)
+        positions = [rl.source_index for rl in plan.layers]
+        if version == 2:
+            record_positions = not source_order_is_derivable(plan)
+            layers, payload_offset, store_size = store_v2.layout_layers(comps, plan.experts, positions)
+            tensor_name = store_v2.TENSOR_NAME
+            meta = b"".join(store_v2.encode_descriptor(lr, record_positions) for lr in layers)
+        else:
+            layers, payload_offset, store_size = store_v1.layout_layers(comps, plan.experts, positions)
+            tensor_name = store_v1.TENSOR_NAME
+            index, table = store_v1.encode_index(layers), store_v1.encode_table(layers)
+            meta = index + table
+
+        kept = list(plan.kept)
+        offsets = packed_offsets([t.nbytes for t in kept] + [store_size], raw.alignment)
+        entries = [(t.name, t.dims, t.ggml_type) for t in kept] + [(tensor_name, (store_size,), 24)]
+        dir_bytes = sum(len(encode_tensor_info(n, d, ty, 0)) for n, d, ty in entries)
+        data_start = align_up(24 + len(raw.kv_block) + dir_bytes, raw.alignment)
+        if version == 1:
+            offsets[-1] = file_aligned_offset(data_start, offsets[-1], raw.alignment, PAGE)
+        out_size = data_start + align_up(offsets[-1] + store_size, raw.alignment)
+        store_start = data_start + offsets[-1]
+
+        source_digest = sha256_async(raw.mm, 0, raw.size)
+        payload_hash = HashPipe()
+        with atomic_output(dest, need_bytes=out_size) as f:
+            out = Sink(f.fileno())
+            out.write(encode_header(len(entries), raw.n_kv))
+            out.write(raw.kv_block)
+            out.write(
+                b"".join(
+                    encode_tensor_info(n, d, ty, o) for (n, d, ty), o in zip(entries, offsets, strict=True)
+                )
+            )
+            src_fd = os.open(raw.path, os.O_RDONLY)
+            try:
+                for t, off in zip(kept, offsets[:-1], strict=True):
+                    out.pad_to(data_start + off)
+                    out.copy_from(src_fd, raw.mm, raw.data_start + t.offset, t.nbytes)
+            finally:
+                os.close(src_fd)
+            out.pad_to(store_start)
+            out.zeros(256)  # the header, written last once the digests are known
+            out.write(meta)
+            _write_payload(raw, plan, layers, store_start, payload_offset, store_size, out, payload_hash)
+            out.pad_to(out_size)
+
+            payload_sha, source_sha = payload_hash.digest(), source_digest.result()
+            if version == 2:
+                header = store_v2.with_digests(
+                    store_v2.HeaderV2(
+                        plan.family, plan.experts_used, len(layers), plan.experts, len(raw.tensors), payload_offset,
+                        store_size - payload_offset, store_size, raw.size, source_sha, payload_sha,
+                    ),
+                    payload_sha, meta,
+                )  # fmt: skip
+            else:
+                header = store_v1.with_digests(
+                    store_v1.HeaderV1(
+                        plan.family, plan.experts_used, len(layers), plan.experts, payload_offset,
+                        store_size - payload_offset, store_size, raw.size, len(raw.tensors), source_sha, payload_sha,
+                    ),
+                    payload_sha, index, table,
+                )  # fmt: skip
+            os.pwrite(f.fileno(), header, store_start)
+            if verify:
+                with open_gguf(f"/proc/self/fd/{f.fileno()}") as native:
+                    native.path = Path(dest)
+                    verify_native(raw, native, source_sha256=source_sha)
+    return ConvertResult(Path(dest), out_size, source_sha.hex(), payload_sha.hex(), verify)
+
+
+def _write_payload(
+    raw: RawGGUF,
+    plan: SourcePlan,
+    layers: list[LayerRecords],
+    store_start: int,
+    payload_offset: int,
+    store_size: int,
+    out: Sink,
+    payload_hash: HashPipe,
+) -> None:
+    out.pad_to(store_start + payload_offset)
+    for pos, lr in enumerate(layers):
+        pad = store_start + lr.data_offset - out.pos
+        if pad:
+            payload_hash.feed(bytes(pad))
+            out.zeros(pad)
+        sources = [_canonical_rows(raw, plan, pos, role) for role in range(3)]
+        for e0, e1 in _chunks(lr.experts, lr.stride):
+            buf = (
+                np.zeros((e1 - e0, lr.stride), np.uint8)
+                if lr.stride > lr.record_bytes
+                else np.empty((e1 - e0, lr.stride), np.uint8)
+            )
+            for c, rows in zip(lr.components, sources, strict=True):
+                buf[:, c.record_offset : c.record_offset + c.expert_bytes] = rows[e0:e1]
+            flat = buf.reshape(-1)
+            end = min(flat.size, store_start + store_size - out.pos)  # v1: no padding after the last record
+            payload_hash.feed(flat[:end])
+            out.write(flat[:end])
+        _pause_hook(lr.layer)
+    if out.pos != store_start + store_size:
+        raise AssertionError(f"payload ends at {out.pos - store_start}, store size {store_size}")
+
+
+def to_canonical(
+    src: str | os.PathLike[str], dest: str | os.PathLike[str], verify: bool = True
+) -> ConvertResult:
+    """Rebuild the canonical GGUF an expert-major file came from; checked against its source SHA-256."""
+    with open_gguf(src) as raw:
+        store = parse_native(raw)
+        order = store.canonical_order()
+        kept = {t.name: t for t in store.non_routed_tensors()}
+        routed = {lr.canonical_name(c.role): (lr, c) for lr in store.layers.values() for c in lr.components}
+        infos, sizes = [], []
+        for name in order:
+            if name in kept:
+                t = kept[name]
+                infos.append((name, t.dims, t.ggml_type))
+                sizes.append(t.nbytes)
+            else:
+                lr, c = routed[name]
+                infos.append((name, c.dims, c.ggml_type))
+                sizes.append(c.expert_bytes * lr.experts)
+        offsets = packed_offsets(sizes, raw.alignment)
+        directory = b"".join(
+            encode_tensor_info(n, d, ty, o) for (n, d, ty), o in zip(infos, offsets, strict=True)
+        )
+        data_start = align_up(24 + len(raw.kv_block) + len(directory), raw.alignment)
+        out_size = store.header.source_size
+        if not 0 <= out_size - (data_start + offsets[-1] + sizes[-1]) < raw.alignment:
+            raise ForgeError(f"{raw.path}: recorded source size {out_size:,} does not fit the rebuilt layout")
+
+        hasher = HashPipe() if verify else None
+        with atomic_output(dest, need_bytes=out_size) as f:
+            out = Sink(f.fileno(), hasher)
+            out.write(encode_header(len(order), raw.n_kv))
+            out.write(raw.kv_block)
+            out.write(directory)
+            for name, off in zip(order, offsets, strict=True):
+                out.pad_to(data_start + off)
+                if name in kept:
+                    out.write(raw.tensor_view(kept[name]))
+                    continue
+                lr, c = routed[name]
+                records = store.layer_records(lr.layer)
+                for e0, e1 in _chunks(lr.experts, c.expert_bytes):
+                    out.write(
+                        np.ascontiguousarray(
+                            records[e0:e1, c.record_offset : c.record_offset + c.expert_bytes]
+                        )
+                    )
+            out.pad_to(out_size)
+            if hasher is not None and hasher.digest() != store.header.source_sha256:
+                raise ForgeError(
+                    f"{raw.path}: rebuilt canonical file differs from the recorded source SHA-256"
+                )
+    return ConvertResult(Path(dest), out_size, store.header.source_sha256.hex(), None, verify)
+
+
+def convert(
+    src: str | os.PathLike[str], dest: str | os.PathLike[str], to: str, verify: bool = True
+) -> ConvertResult:
+    """``to``: "v2", "v1" or "canonical"."""
+    if to == "canonical":
+        return to_canonical(src, dest, verify)
+    if to in ("v1", "v2"):
+        return to_expert_major(src, dest, int(to[1]), verify)
+    raise ForgeError(f"unknown layout {to!r} (v2, v1 or canonical)")
