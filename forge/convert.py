@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +16,7 @@ from forge.arch.tokenizer import tokenizer_kvs
 from forge.checkpoint import Checkpoint
 from forge.errors import ForgeError
 from forge.gguf_file import KV, T, TensorSpec, write_gguf, write_gguf_split
+from forge.progress import byte_progress
 
 OUTTYPES = {
     "bf16": (GGMLQuantizationType.BF16, LlamaFileType.MOSTLY_BF16),
@@ -102,7 +103,7 @@ def convert_checkpoint(
     outtype: str = "bf16",
     split_max_size: int | None = None,
     mtp: bool = True,
-    on_tensor: Callable[[TensorSpec], None] | None = None,
+    progress: bool = False,
 ) -> ConvertReport:
     """Convert a checkpoint folder to GGUF; memory stays bounded by the largest tensor."""
     if outtype not in OUTTYPES:
@@ -117,11 +118,16 @@ def convert_checkpoint(
         for t, spec in zip(src.tensors, specs, strict=True):
             yield encode_float(t, spec.ggml_type)
 
-    if split_max_size:
-        paths = write_gguf_split(out, kvs, specs, data(), split_max_size, on_tensor=on_tensor)
-    else:
-        write_gguf(out, kvs, specs, data(), on_tensor=on_tensor)
-        paths = [Path(out)]
+    with byte_progress(sum(s.nbytes for s in specs), "convert", progress) as advance:
+
+        def on_tensor(spec: TensorSpec) -> None:
+            advance(spec.nbytes, spec.name)
+
+        if split_max_size:
+            paths = write_gguf_split(out, kvs, specs, data(), split_max_size, on_tensor=on_tensor)
+        else:
+            write_gguf(out, kvs, specs, data(), on_tensor=on_tensor)
+            paths = [Path(out)]
     return ConvertReport(
         paths=paths,
         n_tensors=len(specs),

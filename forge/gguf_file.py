@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUF_MAGIC, GGUF_VERSION, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGUF_MAGIC, GGUF_VERSION, GGMLQuantizationType, GGUFValueType
 
 from forge.atomic import atomic_output
 from forge.errors import ForgeError
@@ -63,44 +63,133 @@ def align_up(n: int, alignment: int) -> int:
 # ---------------------------------------------------------------------------------------- reading
 
 
-def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
-    """Open a GGUF file read-only (mmap). Any malformed file becomes one clear ForgeError."""
-    path = Path(path)
-    if not path.is_file():
-        raise ForgeError(f"{path}: no such file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if len(magic) < 4 or struct.unpack("<I", magic)[0] != GGUF_MAGIC:
-        raise ForgeError(f"{path}: not a GGUF file (bad magic)")
-    try:
-        reader = GGUFReader(path, "r")
-    except Exception as e:  # the gguf package raises ValueError, IndexError, struct errors...
-        raise ForgeError(f"{path}: malformed or truncated GGUF ({type(e).__name__}: {e})") from None
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise ForgeError(f"{path}: truncated GGUF (tensor {t.name} ends past the end of the file)")
-    return reader
+_SCALAR_FMT = {
+    T.UINT8: "<B", T.INT8: "<b", T.UINT16: "<H", T.INT16: "<h", T.UINT32: "<I", T.INT32: "<i",
+    T.FLOAT32: "<f", T.UINT64: "<Q", T.INT64: "<q", T.FLOAT64: "<d", T.BOOL: "<?",
+}  # fmt: skip
 
 
-def kv_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    """A KV's Python value (strings decoded, arrays as lists), or ``default`` when absent."""
-    field_ = reader.fields.get(key)
-    if field_ is None:
-        return default
-    return field_.contents()
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor's directory entry; ``offset`` is absolute in the file."""
+
+    name: str
+    shape: tuple[int, ...]  # numpy order
+    ggml_type: GGMLQuantizationType
+    offset: int
+    nbytes: int
 
 
-def read_kvs(reader: GGUFReader) -> list[KV]:
-    """All metadata entries of a file (without the GGUF header pseudo-fields), in file order."""
-    out = []
-    for name, f in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        vtype = f.types[0]
-        item = f.types[-1] if vtype == T.ARRAY else None
-        out.append(KV(name, f.contents(), vtype, item))
-    return out
+class GGUFFile:
+    """A fast read-only GGUF parser (header in one pass, tensor data as mmap views).
+
+    The ``gguf`` package's reader builds a numpy view per array element, which takes seconds per
+    hundred thousand vocabulary entries; this one decodes arrays in bulk.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ForgeError(f"{self.path}: no such file")
+        self.size = self.path.stat().st_size
+        try:
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r") if self.size else np.zeros(0, np.uint8)
+            self._parse()
+        except ForgeError:
+            raise
+        except Exception as e:
+            raise ForgeError(f"{self.path}: malformed or truncated GGUF ({type(e).__name__}: {e})") from None
+
+    def _parse(self) -> None:
+        buf = self._mm
+        if self.size < 24 or struct.unpack_from("<I", buf, 0)[0] != GGUF_MAGIC:
+            raise ForgeError(f"{self.path}: not a GGUF file (bad magic)")
+        self.version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if self.version not in (2, 3):
+            raise ForgeError(f"{self.path}: unsupported GGUF version {self.version}")
+        pos = 24
+        self.kvs: dict[str, KV] = {}
+        for _ in range(n_kv):
+            key, pos = self._string(pos)
+            (vtype,) = struct.unpack_from("<I", buf, pos)
+            value, item, pos = self._value(T(vtype), pos + 4)
+            self.kvs[key] = KV(key, value, T(vtype), item)
+        self.kv_end = pos
+        infos = []
+        for _ in range(n_tensors):
+            name, pos = self._string(pos)
+            (n_dims,) = struct.unpack_from("<I", buf, pos)
+            ne = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+            gtype, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            infos.append((name, tuple(int(d) for d in reversed(ne)), GGMLQuantizationType(gtype), offset))
+        self.header_end = pos
+        self.alignment = int(self.kv("general.alignment", DEFAULT_ALIGNMENT))
+        self.data_offset = align_up(pos, self.alignment)
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, shape, gtype, offset in infos:
+            nbytes = tensor_nbytes(shape, gtype)
+            info = TensorInfo(name, shape, gtype, self.data_offset + offset, nbytes)
+            if info.offset + nbytes > self.size:
+                raise ForgeError(f"{self.path}: truncated GGUF (tensor {name} ends past the end of the file)")
+            self.tensors[name] = info
+
+    def _string(self, pos: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", self._mm, pos)
+        if pos + 8 + n > self.size:
+            raise ForgeError(f"{self.path}: truncated GGUF header")
+        return bytes(self._mm[pos + 8 : pos + 8 + n]).decode("utf-8", "replace"), pos + 8 + n
+
+    def _value(self, vtype: GGUFValueType, pos: int) -> tuple[Any, GGUFValueType | None, int]:
+        if vtype == T.STRING:
+            s, pos = self._string(pos)
+            return s, None, pos
+        if vtype != T.ARRAY:
+            fmt = _SCALAR_FMT[vtype]
+            return struct.unpack_from(fmt, self._mm, pos)[0], None, pos + struct.calcsize(fmt)
+        item, count = struct.unpack_from("<IQ", self._mm, pos)
+        item, pos = T(item), pos + 12
+        if item == T.STRING:
+            out = []
+            for _ in range(count):
+                s, pos = self._string(pos)
+                out.append(s)
+            return out, item, pos
+        if item == T.ARRAY:
+            raise ForgeError(f"{self.path}: nested arrays are not supported")
+        dt = np.dtype(_NUMPY_ITEM[item])
+        arr = np.frombuffer(self._mm, dtype=dt, count=count, offset=pos)
+        return arr.tolist(), item, pos + dt.itemsize * count
+
+    def kv(self, key: str, default: Any = None) -> Any:
+        entry = self.kvs.get(key)
+        return default if entry is None else entry.value
+
+    @property
+    def architecture(self) -> str:
+        return str(self.kv("general.architecture", "unknown"))
+
+    def raw(self, name: str) -> np.ndarray:
+        """A tensor's bytes as a uint8 memmap view (zero copy)."""
+        t = self.tensors[name]
+        return self._mm[t.offset : t.offset + t.nbytes]
+
+    def array(self, name: str) -> np.ndarray:
+        """A tensor as numpy: float types typed (BF16 as uint16 bits), quantized as uint8 rows."""
+        t = self.tensors[name]
+        data = self.raw(name)
+        typed = {GGMLQuantizationType.F32: "<f4", GGMLQuantizationType.F16: "<f2",
+                 GGMLQuantizationType.BF16: "<u2", GGMLQuantizationType.I8: "i1",
+                 GGMLQuantizationType.I32: "<i4"}  # fmt: skip
+        if t.ggml_type in typed:
+            return data.view(typed[t.ggml_type]).reshape(t.shape)
+        block, size = GGML_QUANT_SIZES[t.ggml_type]
+        return data.reshape(*t.shape[:-1], t.shape[-1] // block * size)
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+    """Open a GGUF file read-only. Any malformed file becomes one clear ForgeError."""
+    return GGUFFile(path)
 
 
 # ---------------------------------------------------------------------------------------- writing

@@ -1,0 +1,123 @@
+"""The ``forge`` command: one thin function per command (parsing and printing only)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from forge.errors import ForgeError
+
+app = typer.Typer(
+    name="forge",
+    help="Quantize, calibrate and lay out Mixture-of-Experts models as GGUF files.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=1, default=str) + "\n")
+
+
+@app.command()
+def convert(
+    hf_dir: Annotated[Path, typer.Argument(help="Hugging Face checkpoint folder (config.json + safetensors)")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="GGUF file to write")],
+    outtype: Annotated[str, typer.Option(help="bf16, f16 or f32")] = "bf16",
+    split_max_size: Annotated[str | None, typer.Option(help="split into shards of at most this size (e.g. 2G)")] = None,
+    no_mtp: Annotated[bool, typer.Option("--no-mtp", help="leave out the multi-token-prediction block")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print a JSON report")] = False,
+) -> None:
+    """Convert a Hugging Face MoE checkpoint to GGUF, losslessly (streamed, bounded memory)."""
+    from forge.convert import convert_checkpoint
+    from forge.gguf_file import parse_size
+
+    split = parse_size(split_max_size) if split_max_size else None
+    rep = convert_checkpoint(hf_dir, output, outtype, split_max_size=split, mtp=not no_mtp, progress=not as_json)
+    mbps = rep.source_bytes / rep.seconds / 1e6 if rep.seconds else 0.0
+    if as_json:
+        print_json({"outputs": [str(p) for p in rep.paths], "tensors": rep.n_tensors, "bytes": rep.bytes_written,
+                    "seconds": round(rep.seconds, 3), "source_mb_per_s": round(mbps, 1)})  # fmt: skip
+        return
+    for p in rep.paths:
+        out.print(f"wrote {p}")
+    out.print(f"{rep.n_tensors} tensors, {rep.bytes_written:,} bytes in {rep.seconds:.2f} s ({mbps:.0f} MB/s of source)")
+
+
+@app.command()
+def inspect(
+    file: Annotated[Path, typer.Argument(help="GGUF file")],
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Architecture, hyperparameters, tensors and bytes by type, bits per weight, layout and keys."""
+    from forge.inspect_file import describe
+
+    info = describe(file)
+    if as_json:
+        print_json(info)
+        return
+    out.print(f"[bold]{info['file']}[/bold]  {info['file_bytes']:,} bytes")
+    out.print(f"architecture {info['architecture']}  name {info['name']!r}  file type {info['file_type']}"
+              f"  layout {info['layout']}")  # fmt: skip
+    hp = ", ".join(f"{k}={v}" for k, v in info["hyperparameters"].items())
+    out.print(f"hyperparameters: {hp}")
+    table = Table("type", "tensors", "bytes", "params", "bpw")
+    for name, e in info["by_type"].items():
+        table.add_row(name, str(e["tensors"]), f"{e['bytes']:,}", f"{e['elements']:,}", f"{8 * e['bytes'] / e['elements']:.3f}")
+    table.add_row("total", str(info["tensor_count"]), f"{info['tensor_bytes']:,}", f"{info['parameters']:,}",
+                  f"{info['bits_per_weight']:.3f}", style="bold")  # fmt: skip
+    out.print(table)
+    for key, value in info["reuse_keys"].items():
+        if not isinstance(value, list):
+            out.print(f"{key} = {value}")
+    if info["recipe"]:
+        out.print("recipe: " + info["recipe"].splitlines()[0] + " ...")
+
+
+@app.command()
+def demo(
+    model: Annotated[Path | None, typer.Option(help="HF folder (default: the bundled examples/tiny-qwen3moe)")] = None,
+    keep: Annotated[Path | None, typer.Option(help="keep the outputs in this folder instead of a temp folder")] = None,
+) -> None:
+    """Run the main job end to end on the bundled example model and print a summary."""
+    from forge.demo import run_demo
+
+    rows = run_demo(model, keep, out)
+    table = Table("step", "output", "bytes", "seconds", "result", title="forge demo")
+    for r in rows:
+        table.add_row(r.step, r.output, f"{r.bytes:,}" if r.bytes else "", f"{r.seconds:.2f}", r.result)
+    out.print(table)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through atomic_output, which removes its temp file
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        app(standalone_mode=False)
+    except ForgeError as e:
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(1)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+    except typer.Abort:
+        sys.exit(1)
+    except Exception as e:  # click's usage errors and exits arrive here in non-standalone mode
+        if not hasattr(e, "exit_code"):
+            raise
+        if hasattr(e, "show"):
+            e.show()
+        sys.exit(e.exit_code)
