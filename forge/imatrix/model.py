@@ -58,16 +58,24 @@ class Imatrix:
         for name, s in self.sums.items():
             c = self.counts[name]
             if s.dtype != np.float32 or s.ndim != 2:
-                raise ForgeError(f"imatrix entry {name}: sums must be float32 (n_mat, n_per_row), got {s.dtype} {s.shape}")
+                raise ForgeError(
+                    f"imatrix entry {name}: sums must be float32 (n_mat, n_per_row), got {s.dtype} {s.shape}"
+                )
             if c.dtype != np.int64 or c.shape != (s.shape[0],):
-                raise ForgeError(f"imatrix entry {name}: counts must be int64 ({s.shape[0]},), got {c.dtype} {c.shape}")
+                raise ForgeError(
+                    f"imatrix entry {name}: counts must be int64 ({s.shape[0]},), got {c.dtype} {c.shape}"
+                )
             if (c < 0).any():
                 raise ForgeError(f"imatrix entry {name}: negative count")
             a = self.in_sum.get(name)
             if a is not None and (a.dtype != np.float32 or a.shape != s.shape):
-                raise ForgeError(f"imatrix entry {name}: in_sum shape {a.shape} differs from in_sum2 {s.shape}")
+                raise ForgeError(
+                    f"imatrix entry {name}: in_sum shape {a.shape} differs from in_sum2 {s.shape}"
+                )
         if set(self.in_sum) - set(self.sums):
-            raise ForgeError(f"imatrix entry {sorted(set(self.in_sum) - set(self.sums))[0]}: in_sum without in_sum2")
+            raise ForgeError(
+                f"imatrix entry {sorted(set(self.in_sum) - set(self.sums))[0]}: in_sum without in_sum2"
+            )
 
 
 def merge(imatrices: Iterable[Imatrix]) -> Imatrix:
@@ -99,7 +107,9 @@ def merge(imatrices: Iterable[Imatrix]) -> Imatrix:
                     out.in_sum[name] = im.in_sum[name].astype(np.float32, copy=True)
                 continue
             if out.sums[name].shape != s.shape:
-                raise ForgeError(f"merge: tensor {name} has shape {s.shape} in one input, {out.sums[name].shape} in another")
+                raise ForgeError(
+                    f"merge: tensor {name} has shape {s.shape} in one input, {out.sums[name].shape} in another"
+                )
             out.sums[name] += s
             out.counts[name] += im.counts[name]
             if name in out.in_sum and name in im.in_sum:

@@ -1,0 +1,156 @@
+"""Collect an imatrix from the runtime: an observer that sums squared matmul inputs like llama-imatrix.
+
+Per weight tensor: float32 running sums of x² per input column and int64 row counts. Routed expert
+tensors (``expert_ids`` given) keep one row of sums and one count per expert, over only the
+(token, slot) pairs routed to it. As in llama-imatrix, only ``blk.*`` tensors are collected
+(``output.weight`` with ``process_output``), and plain matmuls with fewer than 16 input rows are
+ignored (llama.cpp skips such small batches; routed experts are always collected).
+
+Sums stay float32 like llama-imatrix's. Rows are added in the order the runtime reports them; a
+plain matmul's batch is reduced first (pairwise) and then added, so the last bits can differ from
+llama.cpp's strictly sequential loop.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from forge.errors import ForgeError
+from forge.imatrix.model import Imatrix
+
+try:
+    from runtime.observers import Observer
+except ModuleNotFoundError:  # the runtime is optional for file-format work
+
+    class Observer:  # type: ignore[no-redef]
+        def on_matmul_input(self, tensor_name: str, x: torch.Tensor, expert_ids: torch.Tensor | None) -> None:
+            pass
+
+        def on_routing(
+            self, layer: int, experts: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor
+        ) -> None:
+            pass
+
+
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+MIN_DENSE_ROWS = 16
+
+
+class ImatrixAccumulator(Observer):
+    """Observer that accumulates an importance matrix; ``to_imatrix`` exports it.
+
+    The number of experts of a routed tensor is taken from the routing logits of its layer
+    (``on_routing``), else from ``n_experts``, else grown to the highest expert id seen.
+    """
+
+    def __init__(
+        self, process_output: bool = False, n_experts: int | None = None, min_rows: int = MIN_DENSE_ROWS
+    ):
+        self.process_output = process_output
+        self.n_experts = n_experts
+        self.min_rows = min_rows
+        self._sums: dict[str, torch.Tensor] = {}
+        self._counts: dict[str, torch.Tensor] = {}
+        self._layer_experts: dict[int, int] = {}
+        self._routed: set[str] = set()
+
+    def wants(self, tensor_name: str) -> bool:
+        return tensor_name.startswith("blk.") or (self.process_output and tensor_name == "output.weight")
+
+    def on_routing(
+        self, layer: int, experts: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor
+    ) -> None:
+        self._layer_experts[layer] = int(logits.shape[-1])
+
+    def on_matmul_input(self, tensor_name: str, x: torch.Tensor, expert_ids: torch.Tensor | None) -> None:
+        if not self.wants(tensor_name):
+            return
+        if x.dim() != 2:
+            raise ForgeError(
+                f"imatrix: {tensor_name}: expected (rows, columns) inputs, got shape {tuple(x.shape)}"
+            )
+        x = x.detach().float()
+        if expert_ids is None:
+            if x.shape[0] < self.min_rows:
+                return
+            sums, counts = self._entry(tensor_name, 1, x)
+            sums[0].add_(x.square().sum(dim=0))
+            counts += x.shape[0]
+            return
+        ids = expert_ids.reshape(-1).to(device=x.device, dtype=torch.long)
+        if ids.numel() != x.shape[0]:
+            raise ForgeError(f"imatrix: {tensor_name}: {ids.numel()} expert ids for {x.shape[0]} rows")
+        if ids.numel() == 0:
+            return
+        sums, counts = self._entry(tensor_name, self._n_mat(tensor_name, ids), x)
+        self._routed.add(tensor_name)
+        sums.index_add_(0, ids, x.square())
+        counts.add_(torch.bincount(ids, minlength=counts.numel()))
+
+    def _n_mat(self, tensor_name: str, ids: torch.Tensor) -> int:
+        m = _LAYER.match(tensor_name)
+        known = self._layer_experts.get(int(m.group(1))) if m else None
+        n = known or self.n_experts or 0
+        top = int(ids.max()) + 1
+        if int(ids.min()) < 0 or (known and top > known):
+            raise ForgeError(f"imatrix: {tensor_name}: expert id out of range 0..{(known or top) - 1}")
+        return max(n, top, self._sums[tensor_name].shape[0] if tensor_name in self._sums else 0)
+
+    def _entry(self, name: str, n_mat: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        sums = self._sums.get(name)
+        if sums is None:
+            sums = self._sums[name] = torch.zeros(n_mat, x.shape[1], dtype=torch.float32, device=x.device)
+            self._counts[name] = torch.zeros(n_mat, dtype=torch.int64, device=x.device)
+        elif sums.shape[1] != x.shape[1]:
+            raise ForgeError(f"imatrix: {name}: inputs have {x.shape[1]} columns, earlier {sums.shape[1]}")
+        elif sums.shape[0] < n_mat:  # a higher expert id than seen so far, with no routing info
+            grow = n_mat - sums.shape[0]
+            sums = self._sums[name] = torch.cat([sums, sums.new_zeros(grow, sums.shape[1])])
+            self._counts[name] = torch.cat([self._counts[name], self._counts[name].new_zeros(grow)])
+        return sums, self._counts[name]
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return sorted(self._sums)
+
+    def reset(self) -> None:
+        self._sums.clear()
+        self._counts.clear()
+        self._routed.clear()
+
+    def export_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Copies of the sums and counts as numpy arrays (the tensors may live on a GPU)."""
+        sums, counts = {}, {}
+        for name, s in self._sums.items():
+            n_mat = max(s.shape[0], self._expected_n_mat(name))
+            s_np = s.cpu().numpy().astype(np.float32, copy=True)
+            c_np = self._counts[name].cpu().numpy().astype(np.int64, copy=True)
+            if n_mat > s_np.shape[0]:  # trailing experts never routed: present with count 0
+                s_np = np.concatenate([s_np, np.zeros((n_mat - s_np.shape[0], s_np.shape[1]), np.float32)])
+                c_np = np.concatenate([c_np, np.zeros(n_mat - c_np.shape[0], np.int64)])
+            if not np.isfinite(s_np).all():
+                raise ForgeError(
+                    f"imatrix: non-finite sums in {name} (the model produced inf/nan activations)"
+                )
+            sums[name], counts[name] = s_np, c_np
+        return sums, counts
+
+    def _expected_n_mat(self, name: str) -> int:
+        m = _LAYER.match(name)
+        if name not in self._routed or not m:
+            return 1
+        return self._layer_experts.get(int(m.group(1))) or self.n_experts or 1
+
+    def to_imatrix(
+        self, datasets: Iterable[str] = (), chunk_count: int = 0, chunk_size: int = 512
+    ) -> Imatrix:
+        """The collected data as an :class:`Imatrix` (``chunk_size`` >= 1: raw row counts)."""
+        if chunk_size < 1:
+            raise ForgeError("imatrix chunk size must be >= 1 (0 marks .dat-derived data)")
+        sums, counts = self.export_arrays()
+        return Imatrix(sums=sums, counts=counts, datasets=list(datasets), chunk_count=chunk_count,
+                       chunk_size=chunk_size)  # fmt: skip
