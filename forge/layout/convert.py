@@ -22,7 +22,7 @@ from forge.layout.gguf_raw import (
     open_gguf,
     packed_offsets,
 )
-from forge.layout.reader import parse_native
+from forge.layout.reader import GGML_TYPE_I8, parse_native
 from forge.layout.records import PAGE, LayerRecords, components_from_source
 from forge.layout.source import (
     SourcePlan,
@@ -66,38 +66,65 @@ def _canonical_rows(raw: RawGGUF, plan: SourcePlan, layer_pos: int, role: int) -
     return np.frombuffer(raw.mm, np.uint8, t.nbytes, start).reshape(plan.experts, t.nbytes // plan.experts)
 
 
+@dataclass(frozen=True)
+class NativePlan:
+    """Where everything goes in the expert-major file built from ``source``."""
+
+    source: SourcePlan
+    version: int
+    layers: list[LayerRecords]
+    payload_offset: int  # from the store start
+    store_size: int
+    meta: bytes  # v2: the descriptors; v1: the index followed by the layer table
+    entries: list[tuple[str, tuple[int, ...], int]]  # directory: name, dims, type
+    offsets: list[int]  # data-section offsets, store last
+    data_start: int
+    out_size: int
+
+    @property
+    def store_start(self) -> int:
+        return self.data_start + self.offsets[-1]
+
+
+def plan_native(plan: SourcePlan, version: int) -> NativePlan:
+    raw = plan.raw
+    if version not in (1, 2):
+        raise ForgeError(f"unknown expert-major version {version}")
+    if version == 1 and plan.family not in store_v1.V1_FAMILIES:
+        raise ForgeError(f"{raw.path}: v1 supports qwen35moe and qwen3moe only, not {plan.arch}")
+    comps = components_from_source(plan)
+    positions = [rl.source_index for rl in plan.layers]
+    if version == 2:
+        record_positions = not source_order_is_derivable(plan)
+        layers, payload_offset, store_size = store_v2.layout_layers(comps, plan.experts, positions)
+        meta = b"".join(store_v2.encode_descriptor(lr, record_positions) for lr in layers)
+    else:
+        layers, payload_offset, store_size = store_v1.layout_layers(comps, plan.experts, positions)
+        meta = store_v1.encode_index(layers) + store_v1.encode_table(layers)
+    tensor_name = store_v2.TENSOR_NAME if version == 2 else store_v1.TENSOR_NAME
+    kept = list(plan.kept)
+    offsets = packed_offsets([t.nbytes for t in kept] + [store_size], raw.alignment)
+    entries = [(t.name, t.dims, t.ggml_type) for t in kept] + [(tensor_name, (store_size,), GGML_TYPE_I8)]
+    dir_bytes = sum(len(encode_tensor_info(n, d, ty, 0)) for n, d, ty in entries)
+    data_start = align_up(24 + len(raw.kv_block) + dir_bytes, raw.alignment)
+    if version == 1:
+        offsets[-1] = file_aligned_offset(data_start, offsets[-1], raw.alignment, PAGE)
+    out_size = data_start + align_up(offsets[-1] + store_size, raw.alignment)
+    return NativePlan(
+        plan, version, layers, payload_offset, store_size, meta, entries, offsets, data_start, out_size
+    )
+
+
 def to_expert_major(
     src: str | os.PathLike[str], dest: str | os.PathLike[str], version: int, verify: bool = True
 ) -> ConvertResult:
     """Write ``dest``: canonical GGUF ``src`` with its routed experts moved into a v1/v2 store."""
-    if version not in (1, 2):
-        raise ForgeError(f"unknown expert-major version {version}")
     with open_gguf(src) as raw:
         plan = plan_source(raw)
-        if version == 1 and plan.family not in store_v1.V1_FAMILIES:
-            raise ForgeError(f"{raw.path}: v1 supports qwen35moe and qwen3moe only, not {plan.arch}")
-        comps = components_from_source(plan)
-        positions = [rl.source_index for rl in plan.layers]
-        if version == 2:
-            record_positions = not source_order_is_derivable(plan)
-            layers, payload_offset, store_size = store_v2.layout_layers(comps, plan.experts, positions)
-            tensor_name = store_v2.TENSOR_NAME
-            meta = b"".join(store_v2.encode_descriptor(lr, record_positions) for lr in layers)
-        else:
-            layers, payload_offset, store_size = store_v1.layout_layers(comps, plan.experts, positions)
-            tensor_name = store_v1.TENSOR_NAME
-            index, table = store_v1.encode_index(layers), store_v1.encode_table(layers)
-            meta = index + table
-
-        kept = list(plan.kept)
-        offsets = packed_offsets([t.nbytes for t in kept] + [store_size], raw.alignment)
-        entries = [(t.name, t.dims, t.ggml_type) for t in kept] + [(tensor_name, (store_size,), 24)]
-        dir_bytes = sum(len(encode_tensor_info(n, d, ty, 0)) for n, d, ty in entries)
-        data_start = align_up(24 + len(raw.kv_block) + dir_bytes, raw.alignment)
-        if version == 1:
-            offsets[-1] = file_aligned_offset(data_start, offsets[-1], raw.alignment, PAGE)
-        out_size = data_start + align_up(offsets[-1] + store_size, raw.alignment)
-        store_start = data_start + offsets[-1]
+        np_ = plan_native(plan, version)
+        layers, payload_offset, store_size, meta = np_.layers, np_.payload_offset, np_.store_size, np_.meta
+        kept, entries, offsets = list(plan.kept), np_.entries, np_.offsets
+        data_start, out_size, store_start = np_.data_start, np_.out_size, np_.store_start
 
         source_digest = sha256_async(raw.mm, 0, raw.size)
         payload_hash = HashPipe()
@@ -138,7 +165,8 @@ def to_expert_major(
                         plan.family, plan.experts_used, len(layers), plan.experts, payload_offset,
                         store_size - payload_offset, store_size, raw.size, len(raw.tensors), source_sha, payload_sha,
                     ),
-                    payload_sha, index, table,
+                    payload_sha, meta[: len(meta) - store_v1.TABLE_ENTRY_BYTES * len(layers)],
+                    meta[len(meta) - store_v1.TABLE_ENTRY_BYTES * len(layers) :],
                 )  # fmt: skip
             os.pwrite(f.fileno(), header, store_start)
             if verify:

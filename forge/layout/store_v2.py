@@ -222,7 +222,7 @@ def parse_store(buf: memoryview | bytes, where: str) -> StoreV2:
         _check_layer(h, lr, data_size, record_bytes, meta, lw)
         if layers and lr.layer <= layers[-1].layer:
             raise ForgeError(f"{lw}: layer indices not strictly increasing")
-        if (lr.source_index is None) != (not layers or layers[0].source_index is None):
+        if layers and (lr.source_index is None) != (layers[0].source_index is None):
             raise ForgeError(f"{lw}: source-position extension present on some layers only")
         if lr.data_offset < pos:
             raise ForgeError(f"{lw}: data at {lr.data_offset} overlaps the previous extent ending at {pos}")
