@@ -52,7 +52,9 @@ class HFTensor:
         """The stored values (BF16 as uint16 bits), memory-mapped, in the stored shape."""
         if self.nbytes == 0:
             return np.zeros(self.shape, _DTYPES[self.dtype])
-        return np.memmap(self.shard, dtype=_DTYPES[self.dtype], mode="r", offset=self.offset, shape=self.shape)
+        return np.memmap(
+            self.shard, dtype=_DTYPES[self.dtype], mode="r", offset=self.offset, shape=self.shape
+        )
 
     def float32(self) -> np.ndarray:
         data = self.raw()
@@ -88,7 +90,9 @@ def read_safetensors_header(path: Path) -> list[HFTensor]:
         if end - start != int(np.prod(shape, dtype=np.int64)) * _DTYPES[dtype].itemsize:
             raise ForgeError(f"{path}: tensor {name} byte size does not match its shape")
         if base + end > size:
-            raise ForgeError(f"{path}: truncated safetensors file (tensor {name} ends past the end of the file)")
+            raise ForgeError(
+                f"{path}: truncated safetensors file (tensor {name} ends past the end of the file)"
+            )
         out.append(HFTensor(name, dtype, shape, path, base + start, end - start))
     return out
 

@@ -31,11 +31,17 @@ def print_json(obj: Any) -> None:
 
 @app.command()
 def convert(
-    hf_dir: Annotated[Path, typer.Argument(help="Hugging Face checkpoint folder (config.json + safetensors)")],
+    hf_dir: Annotated[
+        Path, typer.Argument(help="Hugging Face checkpoint folder (config.json + safetensors)")
+    ],
     output: Annotated[Path, typer.Option("-o", "--output", help="GGUF file to write")],
     outtype: Annotated[str, typer.Option(help="bf16, f16 or f32")] = "bf16",
-    split_max_size: Annotated[str | None, typer.Option(help="split into shards of at most this size (e.g. 2G)")] = None,
-    no_mtp: Annotated[bool, typer.Option("--no-mtp", help="leave out the multi-token-prediction block")] = False,
+    split_max_size: Annotated[
+        str | None, typer.Option(help="split into shards of at most this size (e.g. 2G)")
+    ] = None,
+    no_mtp: Annotated[
+        bool, typer.Option("--no-mtp", help="leave out the multi-token-prediction block")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print a JSON report")] = False,
 ) -> None:
     """Convert a Hugging Face MoE checkpoint to GGUF, losslessly (streamed, bounded memory)."""
@@ -43,7 +49,9 @@ def convert(
     from forge.gguf_file import parse_size
 
     split = parse_size(split_max_size) if split_max_size else None
-    rep = convert_checkpoint(hf_dir, output, outtype, split_max_size=split, mtp=not no_mtp, progress=not as_json)
+    rep = convert_checkpoint(
+        hf_dir, output, outtype, split_max_size=split, mtp=not no_mtp, progress=not as_json
+    )
     mbps = rep.source_bytes / rep.seconds / 1e6 if rep.seconds else 0.0
     if as_json:
         print_json({"outputs": [str(p) for p in rep.paths], "tensors": rep.n_tensors, "bytes": rep.bytes_written,
@@ -51,7 +59,9 @@ def convert(
         return
     for p in rep.paths:
         out.print(f"wrote {p}")
-    out.print(f"{rep.n_tensors} tensors, {rep.bytes_written:,} bytes in {rep.seconds:.2f} s ({mbps:.0f} MB/s of source)")
+    out.print(
+        f"{rep.n_tensors} tensors, {rep.bytes_written:,} bytes in {rep.seconds:.2f} s ({mbps:.0f} MB/s of source)"
+    )
 
 
 @app.command()
@@ -73,7 +83,13 @@ def inspect(
     out.print(f"hyperparameters: {hp}")
     table = Table("type", "tensors", "bytes", "params", "bpw")
     for name, e in info["by_type"].items():
-        table.add_row(name, str(e["tensors"]), f"{e['bytes']:,}", f"{e['elements']:,}", f"{8 * e['bytes'] / e['elements']:.3f}")
+        table.add_row(
+            name,
+            str(e["tensors"]),
+            f"{e['bytes']:,}",
+            f"{e['elements']:,}",
+            f"{8 * e['bytes'] / e['elements']:.3f}",
+        )
     table.add_row("total", str(info["tensor_count"]), f"{info['tensor_bytes']:,}", f"{info['parameters']:,}",
                   f"{info['bits_per_weight']:.3f}", style="bold")  # fmt: skip
     out.print(table)
@@ -86,8 +102,12 @@ def inspect(
 
 @app.command()
 def demo(
-    model: Annotated[Path | None, typer.Option(help="HF folder (default: the bundled examples/tiny-qwen3moe)")] = None,
-    keep: Annotated[Path | None, typer.Option(help="keep the outputs in this folder instead of a temp folder")] = None,
+    model: Annotated[
+        Path | None, typer.Option(help="HF folder (default: the bundled examples/tiny-qwen3moe)")
+    ] = None,
+    keep: Annotated[
+        Path | None, typer.Option(help="keep the outputs in this folder instead of a temp folder")
+    ] = None,
 ) -> None:
     """Run the main job end to end on the bundled example model and print a summary."""
     from forge.demo import run_demo

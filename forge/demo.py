@@ -49,7 +49,11 @@ def run_demo(model: Path | None, keep: Path | None, console: Console) -> list[St
 
         def do_inspect() -> tuple[str, int, str]:
             info = describe(bf16)
-            return bf16.name, info["file_bytes"], f"{info['architecture']}, {info['parameters']:,} params, {info['bits_per_weight']:.2f} bpw"
+            return (
+                bf16.name,
+                info["file_bytes"],
+                f"{info['architecture']}, {info['parameters']:,} params, {info['bits_per_weight']:.2f} bpw",
+            )
 
         for name, fn in (("convert HF -> GGUF bf16", do_convert), ("inspect", do_inspect)):
             console.print(f"[bold]>[/bold] {name}")

@@ -8,6 +8,7 @@ tensor at a time: memory stays bounded by the largest tensor, and a dry run know
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -94,14 +95,15 @@ class GGUFFile:
         self.size = self.path.stat().st_size
         try:
             self._mm = np.memmap(self.path, dtype=np.uint8, mode="r") if self.size else np.zeros(0, np.uint8)
-            self._parse()
+            with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as self._buf:
+                self._parse()
         except ForgeError:
             raise
         except Exception as e:
             raise ForgeError(f"{self.path}: malformed or truncated GGUF ({type(e).__name__}: {e})") from None
 
     def _parse(self) -> None:
-        buf = self._mm
+        buf = self._buf
         if self.size < 24 or struct.unpack_from("<I", buf, 0)[0] != GGUF_MAGIC:
             raise ForgeError(f"{self.path}: not a GGUF file (bad magic)")
         self.version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
@@ -135,10 +137,10 @@ class GGUFFile:
             self.tensors[name] = info
 
     def _string(self, pos: int) -> tuple[str, int]:
-        (n,) = struct.unpack_from("<Q", self._mm, pos)
+        (n,) = struct.unpack_from("<Q", self._buf, pos)
         if pos + 8 + n > self.size:
             raise ForgeError(f"{self.path}: truncated GGUF header")
-        return bytes(self._mm[pos + 8 : pos + 8 + n]).decode("utf-8", "replace"), pos + 8 + n
+        return self._buf[pos + 8 : pos + 8 + n].decode("utf-8", "replace"), pos + 8 + n
 
     def _value(self, vtype: GGUFValueType, pos: int) -> tuple[Any, GGUFValueType | None, int]:
         if vtype == T.STRING:
@@ -146,8 +148,8 @@ class GGUFFile:
             return s, None, pos
         if vtype != T.ARRAY:
             fmt = _SCALAR_FMT[vtype]
-            return struct.unpack_from(fmt, self._mm, pos)[0], None, pos + struct.calcsize(fmt)
-        item, count = struct.unpack_from("<IQ", self._mm, pos)
+            return struct.unpack_from(fmt, self._buf, pos)[0], None, pos + struct.calcsize(fmt)
+        item, count = struct.unpack_from("<IQ", self._buf, pos)
         item, pos = T(item), pos + 12
         if item == T.STRING:
             out = []
@@ -158,7 +160,7 @@ class GGUFFile:
         if item == T.ARRAY:
             raise ForgeError(f"{self.path}: nested arrays are not supported")
         dt = np.dtype(_NUMPY_ITEM[item])
-        arr = np.frombuffer(self._mm, dtype=dt, count=count, offset=pos)
+        arr = np.frombuffer(self._buf, dtype=dt, count=count, offset=pos)
         return arr.tolist(), item, pos + dt.itemsize * count
 
     def kv(self, key: str, default: Any = None) -> Any:

@@ -36,7 +36,9 @@ def describe(path: str | Path) -> dict[str, Any]:
         n_bytes += t.nbytes
     file_type = r.kv("general.file_type")
     try:
-        file_type_name = LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else None
+        file_type_name = (
+            LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else None
+        )
     except ValueError:
         file_type_name = str(file_type)
     layout = next((n for n in LAYOUT_TENSORS if n in r.tensors), "canonical")

@@ -10,7 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-FIXTURES = Path(os.environ.get("FORGE_FIXTURES", Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures"))
+FIXTURES = Path(
+    os.environ.get("FORGE_FIXTURES", Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures")
+)
 MODELS = ("tiny-qwen3moe", "tiny-qwen35moe")
 
 
@@ -75,14 +77,21 @@ def qwen3moe_tensor(gguf_name: str) -> np.ndarray:
     A test helper independent of forge's converter, so encoders can be checked on their own.
     """
     hf = hf_tensors("tiny-qwen3moe")
-    top = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
-           "output_norm.weight": "model.norm.weight"}
+    top = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output.weight": "lm_head.weight",
+        "output_norm.weight": "model.norm.weight",
+    }
     if gguf_name in top:
         return hf[top[gguf_name]]
     _, layer, kind, _ = gguf_name.split(".")
     if kind.endswith("_exps"):
         proj = kind.removeprefix("ffn_").removesuffix("_exps")
-        n = sum(1 for k in hf if k.startswith(f"model.layers.{layer}.mlp.experts.") and k.endswith(f"{proj}_proj.weight"))
+        n = sum(
+            1
+            for k in hf
+            if k.startswith(f"model.layers.{layer}.mlp.experts.") and k.endswith(f"{proj}_proj.weight")
+        )
         return np.stack([hf[f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"] for e in range(n)])
     return hf[f"model.layers.{layer}.{_QWEN3MOE_NAMES[kind]}.weight"]
 

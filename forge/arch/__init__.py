@@ -26,4 +26,11 @@ def architecture_for(ckpt: Checkpoint, mtp: bool = True) -> Architecture:
     )
 
 
-__all__ = ["ARCHITECTURES", "Architecture", "OutTensor", "SourceArray", "architecture_for", "supported_model_types"]
+__all__ = [
+    "ARCHITECTURES",
+    "Architecture",
+    "OutTensor",
+    "SourceArray",
+    "architecture_for",
+    "supported_model_types",
+]

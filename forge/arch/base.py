@@ -12,11 +12,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
+from gguf import GGUFValueType
 
 from forge.checkpoint import Checkpoint, HFTensor
 from forge.errors import ForgeError
-from gguf import GGUFValueType
-
 from forge.gguf_file import KV, T
 
 
@@ -58,7 +57,9 @@ def stacked(parts: list[HFTensor]) -> SourceArray:
     return SourceArray(np.stack([p.float32() for p in parts]), "F32")
 
 
-def transformed(t: HFTensor | tuple[HFTensor, ...], fn: Callable[..., np.ndarray], exact: bool = True) -> Callable[[], SourceArray]:
+def transformed(
+    t: HFTensor | tuple[HFTensor, ...], fn: Callable[..., np.ndarray], exact: bool = True
+) -> Callable[[], SourceArray]:
     """``fn`` applied to the stored values; ``exact`` means it only moves values (keeps dtype)."""
     ts = t if isinstance(t, tuple) else (t,)
 
@@ -163,7 +164,9 @@ class Architecture:
             raise ForgeError(f"{self.ckpt.path}: lm_head.weight is missing and tie_word_embeddings is false")
         return out
 
-    def _expert_group_done(self, experts: dict[tuple[int, str], dict[int, HFTensor]], layer: int) -> list[OutTensor]:
+    def _expert_group_done(
+        self, experts: dict[tuple[int, str], dict[int, HFTensor]], layer: int
+    ) -> list[OutTensor]:
         n = self.n_experts
         groups = [experts.get((layer, p), {}) for p in ("down_proj", "gate_proj", "up_proj")]
         if any(len(g) < n for g in groups):
@@ -172,7 +175,11 @@ class Architecture:
         for proj, g in zip(("down", "gate", "up"), groups, strict=True):
             parts = [g[e] for e in range(n)]
             shape = (n, *parts[0].shape)
-            out.append(OutTensor(f"blk.{layer}.ffn_{proj}_exps.weight", shape, lambda p=parts: stacked(p), tuple(parts)))
+            out.append(
+                OutTensor(
+                    f"blk.{layer}.ffn_{proj}_exps.weight", shape, lambda p=parts: stacked(p), tuple(parts)
+                )
+            )
             g.clear()
         return out
 
@@ -189,5 +196,7 @@ class Architecture:
         return [OutTensor(f"blk.{layer}.ffn_down_exps.weight", t.shape, lambda: raw(t), (t,))]
 
 
-_EXPERT_RE = re.compile(r"^layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_RE = re.compile(
+    r"^layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
 LAYER_RE = re.compile(r"^layers\.(?P<layer>\d+)\.(?P<rest>.+)$")

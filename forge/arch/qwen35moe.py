@@ -72,9 +72,13 @@ class Qwen35Moe(Architecture):
         if not types or "full_attention" not in types:
             raise ForgeError(f"{self.ckpt.path}/config.json: needs full_attention_interval or layer_types")
         interval = types.index("full_attention") + 1
-        expected = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(types))]
+        expected = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(types))
+        ]
         if types != expected:
-            raise ForgeError(f"{self.ckpt.path}/config.json: layer_types is not periodic; GGUF needs an interval")
+            raise ForgeError(
+                f"{self.ckpt.path}/config.json: layer_types is not periodic; GGUF needs an interval"
+            )
         return interval
 
     def model_kvs(self, file_type: int) -> list[KV]:
@@ -127,7 +131,9 @@ class Qwen35Moe(Architecture):
         qk = 2 * int(self.hp("linear_num_key_heads")) * int(self.hp("linear_key_head_dim"))
         b = f"blk.{layer}."
 
-        def out(name: str, shape: tuple[int, ...], fn, exact: bool = True, f32: bool = False) -> list[OutTensor]:
+        def out(
+            name: str, shape: tuple[int, ...], fn, exact: bool = True, f32: bool = False
+        ) -> list[OutTensor]:
             return [OutTensor(b + name, shape, transformed(t, fn, exact), (t,), f32)]
 
         if rest == "linear_attn.A_log":
@@ -146,7 +152,9 @@ class Qwen35Moe(Architecture):
         if rest == "linear_attn.in_proj_z.weight":
             return out("attn_gate.weight", t.shape, lambda a: self._vperm(a, 0, vd))
         if rest == "linear_attn.in_proj_qkv.weight":
-            return out("attn_qkv.weight", t.shape, lambda a: np.concatenate([a[:qk], self._vperm(a[qk:], 0, vd)]))
+            return out(
+                "attn_qkv.weight", t.shape, lambda a: np.concatenate([a[:qk], self._vperm(a[qk:], 0, vd)])
+            )
         if rest == "linear_attn.out_proj.weight":
             return out("ssm_out.weight", t.shape, lambda a: self._vperm(a, 1, vd))
         return None

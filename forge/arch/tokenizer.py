@@ -38,7 +38,9 @@ def detect_pre_tokenizer(tok: dict[str, Any], where: str) -> str:
             return PRE_TOKENIZERS[pattern]
     patterns = _split_patterns(tok.get("pre_tokenizer"))
     shown = patterns[0][:60] + "..." if patterns else "none"
-    raise ForgeError(f"{where}: unknown pre-tokenizer split pattern ({shown}); known: qwen2, llama-bpe, qwen35")
+    raise ForgeError(
+        f"{where}: unknown pre-tokenizer split pattern ({shown}); known: qwen2, llama-bpe, qwen35"
+    )
 
 
 def tokenizer_kvs(ckpt: Checkpoint, vocab_size: int) -> list[KV]:
