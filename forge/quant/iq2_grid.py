@@ -25,6 +25,9 @@ N_CODES = 3**8
 #: Weight of coordinate i in a base-3 code.
 CODE_WEIGHTS = 3 ** np.arange(8, dtype=np.int32)
 
+#: Queries sharing a code from which scoring them as one dense block beats the ragged path.
+_DENSE_MIN_QUERIES = 24
+
 # nwant (number of distinct distances kept) per codebook, from iq2xs_init_impl.
 _NWANT = {T.IQ2_XXS: 2, T.IQ2_XS: 2, T.IQ2_S: 1, T.IQ1_S: 3, T.IQ1_M: 3}
 
@@ -45,6 +48,55 @@ class Codebook:
 
     def neighbours_of(self, code: int) -> np.ndarray:
         return self.nb_flat[self.nb_start[code] : self.nb_start[code] + self.nb_count[code]]
+
+    @property
+    def term_index(self) -> np.ndarray:
+        """(8, n_points) int32: row i holds 3*i + l_i, the column of coordinate i's term in a (., 24) table."""
+        return (3 * np.arange(8, dtype=np.int32)[:, None] + self.levels.T).astype(np.int32)
+
+    def best_neighbour(self, codes: np.ndarray, terms: np.ndarray) -> np.ndarray:
+        """Among each code's neighbours, the point of least score (the first one on ties, as ggml).
+
+        ``terms`` (n, 8, 3) float32 holds, per query, the term of coordinate i at level l; a point's
+        score is the float32 sum of its 8 terms in coordinate order, which is exactly how ggml
+        accumulates its weighted distances. Queries are grouped by code: a frequent code is scored
+        for all its queries at once as dense (neighbours x queries) rows, the rare ones ragged.
+        """
+        n = len(codes)
+        out = np.empty(n, np.int32)
+        order = np.argsort(codes, kind="stable")
+        uniq, first, counts = np.unique(codes[order], return_index=True, return_counts=True)
+        table = terms.reshape(n, 24)[order]
+        tindex = self.term_index
+        dense = counts >= _DENSE_MIN_QUERIES
+        if dense.any():
+            by_col = np.ascontiguousarray(table.T)  # (24, n): one row per (coordinate, level)
+            for code, s, c in zip(uniq[dense], first[dense], counts[dense], strict=True):
+                cand = self.neighbours_of(code)
+                rows = tindex[:, cand]
+                cols = by_col[:, s : s + c]
+                acc = cols[rows[0]]
+                for i in range(1, 8):
+                    acc = acc + cols[rows[i]]
+                out[order[s : s + c]] = cand[np.argmin(acc, axis=0)]
+        rare = ~np.repeat(dense, counts)
+        if rare.any():
+            out[order[rare]] = self._best_ragged(codes[order[rare]], table[rare], tindex)
+        return out
+
+    def _best_ragged(self, codes: np.ndarray, table: np.ndarray, tindex: np.ndarray) -> np.ndarray:
+        counts = self.nb_count[codes]
+        total = int(counts.sum())
+        seg_start = np.cumsum(counts) - counts
+        base = np.repeat(np.arange(len(codes), dtype=np.int64) * 24, counts)
+        cand = self.nb_flat[np.arange(total) - np.repeat(seg_start - self.nb_start[codes], counts)]
+        flat = table.reshape(-1)
+        score = flat[base + tindex[0][cand]]
+        for i in range(1, 8):
+            score = score + flat[base + tindex[i][cand]]
+        seg_min = np.minimum.reduceat(score, seg_start)
+        pos = np.where(score == np.repeat(seg_min, counts), np.arange(total), total)
+        return cand[np.minimum.reduceat(pos, seg_start)]
 
     @property
     def magnitudes(self) -> np.ndarray:
@@ -76,9 +128,13 @@ def neighbour_lists(levels: np.ndarray, nwant: int, query_levels: np.ndarray) ->
     return [order[r, : counts[r]].astype(np.int32) for r in range(len(q))]
 
 
-@cache
 def codebook(gtype: T) -> Codebook:
     """The codebook of an IQ2/IQ1 type (IQ1_S and IQ1_M share one), built once per process."""
+    return _codebook(T.IQ1_S if gtype == T.IQ1_M else gtype)
+
+
+@cache
+def _codebook(gtype: T) -> Codebook:
     levels = _levels_of(grid_codes(gtype))
     if levels.max() > 2:
         raise AssertionError(f"{gtype.name}: codebook level above 2")
@@ -98,4 +154,3 @@ def codebook(gtype: T) -> Codebook:
     for arr in (levels, point_of_code, nb_start, nb_count, nb_flat):
         arr.flags.writeable = False
     return Codebook(levels, point_of_code, nb_start, nb_count, nb_flat)
-

@@ -67,9 +67,7 @@ def check_input(
         return rows, None
     importance = np.ascontiguousarray(importance, dtype=F)
     if importance.shape != (n_per_row,):
-        raise ForgeError(
-            f"{cls.name()}: importance has shape {importance.shape}, expected ({n_per_row},)"
-        )
+        raise ForgeError(f"{cls.name()}: importance has shape {importance.shape}, expected ({n_per_row},)")
     if not np.isfinite(importance).all():
         raise ForgeError(f"{cls.name()}: importance holds NaN or infinite values")
     return rows, importance
@@ -98,24 +96,17 @@ def decode_with_gguf(cls: type[QuantType], data: np.ndarray, n_per_row: int) -> 
 # ---------------------------------------------------------------- codebook search
 
 
-def best_neighbour(cb: Codebook, codes: np.ndarray, score_fn) -> np.ndarray:
-    """For each off-codebook code, the neighbour minimizing score_fn (first one on ties, as ggml).
-
-    score_fn(owner, candidate_points) -> float32 scores, owner indexing the rows of ``codes``.
-    """
-    counts = cb.nb_count[codes]
-    total = int(counts.sum())
-    seg_start = np.cumsum(counts) - counts
-    owner = np.repeat(np.arange(len(codes)), counts)
-    cand = cb.nb_flat[np.arange(total) - np.repeat(seg_start - cb.nb_start[codes], counts)]
-    score = score_fn(owner, cand)
-    seg_min = np.minimum.reduceat(score, seg_start)
-    pos = np.where(score == np.repeat(seg_min, counts), np.arange(total), total)
-    return cand[np.minimum.reduceat(pos, seg_start)]
+_LEVEL_MAGS = np.array([1, 3, 5], F)
 
 
-def snap(cb: Codebook, mags: np.ndarray, xval: np.ndarray, waux: np.ndarray, scale: np.ndarray,
-         inv_scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def snap(
+    cb: Codebook,
+    mags: np.ndarray,
+    xval: np.ndarray,
+    waux: np.ndarray,
+    scale: np.ndarray,
+    inv_scale: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
     """Round groups (M, G, 8) at 1/inv_scale to codes; snap off-codebook ones to their best neighbour.
 
     Returns the point index (M, G) and whether the rounded code was itself a point.
@@ -128,17 +119,10 @@ def snap(cb: Codebook, mags: np.ndarray, xval: np.ndarray, waux: np.ndarray, sca
     on_grid = point >= 0
     m_idx, g_idx = np.nonzero(~on_grid)
     if len(m_idx):
-        xg, wg, sg = xval[m_idx, g_idx], waux[m_idx, g_idx], scale[m_idx]
-
-        def d2(owner: np.ndarray, cand: np.ndarray) -> np.ndarray:
-            q, x, w, s = mags[cand], xg[owner], wg[owner], sg[owner]
-            acc = np.zeros(len(owner), F)
-            for i in range(8):
-                diff = s * q[:, i] - x[:, i]
-                acc = acc + w[:, i] * diff * diff
-            return acc
-
-        point[m_idx, g_idx] = best_neighbour(cb, codes[m_idx, g_idx], d2)
+        # iq2_find_best_neighbour: sum_i waux_i * (s*q_i - x_i)^2 over the code's neighbours.
+        diff = scale[m_idx, None, None] * _LEVEL_MAGS - xval[m_idx, g_idx][:, :, None]
+        terms = waux[m_idx, g_idx][:, :, None] * diff * diff
+        point[m_idx, g_idx] = cb.best_neighbour(codes[m_idx, g_idx], terms)
     return point, on_grid
 
 
@@ -195,7 +179,6 @@ def make_qp_quants(nmax: int, x: np.ndarray, w: np.ndarray) -> np.ndarray:
             break
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(suml2 > 0, sumlx / suml2, F(0)).astype(F)
-
 
 
 # ---------------------------------------------------------------- the three IQ2 encoders
@@ -300,8 +283,12 @@ def _encode_chunk(gtype: T, x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     d_bits[empty] = 0
     point_b, signs_b = point.reshape(n, nsub, ng), signs.reshape(n, nsub, ng)
     if gtype == T.IQ2_XXS:
-        grid_word = (point_b.astype(np.uint32) << (8 * np.arange(4, dtype=np.uint32))).sum(-1, dtype=np.uint32)
-        sign_word = (signs_b.astype(np.uint32) << (7 * np.arange(4, dtype=np.uint32))).sum(-1, dtype=np.uint32)
+        grid_word = (point_b.astype(np.uint32) << (8 * np.arange(4, dtype=np.uint32))).sum(
+            -1, dtype=np.uint32
+        )
+        sign_word = (signs_b.astype(np.uint32) << (7 * np.arange(4, dtype=np.uint32))).sum(
+            -1, dtype=np.uint32
+        )
         sign_word |= ls.astype(np.uint32) << 28
         words = np.stack([grid_word, sign_word], -1).reshape(n, 16)
         words[empty] = 0
