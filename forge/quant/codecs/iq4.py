@@ -71,6 +71,16 @@ def _check_input(cls: type[QuantType], rows: np.ndarray, importance: np.ndarray 
     return rows, importance
 
 
+def _decode(cls: type[QuantType], data: np.ndarray, n_per_row: int) -> np.ndarray:
+    data = np.asarray(data, np.uint8)
+    if n_per_row % cls.block_size or data.shape[-1] != cls.row_bytes(n_per_row):
+        raise ForgeError(
+            f"{cls.name()}: rows of {n_per_row} values need {cls.row_bytes(n_per_row)} bytes, "
+            f"got {data.shape[-1]}"
+        )
+    return dequantize(data, cls.ggml_type).astype(np.float32, copy=False)
+
+
 def _row_chunks(n_rows: int, n_per_row: int):
     step = max(1, _CHUNK_ELEMS // max(1, n_per_row))
     for r0 in range(0, n_rows, step):
