@@ -73,13 +73,13 @@ def check_input(
     return rows, importance
 
 
-def iter_block_chunks(rows: np.ndarray, importance: np.ndarray | None):
+def iter_block_chunks(rows: np.ndarray, importance: np.ndarray | None, chunk_blocks: int = 0):
     """Yield (x (N, 256), qw (N, 256) | None, slice of the flat block index) chunk by chunk."""
     n_rows, n_per_row = rows.shape
     nb_row = n_per_row // QK_K
     blocks = rows.reshape(-1, QK_K)
     qw_row = None if importance is None else importance.reshape(nb_row, QK_K)
-    step = max(1, CHUNK_BLOCKS // nb_row) * nb_row
+    step = max(1, (chunk_blocks or CHUNK_BLOCKS) // nb_row) * nb_row
     for start in range(0, len(blocks), step):
         x = blocks[start : start + step]
         qw = None if qw_row is None else np.tile(qw_row, (len(x) // nb_row, 1))
