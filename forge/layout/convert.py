@@ -5,11 +5,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
 
 from forge.atomic import atomic_output
 from forge.errors import ForgeError
@@ -33,7 +30,6 @@ from forge.layout.source import (
 from forge.layout.streams import HashPipe, Sink, sha256_async
 from forge.layout.verify import verify_native
 
-CHUNK_BYTES = 32 << 20
 # Test hook: seconds to sleep after each layer's records are written (used to kill a conversion mid-write).
 PAUSE_ENV = "FORGE_LAYOUT_PAUSE_S"
 
@@ -52,18 +48,6 @@ def _pause_hook(layer: int) -> None:
     if pause:
         print(f"forge-layout: wrote layer {layer}", file=sys.stderr, flush=True)
         time.sleep(float(pause))
-
-
-def _chunks(experts: int, stride: int) -> Iterator[tuple[int, int]]:
-    step = max(1, CHUNK_BYTES // max(stride, 1))
-    for e0 in range(0, experts, step):
-        yield e0, min(experts, e0 + step)
-
-
-def _canonical_rows(raw: RawGGUF, plan: SourcePlan, layer_pos: int, role: int) -> np.ndarray:
-    t = plan.layers[layer_pos].tensors[role]
-    start = raw.data_start + t.offset
-    return np.frombuffer(raw.mm, np.uint8, t.nbytes, start).reshape(plan.experts, t.nbytes // plan.experts)
 
 
 @dataclass(frozen=True)
@@ -142,12 +126,17 @@ def to_expert_major(
                 for t, off in zip(kept, offsets[:-1], strict=True):
                     out.pad_to(data_start + off)
                     out.copy_from(src_fd, raw.mm, raw.data_start + t.offset, t.nbytes)
+                out.pad_to(store_start)
+                out.zeros(256)  # the header, written last once the digests are known
+                out.write(meta)
+                out.pad_to(store_start + payload_offset)
+                out.hasher = payload_hash
+                _write_payload(raw, plan, layers, src_fd, store_start, out)
+                out.hasher = None
             finally:
                 os.close(src_fd)
-            out.pad_to(store_start)
-            out.zeros(256)  # the header, written last once the digests are known
-            out.write(meta)
-            _write_payload(raw, plan, layers, store_start, payload_offset, store_size, out, payload_hash)
+            if out.pos != store_start + store_size:
+                raise AssertionError(f"payload ends at {out.pos - store_start}, store size {store_size}")
             out.pad_to(out_size)
 
             payload_sha, source_sha = payload_hash.digest(), source_digest.result()
@@ -177,37 +166,20 @@ def to_expert_major(
 
 
 def _write_payload(
-    raw: RawGGUF,
-    plan: SourcePlan,
-    layers: list[LayerRecords],
-    store_start: int,
-    payload_offset: int,
-    store_size: int,
-    out: Sink,
-    payload_hash: HashPipe,
+    raw: RawGGUF, plan: SourcePlan, layers: list[LayerRecords], src_fd: int, store_start: int, out: Sink
 ) -> None:
-    out.pad_to(store_start + payload_offset)
+    """Each record ``gate | up | down`` copied from the canonical tensors, in the kernel, one slice
+    per (expert, component); zero padding between layers (v2) or records (v1)."""
     for pos, lr in enumerate(layers):
-        pad = store_start + lr.data_offset - out.pos
-        if pad:
-            payload_hash.feed(bytes(pad))
-            out.zeros(pad)
-        sources = [_canonical_rows(raw, plan, pos, role) for role in range(3)]
-        for e0, e1 in _chunks(lr.experts, lr.stride):
-            buf = (
-                np.zeros((e1 - e0, lr.stride), np.uint8)
-                if lr.stride > lr.record_bytes
-                else np.empty((e1 - e0, lr.stride), np.uint8)
-            )
-            for c, rows in zip(lr.components, sources, strict=True):
-                buf[:, c.record_offset : c.record_offset + c.expert_bytes] = rows[e0:e1]
-            flat = buf.reshape(-1)
-            end = min(flat.size, store_start + store_size - out.pos)  # v1: no padding after the last record
-            payload_hash.feed(flat[:end])
-            out.write(flat[:end])
+        out.pad_to(store_start + lr.data_offset)
+        starts = [raw.data_start + t.offset for t in plan.layers[pos].tensors]
+        tail = lr.stride - lr.record_bytes
+        for e in range(lr.experts):
+            for c, start in zip(lr.components, starts, strict=True):
+                out.copy_from(src_fd, raw.mm, start + e * c.expert_bytes, c.expert_bytes)
+            if tail and not (pos == len(layers) - 1 and e == lr.experts - 1):  # v1: none after the last
+                out.zeros(tail)
         _pause_hook(lr.layer)
-    if out.pos != store_start + store_size:
-        raise AssertionError(f"payload ends at {out.pos - store_start}, store size {store_size}")
 
 
 def to_canonical(
@@ -244,19 +216,20 @@ def to_canonical(
             out.write(encode_header(len(order), raw.n_kv))
             out.write(raw.kv_block)
             out.write(directory)
-            for name, off in zip(order, offsets, strict=True):
-                out.pad_to(data_start + off)
-                if name in kept:
-                    out.write(raw.tensor_view(kept[name]))
-                    continue
-                lr, c = routed[name]
-                records = store.layer_records(lr.layer)
-                for e0, e1 in _chunks(lr.experts, c.expert_bytes):
-                    out.write(
-                        np.ascontiguousarray(
-                            records[e0:e1, c.record_offset : c.record_offset + c.expert_bytes]
-                        )
-                    )
+            src_fd = os.open(raw.path, os.O_RDONLY)
+            try:
+                for name, off in zip(order, offsets, strict=True):
+                    out.pad_to(data_start + off)
+                    if name in kept:
+                        t = kept[name]
+                        out.copy_from(src_fd, raw.mm, raw.data_start + t.offset, t.nbytes)
+                        continue
+                    lr, c = routed[name]
+                    first = store.store_start + lr.data_offset + c.record_offset
+                    for e in range(lr.experts):
+                        out.copy_from(src_fd, raw.mm, first + e * lr.stride, c.expert_bytes)
+            finally:
+                os.close(src_fd)
             out.pad_to(out_size)
             if hasher is not None and hasher.digest() != store.header.source_sha256:
                 raise ForgeError(

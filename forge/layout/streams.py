@@ -74,14 +74,17 @@ class Sink:
         self.fd, self.pos, self.hasher = fd, 0, hasher
         self._cfr = hasattr(os, "copy_file_range")
 
-    def write(self, buf: Buffer) -> None:
-        mv = memoryview(buf).cast("B")
-        if self.hasher:
-            self.hasher.feed(mv)
+    def _put(self, mv: memoryview) -> None:
         done = 0
         while done < mv.nbytes:
             done += os.pwrite(self.fd, mv[done:], self.pos + done)
         self.pos += mv.nbytes
+
+    def write(self, buf: Buffer) -> None:
+        mv = memoryview(buf).cast("B")
+        if self.hasher:
+            self.hasher.feed(mv)
+        self._put(mv)
 
     def zeros(self, n: int) -> None:
         while n > 0:
@@ -95,23 +98,26 @@ class Sink:
         self.zeros(pos - self.pos)
 
     def copy_from(self, src_fd: int, src_buf: Buffer, offset: int, n: int) -> None:
-        """Copy ``n`` bytes at ``offset`` of the source (fd and its mmap): in the kernel when possible."""
-        if self._cfr and self.hasher is None:
-            done = 0
+        """Copy ``n`` bytes at ``offset`` of a source open as ``src_fd`` and mapped as ``src_buf``.
+
+        The bytes move inside the kernel (copy_file_range) when it can; the hasher reads them from
+        the mapping, in a worker thread.
+        """
+        src = memoryview(src_buf)[offset : offset + n]
+        if self.hasher:
+            self.hasher.feed(src)
+        done = 0
+        if self._cfr:
             try:
                 while done < n:
                     k = os.copy_file_range(src_fd, self.fd, n - done, offset + done, self.pos + done)
                     if k == 0:
                         raise OSError(errno.EIO, "copy_file_range copied nothing")
                     done += k
-                self.pos += n
-                return
             except OSError as e:
                 if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EIO):
                     raise
                 self._cfr = False
-                offset, n = offset + done, n - done
-                self.pos += done
-        mv = memoryview(src_buf)
-        for pos in range(offset, offset + n, HASH_CHUNK):
-            self.write(mv[pos : min(pos + HASH_CHUNK, offset + n)])
+        self.pos += done
+        for pos in range(done, n, HASH_CHUNK):
+            self._put(src[pos : min(pos + HASH_CHUNK, n)])
