@@ -166,6 +166,94 @@ def encode_q6_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
     return out.reshape(n_rows, -1)
 
 
+def _pack_2bit_128(levels: np.ndarray) -> np.ndarray:
+    """(NB, 256) 2-bit values -> (NB, 64): per 128-chunk, byte l = v[l] | v[l+32]<<2 | v[l+64]<<4 | v[l+96]<<6."""
+    q = levels.reshape(-1, 2, 4, 32) & 3
+    shifts = np.array([0, 2, 4, 6], np.uint8)[None, None, :, None]
+    return np.bitwise_or.reduce(q << shifts, axis=2).astype(np.uint8).reshape(-1, 64)
+
+
+def encode_q2_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
+    n_rows = rows.shape[0]
+    x_t = _sub_t(rows, 16)  # (16, NS), NS = NB*16
+    nb = x_t.shape[1] // 16
+    if importance is None:
+        scales, mins, levels = nx.make_qkx2_quants_t(x_t, np.abs(x_t), 3, -0.5, 0.1, 15, True)
+        scales = scales.reshape(nb, 16)
+        mins = mins.reshape(nb, 16)
+        max_scale = np.maximum(scales.max(axis=1), F32(0))
+        max_min = np.maximum(mins.max(axis=1), F32(0))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ls = nx.nearest_int((F32(15) / max_scale)[:, None] * scales)
+            lm = nx.nearest_int((F32(15) / max_min)[:, None] * mins)
+        ls = np.where((max_scale > 0)[:, None], ls, 0)
+        lm = np.where((max_min > 0)[:, None], lm, 0)
+        packed = ((ls | (lm << 4)) & 0xFF).astype(np.uint8)
+        d_val = max_scale / F32(15)
+        m_val = max_min / F32(15)
+    else:
+        sigma2 = _superblock_sumsq(rows) / F32(QK)
+        sig_t = np.repeat(sigma2, 16)[None, :]
+        w_t = _weights_t(importance, n_rows, 16) * np.sqrt(sig_t + x_t * x_t)
+        sw_t = nx.to_t(nx.seq_sum(w_t).reshape(nb, 16))
+        scales, mins, levels = nx.make_qkx3_quants_t(x_t, w_t, 3, -0.9, 0.05, 36, False)
+        d_val, ls = nx.make_qp_quants_t(nx.to_t(scales.reshape(nb, 16)), 15, sw_t)
+        m_val, lm = nx.make_qp_quants_t(nx.to_t(mins.reshape(nb, 16)), 15, sw_t)
+        packed = (ls.T | (lm.T << 4)).astype(np.uint8)
+    d_eff = (nx.fp16_round(d_val)[:, None] * (packed & 0xF).astype(F32)).reshape(-1)
+    dm_eff = (nx.fp16_round(m_val)[:, None] * (packed >> 4).astype(F32)).reshape(-1)
+    q = np.ascontiguousarray(_requant_t(x_t, levels, d_eff, dm_eff, 0, 3, 0).T).reshape(nb, QK)
+    d16 = nx.fp16_bits(d_val).view(np.uint8).reshape(nb, 2)
+    m16 = nx.fp16_bits(m_val).view(np.uint8).reshape(nb, 2)
+    return np.concatenate([packed, _pack_2bit_128(q), d16, m16], axis=1).reshape(n_rows, -1)
+
+
+def _pack_q3_scales(ls: np.ndarray) -> np.ndarray:
+    """16 six-bit scales (NB, 16) -> 12 bytes: low nibbles of j and j+8, then 2-bit highs by j%4, j/4."""
+    ls = ls.astype(np.uint8)
+    out = np.empty((ls.shape[0], 12), np.uint8)
+    out[:, :8] = (ls[:, :8] & 0xF) | ((ls[:, 8:] & 0xF) << 4)
+    hi = (ls >> 4).reshape(-1, 4, 4)  # [j // 4, j % 4]
+    shifts = np.array([0, 2, 4, 6], np.uint8)[None, :, None]
+    out[:, 8:] = np.bitwise_or.reduce(hi << shifts, axis=1)
+    return out
+
+
+def encode_q3_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
+    n_rows = rows.shape[0]
+    x_t = _sub_t(rows, 16)
+    nb = x_t.shape[1] // 16
+    if importance is None:
+        scale, levels = nx.make_q3_quants_t(x_t, 4)
+        scales = scale.reshape(nb, 16)
+        max_scale = np.take_along_axis(scales, np.abs(scales).argmax(axis=1)[:, None], axis=1)[:, 0]
+        nonzero = max_scale != 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            iscale = F32(-32) / np.where(nonzero, max_scale, F32(1))
+            li = nx.nearest_int(iscale[:, None] * scales)
+        li = ((li + 128) & 0xFF) - 128  # stored through int8_t
+        ls = np.where(nonzero[:, None], np.clip(li, -32, 31) + 32, 0)
+        with np.errstate(divide="ignore"):
+            d_val = np.where(nonzero, F32(1) / iscale, F32(0)).astype(F32)
+        sc = np.where(nonzero[:, None], ls - 32, -32)
+    else:
+        sigma2 = F32(2) * _superblock_sumsq(rows) / F32(QK)
+        sig_t = np.repeat(sigma2, 16)[None, :]
+        w_t = _weights_t(importance, n_rows, 16) * np.sqrt(sig_t + x_t * x_t)
+        sw_t = nx.to_t(nx.seq_sum(w_t).reshape(nb, 16))
+        scale, levels = nx.make_qx_quants_t(x_t, 4, w_t)
+        d_val, ls_t = nx.make_qx_quants_t(nx.to_t(scale.reshape(nb, 16)), 32, sw_t)
+        ls = ls_t.T.astype(np.int32)
+        sc = ls - 32
+    d_eff = (nx.fp16_round(d_val)[:, None] * sc.astype(F32)).reshape(-1)
+    q = np.ascontiguousarray(_requant_t(x_t, levels, d_eff, None, -4, 3, 4).T).reshape(nb, QK)
+    high = (q > 3).reshape(nb, 8, 32)  # element 32k + m -> bit k of hmask[m]
+    hmask = np.bitwise_or.reduce(high.astype(np.uint8) << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)
+    qs = _pack_2bit_128(q & 3)
+    d16 = nx.fp16_bits(d_val).view(np.uint8).reshape(nb, 2)
+    return np.concatenate([hmask.astype(np.uint8), qs, _pack_q3_scales(ls), d16], axis=1).reshape(n_rows, -1)
+
+
 class _KQuant(QuantType):
     uses_imatrix: ClassVar[bool] = True
     _encode_chunk: ClassVar = None
@@ -195,3 +283,13 @@ class Q5_K(_KQuant):
 class Q6_K(_KQuant):
     ggml_type = T.Q6_K
     _encode_chunk = staticmethod(encode_q6_k)
+
+
+class Q2_K(_KQuant):
+    ggml_type = T.Q2_K
+    _encode_chunk = staticmethod(encode_q2_k)
+
+
+class Q3_K(_KQuant):
+    ggml_type = T.Q3_K
+    _encode_chunk = staticmethod(encode_q3_k)
