@@ -1,0 +1,214 @@
+"""Executing a plan: encode or copy each tensor (locally or in worker processes) and write the GGUF."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_VERSION, LlamaFileType
+
+from forge.errors import ForgeError
+from forge.gguf_file import KV, GGUFLayout, T, write_gguf
+from forge.imatrix.model import Imatrix
+from forge.progress import byte_progress
+from forge.quant.plan import PlannedTensor
+from forge.quant.recipe import Recipe
+from forge.quant.source import QuantSource, SourceRef
+from forge.quant.types import get_type
+
+#: rows encoded per call: bounds the float32 working set of one job to ~64 MB
+CHUNK_ELEMENTS = 16 << 20
+ERROR_SAMPLE_ROWS = 64
+
+
+@dataclass(frozen=True)
+class EncodeJob:
+    """One tensor's encode work; picklable, so a worker process can run it."""
+
+    source: SourceRef
+    name: str
+    out_type: str
+    importance: np.ndarray | None  # (n_mat, n_per_row)
+
+
+@dataclass
+class EncodeResult:
+    data: np.ndarray  # uint8, the tensor's bytes
+    rel_rmse: float
+    seconds: float
+
+
+_SOURCES: dict[SourceRef, QuantSource] = {}
+
+
+def _open(ref: SourceRef) -> QuantSource:
+    if ref not in _SOURCES:
+        _SOURCES[ref] = ref.open()
+    return _SOURCES[ref]
+
+
+def encode_rows(qtype: str, rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
+    """Encode (n_rows, n_per_row) float32 rows in bounded chunks."""
+    qt = get_type(qtype)
+    if not np.isfinite(rows).all():
+        raise ForgeError("non-finite values (NaN or inf) in the source weights")
+    step = max(1, CHUNK_ELEMENTS // rows.shape[1])
+    parts = [
+        qt.encode(np.ascontiguousarray(rows[i : i + step]), importance) for i in range(0, rows.shape[0], step)
+    ]
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def run_job(job: EncodeJob) -> EncodeResult:
+    start = time.perf_counter()
+    values = _open(job.source).float32(job.name)
+    n_per_row = values.shape[-1]
+    mats = values.reshape(-1, *values.shape[-2:]) if values.ndim >= 2 else values.reshape(1, 1, -1)
+    if job.importance is not None and job.importance.shape[0] == mats.shape[0]:
+        # routed experts: each expert's matrix with its own importance row
+        encoded = [encode_rows(job.out_type, m, w) for m, w in zip(mats, job.importance, strict=True)]
+        data = np.concatenate(encoded)
+    else:
+        w = None if job.importance is None else job.importance[0]
+        data = encode_rows(job.out_type, values.reshape(-1, n_per_row), w)
+    sample = values.reshape(-1, n_per_row)[:ERROR_SAMPLE_ROWS]
+    decoded = get_type(job.out_type).decode(data[: len(sample)], n_per_row)
+    denom = float(np.sqrt(np.mean(sample.astype(np.float64) ** 2))) or 1.0
+    rel = float(np.sqrt(np.mean((decoded.astype(np.float64) - sample) ** 2))) / denom
+    return EncodeResult(data.reshape(-1), rel, time.perf_counter() - start)
+
+
+class Executor:
+    """Runs encode jobs and yields results in submission order."""
+
+    def map(self, jobs: list[EncodeJob]) -> Iterator[EncodeResult]:
+        return (run_job(j) for j in jobs)
+
+    def close(self) -> None:
+        pass
+
+
+class ProcessExecutor(Executor):
+    """A pool of worker processes; at most 2 x workers jobs in flight to bound memory."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.pool = ProcessPoolExecutor(max_workers=workers)
+
+    def map(self, jobs: list[EncodeJob]) -> Iterator[EncodeResult]:
+        pending = []
+        it = iter(jobs)
+        for job in it:
+            pending.append(self.pool.submit(run_job, job))
+            if len(pending) >= 2 * self.workers:
+                break
+        while pending:
+            fut = pending.pop(0)
+            nxt = next(it, None)
+            if nxt is not None:
+                pending.append(self.pool.submit(run_job, nxt))
+            yield fut.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
+
+
+def make_executor(jobs: int) -> Executor:
+    if jobs < 1:
+        raise ForgeError("--jobs must be at least 1")
+    return Executor() if jobs == 1 else ProcessExecutor(jobs)
+
+
+def output_kvs(
+    source: QuantSource, recipe: Recipe, overrides: list[tuple[str, str]], imatrix: Imatrix | None,
+    imatrix_path: str | None, extra: list[KV] = (),
+) -> list[KV]:  # fmt: skip
+    """Source KVs, then what llama-quantize appends (quant version, file type, imatrix), then ours."""
+    ftype = recipe.file_type or "MOSTLY_Q8_0"
+    try:
+        file_type = int(LlamaFileType[ftype])
+    except KeyError:
+        raise ForgeError(f"recipe {recipe.name}: unknown file_type {ftype!r}") from None
+    kvs = [*source.kvs(), KV("general.quantization_version", GGML_QUANT_VERSION, T.UINT32),
+           KV("general.file_type", file_type, T.UINT32)]  # fmt: skip
+    if imatrix is not None:
+        kvs += [
+            KV("quantize.imatrix.file", os.path.basename(imatrix_path or ""), T.STRING),
+            KV("quantize.imatrix.dataset", imatrix.datasets[0] if imatrix.datasets else "", T.STRING),
+            KV("quantize.imatrix.entries_count", len(imatrix.sums), T.INT32),
+            KV("quantize.imatrix.chunks_count", imatrix.chunk_count, T.INT32),
+        ]
+    text = recipe.text + "".join(f"\n# --tensor-type {p}={t}" for p, t in overrides)
+    kvs.append(KV("forge.recipe", text, T.STRING))
+    return kvs + list(extra)
+
+
+@dataclass
+class BuildReport:
+    output: Path | None
+    bytes: int
+    seconds: float
+    tensors: list[dict] = field(default_factory=list)
+
+
+def build(
+    source: QuantSource,
+    plan: list[PlannedTensor],
+    kvs: list[KV],
+    out: Path | None,
+    jobs: int = 1,
+    progress: bool = False,
+    log=None,  # noqa: ANN001  (callable(str) or None)
+) -> BuildReport:
+    """Encode/copy every planned tensor and write ``out`` (``None``: dry run, nothing written)."""
+    specs = [p.spec for p in plan]
+    layout = GGUFLayout(kvs, specs)
+    report = BuildReport(out, layout.total_size, 0.0)
+    if out is None:
+        report.tensors = [_row(p, None) for p in plan]
+        return report
+    start = time.perf_counter()
+    to_encode = [p for p in plan if p.action == "encode"]
+    encode_jobs = [EncodeJob(source.ref, p.name, p.out_type.name, p.importance) for p in to_encode]
+    executor = make_executor(jobs)
+    try:
+        results = executor.map(encode_jobs)
+        with byte_progress(sum(s.nbytes for s in specs), "quantize", progress) as advance:
+
+            def data() -> Iterator[np.ndarray]:
+                for p in plan:
+                    res = next(results) if p.action == "encode" else None
+                    row = _row(p, res)
+                    report.tensors.append(row)
+                    if log:
+                        log(_log_line(row))
+                    yield res.data if res else source.stored(p.name)
+                    advance(p.spec.nbytes, p.name)
+
+            write_gguf(out, kvs, specs, data())
+    finally:
+        executor.close()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _row(p: PlannedTensor, res: EncodeResult | None) -> dict:
+    row = {"name": p.name, "shape": list(reversed(p.shape)), "from": p.src_type.name, "to": p.out_type.name,
+           "action": "encoded" if p.action == "encode" else "copied", "reason": p.reason,
+           "bytes": p.spec.nbytes, "imatrix": p.importance is not None}  # fmt: skip
+    if res is not None:
+        row["rel_rmse"] = round(res.rel_rmse, 6)
+        row["seconds"] = round(res.seconds, 3)
+    return row
+
+
+def _log_line(row: dict) -> str:
+    shape = "x".join(str(d) for d in row["shape"])
+    err = f"  rel.rmse {row['rel_rmse']:.4f}" if "rel_rmse" in row else ""
+    imat = " +imatrix" if row["imatrix"] else ""
+    return f"{row['name']:<36} {shape:>16}  {row['from']:>5} -> {row['to']:<7}{imat}{err}"

@@ -1,0 +1,52 @@
+"""``forge quantize``: source -> plan -> (encode | copy) -> GGUF."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+from forge.atomic import check_output_path
+from forge.imatrix.formats import read_imatrix
+from forge.quant.build import BuildReport, build, output_kvs
+from forge.quant.plan import PlannedTensor, make_plan
+from forge.quant.recipe import load_recipe, parse_overrides
+from forge.quant.source import source_ref
+
+
+def quantize(
+    src: str | Path,
+    out: str | Path | None,
+    recipe: str,
+    imatrix: str | Path | None = None,
+    tensor_types: list[str] = (),
+    jobs: int = 1,
+    allow_requantize: bool = False,
+    mtp: bool = True,
+    progress: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> tuple[list[PlannedTensor], BuildReport]:
+    """Quantize ``src`` (HF folder or GGUF) to ``out``; ``out=None`` is a dry run."""
+    if out is not None:
+        check_output_path(out)
+    rec = load_recipe(recipe)
+    overrides = parse_overrides(list(tensor_types))
+    im = read_imatrix(imatrix) if imatrix else None
+    source = source_ref(src, mtp).open()
+    plan = make_plan(source, rec, overrides, im, allow_requantize)
+    kvs = output_kvs(source, rec, overrides, im, str(imatrix) if imatrix else None)
+    report = build(source, plan, kvs, Path(out) if out is not None else None, jobs, progress, log)
+    return plan, report
+
+
+def bytes_by_type(report: BuildReport) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "elements": 0})
+    for row in report.tensors:
+        e = out[row["to"]]
+        e["tensors"] += 1
+        e["bytes"] += row["bytes"]
+        n = 1
+        for d in row["shape"]:
+            n *= d
+        e["elements"] += n
+    return dict(out)

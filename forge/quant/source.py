@@ -1,0 +1,146 @@
+"""Quantizer inputs: a Hugging Face folder (converted on the fly) or an F32/F16/BF16 GGUF.
+
+Both present the same face: KVs, tensors with their stored type, and float32 values on demand.
+Sources are re-openable from a small picklable descriptor, so worker processes open their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from forge.convert import ModelSource, encode_float, float_type_for
+from forge.errors import ForgeError
+from forge.gguf_file import KV, GGUFFile, open_gguf
+
+FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+#: KVs a quantized output writes afresh
+REWRITTEN_KVS = ("general.file_type", "general.quantization_version")
+
+
+@dataclass(frozen=True)
+class SrcTensor:
+    name: str
+    shape: tuple[int, ...]  # numpy order
+    ggml_type: GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class SourceRef:
+    """Picklable description of a source: ``kind`` is 'hf' or 'gguf'."""
+
+    kind: str
+    path: str
+    mtp: bool = True
+
+    def open(self) -> QuantSource:
+        return HFQuantSource(self) if self.kind == "hf" else GGUFQuantSource(self)
+
+
+class QuantSource:
+    ref: SourceRef
+    arch: str
+
+    def tensors(self) -> list[SrcTensor]:
+        raise NotImplementedError
+
+    def kvs(self) -> list[KV]:
+        """The source's metadata without the keys a quantized file rewrites (file type, quant version)."""
+        raise NotImplementedError
+
+    def float32(self, name: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def stored(self, name: str) -> np.ndarray:
+        """The tensor in its stored type (for tensors copied unchanged)."""
+        raise NotImplementedError
+
+    def hparam(self, key: str, default: int = 0) -> int:
+        raise NotImplementedError
+
+
+class HFQuantSource(QuantSource):
+    def __init__(self, ref: SourceRef):
+        self.ref = ref
+        self.model = ModelSource.open(ref.path, mtp=ref.mtp)
+        self.arch = self.model.arch.gguf_arch
+        self._by_name = {t.name: t for t in self.model.tensors}
+
+    @cached_property
+    def _kvs(self) -> list[KV]:
+        return [kv for kv in self.model.kvs(0) if kv.key not in REWRITTEN_KVS]
+
+    def kvs(self) -> list[KV]:
+        return self._kvs
+
+    def tensors(self) -> list[SrcTensor]:
+        return [
+            SrcTensor(t.name, t.shape, float_type_for(t, GGMLQuantizationType.BF16))
+            for t in self.model.tensors
+        ]
+
+    def float32(self, name: str) -> np.ndarray:
+        t = self._by_name[name]
+        src = t.produce()
+        if float_type_for(t, GGMLQuantizationType.BF16) == GGMLQuantizationType.BF16 and src.dtype != "BF16":
+            # what llama-quantize would see after a bf16 conversion
+            return gguf.quants.dequantize(
+                encode_float(t, GGMLQuantizationType.BF16), GGMLQuantizationType.BF16
+            )
+        return src.float32()
+
+    def stored(self, name: str) -> np.ndarray:
+        t = self._by_name[name]
+        return encode_float(t, float_type_for(t, GGMLQuantizationType.BF16))
+
+    def hparam(self, key: str, default: int = 0) -> int:
+        kv = next((k for k in self._kvs if k.key == f"{self.arch}.{key}"), None)
+        return int(kv.value) if kv is not None else default
+
+
+class GGUFQuantSource(QuantSource):
+    def __init__(self, ref: SourceRef):
+        self.ref = ref
+        self.file: GGUFFile = open_gguf(ref.path)
+        self.arch = self.file.architecture
+        if self.file.kv("split.count", 1) > 1:
+            raise ForgeError(f"{ref.path}: split GGUF sources are not supported yet; merge the shards first")
+
+    def kvs(self) -> list[KV]:
+        return [
+            kv for k, kv in self.file.kvs.items() if k not in REWRITTEN_KVS and not k.startswith("split.")
+        ]
+
+    def tensors(self) -> list[SrcTensor]:
+        return [SrcTensor(t.name, t.shape, t.ggml_type) for t in self.file.tensors.values()]
+
+    def float32(self, name: str) -> np.ndarray:
+        t = self.file.tensors[name]
+        raw = self.file.raw(name)
+        try:
+            values = gguf.quants.dequantize(np.asarray(raw), t.ggml_type)
+        except NotImplementedError:
+            raise ForgeError(
+                f"{self.ref.path}: cannot decode tensor {name} of type {t.ggml_type.name}"
+            ) from None
+        return values.reshape(t.shape).astype(np.float32, copy=False)
+
+    def stored(self, name: str) -> np.ndarray:
+        return np.asarray(self.file.raw(name))
+
+    def hparam(self, key: str, default: int = 0) -> int:
+        return int(self.file.kv(f"{self.arch}.{key}", default))
+
+
+def source_ref(path: str | Path, mtp: bool = True) -> SourceRef:
+    p = Path(path)
+    if p.is_dir():
+        return SourceRef("hf", str(p), mtp)
+    if p.is_file():
+        return SourceRef("gguf", str(p), mtp)
+    raise ForgeError(f"{p}: no such file or folder (expected a Hugging Face folder or a GGUF file)")
