@@ -101,6 +101,56 @@ def inspect(
 
 
 @app.command()
+def quantize(
+    src: Annotated[
+        Path, typer.Argument(help="Hugging Face folder (converted on the fly) or F32/F16/BF16 GGUF")
+    ],
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="GGUF file to write")] = None,
+    recipe: Annotated[str, typer.Option(help="preset name (e.g. q4_k_m) or a recipe .toml file")] = "q4_k_m",
+    imatrix: Annotated[Path | None, typer.Option(help="importance matrix (llama.cpp GGUF or .dat)")] = None,
+    tensor_type: Annotated[list[str] | None, typer.Option(help="PATTERN=TYPE override (repeatable)")] = None,
+    dry_run: Annotated[
+        bool, typer.Option(help="print the plan and exact output size; write nothing")
+    ] = False,
+    jobs: Annotated[int, typer.Option(help="worker processes; output bytes do not depend on it")] = 1,
+    allow_requantize: Annotated[bool, typer.Option(help="allow an already-quantized source")] = False,
+    no_mtp: Annotated[
+        bool, typer.Option("--no-mtp", help="leave out the multi-token-prediction block")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON report")] = False,
+) -> None:
+    """Quantize to GGUF with a recipe (llama.cpp's mixes or your own), bit-exact with llama-quantize."""
+    from forge.quant.quantize import bytes_by_type
+    from forge.quant.quantize import quantize as run
+
+    if output is None and not dry_run:
+        raise ForgeError("give -o OUT.gguf (or --dry-run)")
+    log = None if as_json else (lambda line: err.print(line, highlight=False, markup=False))
+    plan, rep = run(src, None if dry_run else output, recipe, imatrix, tensor_type or [], jobs, allow_requantize,
+                    not no_mtp, progress=not as_json, log=log)  # fmt: skip
+    by_type = bytes_by_type(rep)
+    n_el = sum(e["elements"] for e in by_type.values())
+    n_bytes = sum(e["bytes"] for e in by_type.values())
+    summary = {"output": str(output) if not dry_run else None, "dry_run": dry_run, "file_bytes": rep.bytes,
+               "bits_per_weight": round(8 * n_bytes / n_el, 4), "seconds": round(rep.seconds, 3),
+               "by_type": by_type, "tensors": rep.tensors}  # fmt: skip
+    if as_json:
+        print_json(summary)
+        return
+    if dry_run:
+        for row in rep.tensors:
+            out.print(f"{row['name']:<36} {row['from']:>5} -> {row['to']:<7} {row['bytes']:>12,}  {row['reason']}",
+                      highlight=False, markup=False, soft_wrap=True)  # fmt: skip
+    table = Table("type", "tensors", "bytes", "bpw", title="plan" if dry_run else "quantized")
+    for name, e in sorted(by_type.items(), key=lambda kv: -kv[1]["bytes"]):
+        table.add_row(name, str(e["tensors"]), f"{e['bytes']:,}", f"{8 * e['bytes'] / e['elements']:.3f}")
+    out.print(table)
+    verb = "would write" if dry_run else f"wrote {output}:"
+    out.print(f"{verb} {rep.bytes:,} bytes, {summary['bits_per_weight']:.3f} bpw"
+              + ("" if dry_run else f" in {rep.seconds:.1f} s"))  # fmt: skip
+
+
+@app.command()
 def demo(
     model: Annotated[
         Path | None, typer.Option(help="HF folder (default: the bundled examples/tiny-qwen3moe)")

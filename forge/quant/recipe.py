@@ -173,7 +173,7 @@ def available_recipes() -> list[str]:
 def load_recipe(name_or_path: str) -> Recipe:
     """A shipped preset by name (``q4_k_m``) or a TOML file path."""
     path = Path(name_or_path)
-    if not path.suffix == ".toml":
+    if path.suffix != ".toml":
         path = RECIPES_DIR / f"{name_or_path.lower()}.toml"
         if not path.is_file():
             raise ForgeError(f"unknown recipe {name_or_path!r}; presets: {', '.join(available_recipes())}")
