@@ -46,7 +46,7 @@ _FLOAT_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat
 
 # Output elements decoded per step: small enough that a step's temporaries stay in the CPU caches,
 # large enough that per-op overhead vanishes; accelerators get far larger steps.
-_CPU_STEP = 1 << 16
+_CPU_STEP = 1 << 18
 _ACCEL_STEP = 1 << 26
 
 
@@ -80,8 +80,18 @@ def dequantize(
     out = torch.empty((blocks.shape[0], block_size), dtype=dtype, device=raw.device)
     decode = _BLOCK_DECODERS[qtype]
     step = max(1, (_CPU_STEP if raw.device.type == "cpu" else _ACCEL_STEP) // block_size)
+    staging = (
+        None
+        if dtype == torch.float32
+        else torch.empty((min(step, len(blocks)), block_size), device=raw.device)
+    )
     for start in range(0, blocks.shape[0], step):
-        out[start : start + step] = decode(blocks[start : start + step])
+        chunk = blocks[start : start + step]
+        if staging is None:
+            decode(chunk, out[start : start + step])
+        else:
+            decode(chunk, staging[: len(chunk)])
+            out[start : start + step] = staging[: len(chunk)]
     return out.view(out_shape)
 
 

@@ -1,6 +1,7 @@
 """Byte-level helpers shared by the torch dequantizers (bit unpacking, fp16 fields, lookup tables).
 
-Every decoder takes ``blocks``: uint8 (n_blocks, type_size) and returns float32 (n_blocks, block_size).
+Every decoder takes ``blocks``: uint8 (n_blocks, type_size) and ``out``: float32 (n_blocks, block_size),
+contiguous, fills ``out`` and returns it.
 Bit work stays in uint8/int32 (MPS lacks some int64 bit ops); int64 appears only as gather indices.
 """
 
@@ -10,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-Decoder = Callable[[torch.Tensor], torch.Tensor]
+Decoder = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def f16_at(blocks: torch.Tensor, offset: int) -> torch.Tensor:

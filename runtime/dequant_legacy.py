@@ -22,33 +22,31 @@ def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
     return unpack(qh, 1, -1).reshape(-1, 32) << 4
 
 
-def q4_0(blocks: torch.Tensor) -> torch.Tensor:
+def q4_0(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | 16 B nibbles; x = d * (q - 8)
-    d = f16_at(blocks, 0)
-    return d * (_nibbles32(blocks[:, 2:18]).float() - 8)
+    q = _nibbles32(blocks[:, 2:18]).view(torch.int8) - 8
+    return torch.mul(f16_at(blocks, 0), q.float(), out=out)
 
 
-def q4_1(blocks: torch.Tensor) -> torch.Tensor:
+def q4_1(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | fp16 m | 16 B nibbles; x = d * q + m
     d, m = f16_at(blocks, 0), f16_at(blocks, 2)
-    return d * _nibbles32(blocks[:, 4:20]).float() + m
+    return torch.add(d * _nibbles32(blocks[:, 4:20]).float(), m, out=out)
 
 
-def q5_0(blocks: torch.Tensor) -> torch.Tensor:
+def q5_0(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | uint32 qh (fifth bits) | 16 B nibbles; x = d * (q - 16)
-    d = f16_at(blocks, 0)
-    q = _nibbles32(blocks[:, 6:22]) | _fifth_bits(blocks[:, 2:6])
-    return d * (q.float() - 16)
+    q = (_nibbles32(blocks[:, 6:22]) | _fifth_bits(blocks[:, 2:6])).view(torch.int8) - 16
+    return torch.mul(f16_at(blocks, 0), q.float(), out=out)
 
 
-def q5_1(blocks: torch.Tensor) -> torch.Tensor:
+def q5_1(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | fp16 m | uint32 qh | 16 B nibbles; x = d * q + m
     d, m = f16_at(blocks, 0), f16_at(blocks, 2)
     q = _nibbles32(blocks[:, 8:24]) | _fifth_bits(blocks[:, 4:8])
-    return d * q.float() + m
+    return torch.add(d * q.float(), m, out=out)
 
 
-def q8_0(blocks: torch.Tensor) -> torch.Tensor:
+def q8_0(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | 32 x int8; x = q * d
-    d = f16_at(blocks, 0)
-    return blocks[:, 2:34].view(torch.int8).float() * d
+    return torch.mul(blocks[:, 2:34].view(torch.int8).float(), f16_at(blocks, 0), out=out)
