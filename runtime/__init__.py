@@ -1,1 +1,1 @@
-"""The compact PyTorch runtime that loads and validates gguf-forge outputs."""
+"""The compact PyTorch runtime: loads GGUF files (quantized experts stay encoded) and runs the models."""

@@ -1,0 +1,40 @@
+"""One module per architecture; ``load_model`` picks the class from ``general.architecture``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from forge.errors import ForgeError
+from runtime.models.qwen3moe import MoeCausalLM, Qwen3MoeModel, State
+from runtime.models.qwen35moe import Qwen35MoeModel
+from runtime.observers import Observer
+from runtime.weights import DEFAULT_EXPERT_BUDGET, Weights, load_weights
+
+ARCHITECTURES: dict[str, type[MoeCausalLM]] = {"qwen3moe": Qwen3MoeModel, "qwen35moe": Qwen35MoeModel}
+
+__all__ = ["ARCHITECTURES", "MoeCausalLM", "State", "build_model", "load_model"]
+
+
+def build_model(weights: Weights, observers: list[Observer] | None = None) -> MoeCausalLM:
+    cls = ARCHITECTURES.get(weights.arch)
+    if cls is None:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise ForgeError(
+            f"{weights.source}: unsupported architecture {weights.arch!r} (supported: {supported})"
+        )
+    return cls(weights, observers)
+
+
+def load_model(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    observers: list[Observer] | None = None,
+    expert_budget: int = DEFAULT_EXPERT_BUDGET,
+) -> MoeCausalLM:
+    """A GGUF file or a Hugging Face folder -> a runnable model on ``device``.
+
+    ``expert_budget``: bytes of decoded routed experts kept resident; the rest are decoded per use.
+    """
+    return build_model(load_weights(path, device, expert_budget), observers)

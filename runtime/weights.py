@@ -1,0 +1,481 @@
+"""Model weights for the runtime: GGUF tensors (or a Hugging Face folder) -> torch tensors.
+
+Routed expert tensors stay as their file bytes (zero-copy over the mmap on CPU) and are dequantized per
+selected expert on use; the token embedding is dequantized per looked-up row; every other tensor is
+dequantized once, on first use, to float32 on the target device.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+from forge.errors import ForgeError
+
+_MISSING = object()
+# Bytes of decoded (float32) routed experts a model may keep resident; the rest are decoded on every use.
+DEFAULT_EXPERT_BUDGET = 1 << 30
+_FLOAT_VIEWS = {
+    GGMLQuantizationType.F32: torch.float32,
+    GGMLQuantizationType.F16: torch.float16,
+    GGMLQuantizationType.BF16: torch.bfloat16,
+}
+
+
+@cache
+def _torch_dequantizer() -> Callable[..., torch.Tensor] | None:
+    """runtime.dequant.dequantize (the vectorized torch dequantizers) when that module is present."""
+    try:
+        from runtime.dequant import dequantize as torch_dequantize
+    except ImportError:
+        return None
+    return torch_dequantize
+
+
+def dequantize(
+    raw: torch.Tensor, qtype: GGMLQuantizationType, n_per_row: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """uint8 (..., row_bytes) in GGUF encoding -> (..., n_per_row) of ``dtype`` on raw's device."""
+    if qtype in _FLOAT_VIEWS:
+        return raw.contiguous().view(_FLOAT_VIEWS[qtype]).to(dtype)
+    torch_dequantize = _torch_dequantizer()
+    if torch_dequantize is not None:
+        return torch_dequantize(raw, qtype, n_per_row, dtype=dtype)
+    from gguf.quants import dequantize as np_dequantize
+
+    out = np_dequantize(raw.cpu().numpy(), qtype)
+    return torch.from_numpy(np.ascontiguousarray(out)).to(device=raw.device, dtype=dtype)
+
+
+@cache
+def check_decodable(qtype: GGMLQuantizationType) -> None:
+    """Raise ForgeError unless the runtime can dequantize this GGML type."""
+    if qtype not in GGML_QUANT_SIZES:
+        raise ForgeError(f"quant type {qtype!r} is unknown to the runtime")
+    block, size = GGML_QUANT_SIZES[qtype]
+    try:
+        dequantize(torch.zeros(1, size, dtype=torch.uint8), qtype, block)
+    except Exception as exc:  # any failure of a decoder means: cannot run this file
+        raise ForgeError(f"the runtime cannot decode quant type {qtype.name}") from exc
+
+
+class ExpertTensor:
+    """A stacked routed-expert weight (n_expert, rows, cols), kept encoded.
+
+    ``resident`` tensors are decoded whole on first use and kept (when the model's expert budget allows);
+    the others decode the experts a batch selects, on every use.
+    """
+
+    def __init__(
+        self, raw: torch.Tensor, qtype: GGMLQuantizationType, cols: int, resident: bool = False
+    ) -> None:
+        self.raw, self.qtype, self.cols, self.resident = raw, qtype, cols, resident
+        self.n_expert, self.rows = raw.shape[0], raw.shape[1]
+        self._decoded: torch.Tensor | None = None
+
+    def take(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (n,) int64 -> float32 (n, rows, cols)."""
+        if self.resident:
+            return self.decoded()[ids]
+        return dequantize(self.raw[ids], self.qtype, self.cols)
+
+    def decoded(self) -> torch.Tensor:
+        """All experts as float32 (n_expert, rows, cols), decoded once."""
+        if self._decoded is None:
+            self._decoded = dequantize(self.raw, self.qtype, self.cols)
+        return self._decoded
+
+    def per_expert(self, ids: list[int]) -> list[torch.Tensor]:
+        """Float32 (rows, cols) matrices of experts ``ids``: views of the decoded tensor when resident."""
+        if self.resident:
+            full = self.decoded()
+            return [full[i] for i in ids]
+        return list(self.take(torch.tensor(ids, device=self.raw.device)).unbind(0))
+
+    @property
+    def decoded_nbytes(self) -> int:
+        return self.n_expert * self.rows * self.cols * 4
+
+
+class Weights:
+    """What a model reads: metadata (GGUF keys) and tensors by GGUF name."""
+
+    arch: str
+    source: str
+    device: torch.device
+
+    def __init__(self, meta: dict[str, Any], device: torch.device, source: str) -> None:
+        self.meta, self.device, self.source = meta, device, source
+        self.expert_budget = DEFAULT_EXPERT_BUDGET
+        self._dense: dict[str, torch.Tensor] = {}
+        arch = self.get("general.architecture", None)
+        if not isinstance(arch, str):
+            raise ForgeError(f"{source}: no general.architecture in the metadata")
+        self.arch = arch
+
+    # metadata -----------------------------------------------------------------------------------------
+    def _lookup(self, key: str) -> Any:
+        return self.meta.get(key, _MISSING)
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        value = self._lookup(key)
+        if value is _MISSING:
+            if default is _MISSING:
+                raise ForgeError(f"{self.source}: missing metadata key {key}")
+            return default
+        return value
+
+    def hparam(self, key: str, default: Any = _MISSING) -> Any:
+        """An architecture key, e.g. hparam('block_count') reads '<arch>.block_count'."""
+        return self.get(f"{self.arch}.{key}", default)
+
+    # tensors --------------------------------------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def dense(self, name: str) -> torch.Tensor:
+        """A whole tensor as float32 on the device (decoded once, then kept)."""
+        if name not in self._dense:
+            self._require(name)
+            self._dense[name] = self._load_dense(name)
+        return self._dense[name]
+
+    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of a 2-D tensor (the token embedding), float32."""
+        raise NotImplementedError
+
+    def experts(self, name: str) -> ExpertTensor:
+        """A routed-expert tensor; made resident while the expert budget lasts (first come, first served)."""
+        self._require(name)
+        t = self._experts(name)
+        if not t.resident and t.decoded_nbytes <= self.expert_budget:
+            self.expert_budget -= t.decoded_nbytes
+            t.resident = True
+        return t
+
+    def _experts(self, name: str) -> ExpertTensor:
+        raise NotImplementedError
+
+    def _require(self, name: str) -> None:
+        if not self.has(name):
+            raise ForgeError(f"{self.source}: missing tensor {name}")
+
+    def _load_dense(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class GGUFWeights(Weights):
+    """Weights read from a GGUF file through gguf's memory-mapped reader."""
+
+    def __init__(self, path: str | Path, device: str | torch.device = "cpu") -> None:
+        path = Path(path)
+        if not path.is_file():
+            raise ForgeError(f"{path}: no such file")
+        try:
+            self.reader = GGUFReader(path)
+        except Exception as exc:  # the reader raises ValueError/struct errors/... on a bad or truncated file
+            raise ForgeError(f"{path}: not a readable GGUF file ({exc})") from exc
+        self._fields = self.reader.fields
+        self._meta_cache: dict[str, Any] = {}
+        self._tensors = {t.name: t for t in self.reader.tensors}
+        self._raw: dict[str, torch.Tensor] = {}
+        super().__init__({}, torch.device(device), str(path))
+        for t in self._tensors.values():
+            check_decodable(GGMLQuantizationType(t.tensor_type))
+
+    def _lookup(self, key: str) -> Any:
+        if key not in self._meta_cache:
+            field = self._fields.get(key)
+            self._meta_cache[key] = _MISSING if field is None else field.contents()
+        return self._meta_cache[key]
+
+    def keys(self) -> list[str]:
+        return list(self._fields)
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def qtype(self, name: str) -> GGMLQuantizationType:
+        self._require(name)
+        return GGMLQuantizationType(self._tensors[name].tensor_type)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Torch order (reversed ggml ne)."""
+        self._require(name)
+        return tuple(int(n) for n in reversed(self._tensors[name].shape))
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor's bytes as uint8 (*shape[:-1], row_bytes), zero-copy on CPU."""
+        if name not in self._raw:
+            self._require(name)
+            t = self._tensors[name]
+            shape = self.shape(name)
+            arr = np.asarray(t.data).view(np.uint8).reshape(*shape[:-1], -1)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the mmap is read-only; we never write through it
+                raw = torch.from_numpy(arr)
+            self._raw[name] = raw.to(self.device) if self.device.type != "cpu" else raw
+        return self._raw[name]
+
+    def _load_dense(self, name: str) -> torch.Tensor:
+        return dequantize(self.raw(name), self.qtype(name), self.shape(name)[-1])
+
+    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        self._require(name)
+        if name in self._dense:
+            return self._dense[name][ids]
+        return dequantize(self.raw(name)[ids.to(self.device)], self.qtype(name), self.shape(name)[-1])
+
+    def _experts(self, name: str) -> ExpertTensor:
+        return ExpertTensor(self.raw(name), self.qtype(name), self.shape(name)[-1])
+
+
+class TensorWeights(Weights):
+    """Weights held as float tensors in GGUF layout (a Hugging Face folder mapped by ``load_hf_folder``)."""
+
+    def __init__(
+        self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], device: str | torch.device, source: str
+    ) -> None:
+        super().__init__(meta, torch.device(device), source)
+        self.tensors = tensors
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def _load_dense(self, name: str) -> torch.Tensor:
+        return self.tensors[name].to(self.device, torch.float32)
+
+    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        return self.dense(name)[ids.to(self.device)]
+
+    def _experts(self, name: str) -> ExpertTensor:
+        t = self.dense(name)  # already float32: resident at no cost
+        return ExpertTensor(t.view(torch.uint8), GGMLQuantizationType.F32, t.shape[-1], resident=True)
+
+
+def load_weights(
+    path: str | Path, device: str | torch.device = "cpu", expert_budget: int = DEFAULT_EXPERT_BUDGET
+) -> Weights:
+    """A GGUF file, or a Hugging Face folder (config.json + safetensors) of a supported architecture.
+
+    ``expert_budget``: bytes of decoded routed experts to keep resident (0: decode on every use).
+    """
+    path = Path(path)
+    weights: Weights = load_hf_folder(path, device) if path.is_dir() else GGUFWeights(path, device)
+    weights.expert_budget = expert_budget
+    return weights
+
+
+# Hugging Face folders -------------------------------------------------------------------------------------
+# The mapping reproduces what llama.cpp's convert_hf_to_gguf.py writes for these architectures, so a folder
+# and its converted GGUF run the same code (tests check the result against llama.cpp's bf16 manifests).
+
+_HF_ARCH = {"qwen3_moe": "qwen3moe", "qwen3_5_moe_text": "qwen35moe", "qwen3_5_moe": "qwen35moe"}
+_HF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "linear_attn.in_proj_qkv": "attn_qkv",
+    "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.out_proj": "ssm_out",
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.conv1d": "ssm_conv1d",
+}
+
+
+def _hf_meta(cfg: dict[str, Any], folder: Path) -> dict[str, Any]:
+    arch = _HF_ARCH.get(cfg.get("model_type", ""))
+    if arch is None:
+        raise ForgeError(f"{folder}: unsupported architecture {cfg.get('model_type')!r}")
+    rope = cfg.get("rope_parameters") or {}
+    p = f"{arch}."
+    meta: dict[str, Any] = {
+        "general.architecture": arch,
+        p + "block_count": cfg["num_hidden_layers"],
+        p + "context_length": cfg["max_position_embeddings"],
+        p + "embedding_length": cfg["hidden_size"],
+        p + "attention.head_count": cfg["num_attention_heads"],
+        p + "attention.head_count_kv": cfg["num_key_value_heads"],
+        p + "attention.key_length": cfg["head_dim"],
+        p + "attention.value_length": cfg["head_dim"],
+        p + "attention.layer_norm_rms_epsilon": cfg["rms_norm_eps"],
+        p + "rope.freq_base": rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+        p + "expert_count": cfg.get("num_experts", cfg.get("num_local_experts")),
+        p + "expert_used_count": cfg["num_experts_per_tok"],
+        p + "expert_feed_forward_length": cfg["moe_intermediate_size"],
+    }
+    if arch == "qwen35moe":
+        meta |= {
+            p + "expert_shared_feed_forward_length": cfg["shared_expert_intermediate_size"],
+            p + "ssm.conv_kernel": cfg["linear_conv_kernel_dim"],
+            p + "ssm.state_size": cfg["linear_key_head_dim"],
+            p + "ssm.group_count": cfg["linear_num_key_heads"],
+            p + "ssm.time_step_rank": cfg["linear_num_value_heads"],
+            p + "ssm.inner_size": cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"],
+            p + "full_attention_interval": cfg.get("full_attention_interval", 4),
+            p + "rope.dimension_count": int(cfg["head_dim"] * rope.get("partial_rotary_factor", 1.0)),
+        }
+    return meta
+
+
+def _tiled_v_heads(t: torch.Tensor, dim: int, n_k: int, n_v: int, head_dim: int) -> torch.Tensor:
+    """Reorder value heads from grouped-by-key-head (HF) to tiled order (GGUF) along ``dim``.
+
+    HF: [k0v0, k0v1, k1v0, k1v1]; GGUF: [k0v0, k1v0, k0v1, k1v1], so that value head h reads key head
+    h % n_k (ggml's broadcasting repeat) instead of h // (n_v / n_k).
+    """
+    if n_k == n_v:
+        return t
+    shape = list(t.shape)
+    t = t.reshape(*shape[:dim], n_k, n_v // n_k, head_dim, *shape[dim + 1 :]).transpose(dim, dim + 1)
+    return t.reshape(shape)
+
+
+def load_hf_folder(folder: str | Path, device: str | torch.device = "cpu") -> TensorWeights:
+    """A Hugging Face checkpoint folder as float32 tensors in GGUF names and layout."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ForgeError(f"{folder}: no config.json (not a Hugging Face folder)")
+    cfg = json.loads(cfg_path.read_text())
+    cfg = cfg.get("text_config", cfg) | {
+        "model_type": cfg.get("text_config", cfg).get("model_type", cfg.get("model_type"))
+    }
+    meta = _hf_meta(cfg, folder)
+    arch = meta["general.architecture"]
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise ForgeError(f"{folder}: no .safetensors files")
+    hf: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        hf |= load_file(str(shard))
+    hf = {k.removeprefix("model.language_model.").removeprefix("model."): v for k, v in hf.items()}
+
+    n_layer = meta[f"{arch}.block_count"]
+    out: dict[str, torch.Tensor] = {
+        "token_embd.weight": hf["embed_tokens.weight"],
+        "output_norm.weight": hf["norm.weight"],
+        "output.weight": hf.get("lm_head.weight", hf["embed_tokens.weight"]),
+    }
+    for i in range(n_layer):
+        prefix = f"layers.{i}."
+        for key, value in hf.items():
+            if not key.startswith(prefix) or ".experts." in key:
+                continue
+            stem = key[len(prefix) :]
+            base, _, suffix = stem.rpartition(".")
+            if base not in _HF_LAYER_NAMES:
+                if stem in ("linear_attn.A_log", "linear_attn.dt_bias"):
+                    base, suffix = stem, ""
+                else:
+                    raise ForgeError(f"{folder}: unexpected tensor {key}")
+            name = {"linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias"}.get(
+                base, f"{_HF_LAYER_NAMES.get(base, '')}.{suffix}"
+            )
+            out[f"blk.{i}.{name}"] = value
+        for proj in ("gate", "up", "down"):
+            experts = [
+                hf.get(f"{prefix}mlp.experts.{e}.{proj}_proj.weight")
+                for e in range(cfg.get("num_experts", cfg.get("num_local_experts")))
+            ]
+            if all(e is not None for e in experts):
+                out[f"blk.{i}.ffn_{proj}_exps.weight"] = torch.stack(experts)
+        if f"{prefix}mlp.experts.gate_up_proj" in hf:  # fused 3-D form
+            gate_up = hf[f"{prefix}mlp.experts.gate_up_proj"]
+            n_ff = gate_up.shape[1] // 2
+            out[f"blk.{i}.ffn_gate_exps.weight"] = gate_up[:, :n_ff]
+            out[f"blk.{i}.ffn_up_exps.weight"] = gate_up[:, n_ff:]
+            out[f"blk.{i}.ffn_down_exps.weight"] = hf[f"{prefix}mlp.experts.down_proj"]
+    if arch == "qwen35moe":
+        out = _qwen35moe_from_hf(out, meta, n_layer)
+    meta |= _hf_tokenizer_meta(folder)
+    return TensorWeights(meta, {k: v.float() for k, v in out.items()}, device, str(folder))
+
+
+def _qwen35moe_from_hf(
+    t: dict[str, torch.Tensor], meta: dict[str, Any], n_layer: int
+) -> dict[str, torch.Tensor]:
+    p = "qwen35moe."
+    n_k, n_v = meta[p + "ssm.group_count"], meta[p + "ssm.time_step_rank"]
+    d_k, d_v = meta[p + "ssm.state_size"], meta[p + "ssm.inner_size"] // n_v
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        # Qwen3.5's RMSNorm multiplies by (1 + w); GGUF stores 1 + w (the gated ssm_norm is a plain w).
+        for norm in ("attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm"):
+            if b + norm + ".weight" in t:
+                t[b + norm + ".weight"] = t[b + norm + ".weight"].float() + 1
+        if b + "ffn_norm.weight" in t:
+            t[b + "post_attention_norm.weight"] = t.pop(b + "ffn_norm.weight")
+        if b + "ssm_a" not in t:
+            continue
+        t[b + "ssm_a"] = -torch.exp(t[b + "ssm_a"].float())
+        t[b + "ssm_conv1d.weight"] = t[b + "ssm_conv1d.weight"].squeeze(1)
+        key_dim = n_k * d_k
+        for name in ("attn_qkv.weight", "ssm_conv1d.weight"):
+            x = t[b + name]
+            t[b + name] = torch.cat([x[: 2 * key_dim], _tiled_v_heads(x[2 * key_dim :], 0, n_k, n_v, d_v)])
+        t[b + "attn_gate.weight"] = _tiled_v_heads(t[b + "attn_gate.weight"], 0, n_k, n_v, d_v)
+        for name in ("ssm_alpha.weight", "ssm_beta.weight", "ssm_a", "ssm_dt.bias"):
+            t[b + name] = _tiled_v_heads(t[b + name], 0, n_k, n_v, 1)
+        t[b + "ssm_out.weight"] = _tiled_v_heads(t[b + "ssm_out.weight"], 1, n_k, n_v, d_v)
+    for norm in ("output_norm.weight",):
+        t[norm] = t[norm].float() + 1
+    return t
+
+
+def _hf_tokenizer_meta(folder: Path) -> dict[str, Any]:
+    """GGUF tokenizer keys from tokenizer.json (byte-level BPE), as llama.cpp's converter writes them."""
+    tok_path = folder / "tokenizer.json"
+    if not tok_path.is_file():
+        return {}
+    tok = json.loads(tok_path.read_text())
+    vocab: dict[str, int] = tok["model"]["vocab"]
+    added = {a["content"]: a["id"] for a in tok.get("added_tokens", [])}
+    n = max([*vocab.values(), *added.values()]) + 1
+    tokens = [f"[PAD{i}]" for i in range(n)]
+    types = [1] * n
+    for s, i in vocab.items():
+        tokens[i] = s
+    for s, i in added.items():
+        tokens[i], types[i] = s, 3
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"].get("merges", [])]
+    meta: dict[str, Any] = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+    }
+    tcfg_path = folder / "tokenizer_config.json"
+    tcfg = json.loads(tcfg_path.read_text()) if tcfg_path.is_file() else {}
+    eos = tcfg.get("eos_token")
+    if isinstance(eos, str) and eos in added:
+        meta["tokenizer.ggml.eos_token_id"] = added[eos]
+    template = folder / "chat_template.jinja"
+    if template.is_file():
+        meta["tokenizer.chat_template"] = template.read_text()
+    elif isinstance(tcfg.get("chat_template"), str):
+        meta["tokenizer.chat_template"] = tcfg["chat_template"]
+    return meta
