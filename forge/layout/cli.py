@@ -12,7 +12,9 @@ import typer
 from forge.errors import ForgeError
 
 app = typer.Typer(
-    help="Expert-major layouts (ds4 v1/v2): convert, convert back, verify, inspect.", no_args_is_help=True
+    help="Expert-major layouts (ds4 v1/v2): convert, convert back, verify, inspect.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
 )
 
 
@@ -41,6 +43,10 @@ def convert(
     if r.payload_sha256:
         typer.echo(f"payload_sha256 {r.payload_sha256}")
     typer.echo(f"output_bytes {r.output_bytes}")
+    if to is Target.v2 and r.source_order == "recorded":
+        typer.echo(
+            "note: source tensor order recorded in descriptor bytes 200..223 (gguf-forge extension; ds4 refuses it)"
+        )
     typer.echo(f"wrote {r.dest} ({to.value}{', verified' if r.verified else ', NOT verified'})")
 
 

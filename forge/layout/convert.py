@@ -41,6 +41,7 @@ class ConvertResult:
     source_sha256: str
     payload_sha256: str | None
     verified: bool
+    source_order: str = "derived"  # "recorded": v2 uses the gguf-forge source-position extension
 
 
 def _pause_hook(layer: int) -> None:
@@ -162,7 +163,9 @@ def to_expert_major(
                 with open_gguf(f"/proc/self/fd/{f.fileno()}") as native:
                     native.path = Path(dest)
                     verify_native(raw, native, source_sha256=source_sha)
-    return ConvertResult(Path(dest), out_size, source_sha.hex(), payload_sha.hex(), verify)
+    recorded = version == 1 or meta[200:224] != bytes(24)  # v2: descriptor 0 extension bytes
+    order = "recorded" if recorded else "derived"
+    return ConvertResult(Path(dest), out_size, source_sha.hex(), payload_sha.hex(), verify, order)
 
 
 def _write_payload(
