@@ -13,8 +13,13 @@ llama.cpp's strictly sequential loop.
 
 from __future__ import annotations
 
+import math
+import os
 import re
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -154,3 +159,98 @@ class ImatrixAccumulator(Observer):
         sums, counts = self.export_arrays()
         return Imatrix(sums=sums, counts=counts, datasets=list(datasets), chunk_count=chunk_count,
                        chunk_size=chunk_size)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ collection
+
+
+@dataclass
+class CollectReport:
+    imatrix: Imatrix
+    chunks: int
+    tokens: int
+    seconds: float
+    perplexity: float | None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def tokenize_like_llama_imatrix(model_path: str | os.PathLike[str], text: str) -> list[int]:
+    """Token ids as llama-imatrix gets them: the whole text at once, special-token parsing off, no BOS.
+
+    Uses the Hugging Face folder's ``tokenizer.json`` (its special tokens encoded as plain text, which
+    gives llama.cpp's ids for the fixture models).
+    """
+    path = Path(model_path)
+    tok_file = path / "tokenizer.json" if path.is_dir() else None
+    if tok_file is None or not tok_file.is_file():
+        raise ForgeError(
+            f"{model_path}: imatrix collection needs the model's tokenizer; give the Hugging Face folder "
+            "(tokenizing from GGUF metadata is not wired yet)"
+        )
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_file))
+    tok.encode_special_tokens = True
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def collect(
+    model_path: str | os.PathLike[str],
+    text_path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    ctx: int = 512,
+    chunks: int | None = None,
+    fmt: str | None = None,
+    save_every: int = 0,
+    process_output: bool = False,
+    device: str = "cpu",
+    log: Callable[[str], None] | None = print,
+) -> CollectReport:
+    """``forge imatrix collect``: llama-imatrix's procedure on our runtime.
+
+    The text is cut into consecutive ``ctx``-token chunks (at most ``chunks``); each runs from an
+    empty cache as one batch. Perplexity is printed as llama-imatrix does (second half of each chunk).
+    Every ``save_every`` chunks, and at the end, ``out`` is replaced atomically.
+    """
+    from forge.atomic import check_output_path
+    from forge.imatrix.formats import format_for_path, write_imatrix
+    from runtime.models import load_model
+
+    check_output_path(out)
+    if fmt not in (None, "gguf", "dat"):
+        raise ForgeError(f"--format must be gguf or dat, not {fmt!r}")
+    if ctx < 2:
+        raise ForgeError("--ctx must be at least 2")
+    text_file = Path(text_path)
+    if not text_file.is_file():
+        raise ForgeError(f"{text_file}: no such file")
+    ids = tokenize_like_llama_imatrix(model_path, text_file.read_text(encoding="utf-8", errors="replace"))
+    if len(ids) < 2 * ctx:
+        raise ForgeError(f"{text_file}: {len(ids)} tokens; need at least {2 * ctx} for a context of {ctx}")
+    n_chunks = len(ids) // ctx if chunks is None or chunks < 0 else min(chunks, len(ids) // ctx)
+    acc = ImatrixAccumulator(process_output=process_output)
+    model = load_model(model_path, device=device, observers=[acc])
+    tokens = torch.tensor(ids[: n_chunks * ctx], dtype=torch.long).reshape(n_chunks, ctx)
+    target_fmt = fmt or format_for_path(out)
+    first = ctx // 2
+    nll, count = 0.0, 0
+    start = time.perf_counter()
+    for i in range(n_chunks):
+        logits = model.forward(tokens[i], model.new_state(ctx))
+        logp = torch.log_softmax(logits[first : ctx - 1].double(), dim=-1)
+        nll -= float(logp.gather(1, tokens[i, first + 1 :].to(logp.device)[:, None]).sum())
+        count += ctx - 1 - first
+        if log:
+            log(f"[{i + 1}]{math.exp(nll / count):.4f},")
+        if save_every > 0 and (i + 1) % save_every == 0 and i + 1 < n_chunks:
+            write_imatrix(acc.to_imatrix([str(text_path)], i + 1, ctx), out, target_fmt)  # type: ignore[arg-type]
+    seconds = time.perf_counter() - start
+    im = acc.to_imatrix([str(text_path)], n_chunks, ctx)
+    write_imatrix(im, out, target_fmt)  # type: ignore[arg-type]
+    ppl = math.exp(nll / count) if count else None
+    if log and ppl is not None:
+        log(f"Final estimate: PPL = {ppl:.4f}")
+    return CollectReport(im, n_chunks, n_chunks * ctx, seconds, ppl)

@@ -108,3 +108,33 @@ def convert(
         else ""
     )
     out.print(f"wrote {output} ({target}): {len(im.sums)} tensors{lost}")
+
+
+@app.command()
+def collect(
+    model: Annotated[
+        Path, typer.Argument(help="model: Hugging Face folder (or GGUF once tokenizing from GGUF is wired)")
+    ],
+    text: Annotated[Path, typer.Option("--text", "-f", help="calibration text file")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="imatrix to write (.gguf, or .dat)")],
+    ctx: Annotated[int, typer.Option(help="tokens per chunk (llama-imatrix -c)")] = 512,
+    chunks: Annotated[
+        int | None, typer.Option(help="process at most this many chunks (default: all)")
+    ] = None,
+    fmt: FormatOpt = None,
+    save_every: Annotated[
+        int, typer.Option(help="also write the output every N chunks (atomic replace)")
+    ] = 0,
+    process_output: Annotated[
+        bool, typer.Option("--process-output", help="collect output.weight too")
+    ] = False,
+    device: Annotated[str, typer.Option(help="torch device")] = "cpu",
+) -> None:
+    """Collect an imatrix with llama-imatrix's chunking, printing perplexity along the way."""
+    from forge.imatrix.accumulate import collect as run_collect
+
+    rep = run_collect(model, text, output, ctx, chunks, _fmt(fmt), save_every, process_output, device,
+                      log=lambda s: out.print(s, end=" "))  # fmt: skip
+    out.print()
+    out.print(f"wrote {output}: {len(rep.imatrix.sums)} tensors from {rep.chunks} chunks x {ctx} tokens "
+              f"in {rep.seconds:.1f} s ({rep.tokens_per_second:.0f} tokens/s)")  # fmt: skip

@@ -1,0 +1,300 @@
+"""The imatrix accumulator (runtime observer) and LiveImatrix (server snapshots)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from forge.errors import ForgeError
+from forge.imatrix import importance_for, read_imatrix
+from forge.imatrix.accumulate import ImatrixAccumulator
+from forge.imatrix.live import LiveImatrix
+
+runtime_observers = pytest.importorskip("runtime.observers")
+N_EXPERT, TOP_K, D, F = 8, 2, 32, 16
+
+
+class FakeMoE:
+    """A two-layer random MoE that reports to observers exactly like the runtime's models do."""
+
+    def __init__(self, observers: list, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.observers = observers
+        self.router = [torch.randn(N_EXPERT, D, generator=g) for _ in range(2)]
+        self.gate = [torch.randn(N_EXPERT, F, D, generator=g) / D**0.5 for _ in range(2)]
+        self.down = [torch.randn(N_EXPERT, D, F, generator=g) / F**0.5 for _ in range(2)]
+        self.wq = [torch.randn(D, D, generator=g) / D**0.5 for _ in range(2)]
+        self.out = torch.randn(50, D, generator=g)
+
+    def forward(self, h: torch.Tensor, allowed: int = N_EXPERT) -> torch.Tensor:
+        notify_matmul, notify_routing = runtime_observers.notify_matmul, runtime_observers.notify_routing
+        for layer in range(2):
+            notify_matmul(self.observers, f"blk.{layer}.attn_q.weight", h)
+            h = h + h @ self.wq[layer].T
+            logits = h @ self.router[layer].T
+            logits[:, allowed:] = -1e9  # lets a test keep the top experts unrouted
+            w, ids = logits.softmax(-1).topk(TOP_K, dim=-1)
+            notify_routing(self.observers, layer, ids, w, logits)
+            flat = ids.reshape(-1)
+            x = h.repeat_interleave(TOP_K, dim=0)  # one row per (token, slot)
+            notify_matmul(self.observers, f"blk.{layer}.ffn_gate_exps.weight", x, flat)
+            act = torch.nn.functional.silu(torch.einsum("rfd,rd->rf", self.gate[layer][flat], x))
+            notify_matmul(self.observers, f"blk.{layer}.ffn_down_exps.weight", act, flat)
+            y = torch.einsum("rdf,rf->rd", self.down[layer][flat], act) * w.reshape(-1, 1)
+            h = h + y.reshape(-1, TOP_K, D).sum(1)
+        notify_matmul(self.observers, "output.weight", h)
+        notify_matmul(self.observers, "token_embd.weight", h)  # never collected (not blk.*)
+        return h @ self.out.T
+
+
+class Recorder(runtime_observers.Observer):
+    """Keeps every reported input: the straightforward reference is computed from these."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, np.ndarray, np.ndarray | None]] = []
+
+    def on_matmul_input(self, tensor_name, x, expert_ids):
+        ids = None if expert_ids is None else expert_ids.numpy().copy()
+        self.calls.append((tensor_name, x.numpy().astype(np.float64), ids))
+
+
+def reference(calls, process_output: bool) -> tuple[dict, dict]:
+    sums: dict[str, np.ndarray] = {}
+    counts: dict[str, np.ndarray] = {}
+    for name, x, ids in calls:
+        if not (name.startswith("blk.") or (process_output and name == "output.weight")):
+            continue
+        if ids is None and x.shape[0] < 16:
+            continue
+        n_mat = 1 if ids is None else N_EXPERT
+        s = sums.setdefault(name, np.zeros((n_mat, x.shape[1])))
+        c = counts.setdefault(name, np.zeros(n_mat, np.int64))
+        for row in range(x.shape[0]):
+            e = 0 if ids is None else ids[row]
+            s[e] += x[row] ** 2
+            c[e] += 1
+    return sums, counts
+
+
+@pytest.mark.parametrize("process_output", [False, True])
+def test_accumulator_matches_reference(process_output):
+    acc, rec = ImatrixAccumulator(process_output=process_output), Recorder()
+    model = FakeMoE([acc, rec])
+    g = torch.Generator().manual_seed(1)
+    for n_tokens in (40, 7, 64):  # the 7-token batch is below llama.cpp's 16-row minimum for plain matmuls
+        model.forward(torch.randn(n_tokens, D, generator=g), allowed=N_EXPERT - 1)
+    ref_sums, ref_counts = reference(rec.calls, process_output)
+    im = acc.to_imatrix(["calib.txt"], chunk_count=3, chunk_size=64)
+    assert im.names() == sorted(ref_sums)
+    assert ("output.weight" in im.sums) == process_output and "token_embd.weight" not in im.sums
+    for name in im.names():
+        np.testing.assert_array_equal(im.counts[name], ref_counts[name], err_msg=name)
+        np.testing.assert_allclose(im.sums[name], ref_sums[name], rtol=2e-6, atol=0, err_msg=name)
+    assert im.counts["blk.0.attn_q.weight"].tolist() == [40 + 64]
+    assert im.counts["blk.0.ffn_gate_exps.weight"].sum() == (40 + 7 + 64) * TOP_K
+    assert im.shape("blk.1.ffn_down_exps.weight") == (N_EXPERT, F)
+    assert im.counts["blk.1.ffn_down_exps.weight"][-1] == 0  # never routed, still present (count 0)
+
+
+def test_accumulator_to_file_gives_mean_squares(tmp_path):
+    acc, rec = ImatrixAccumulator(), Recorder()
+    FakeMoE([acc, rec], seed=2).forward(torch.randn(100, D, generator=torch.Generator().manual_seed(3)))
+    acc.to_imatrix(["t"], 1, 100).check()
+    from forge.imatrix import write_imatrix
+
+    write_imatrix(acc.to_imatrix(["t"], 1, 100), tmp_path / "m.gguf")
+    im = read_imatrix(tmp_path / "m.gguf")
+    ref_sums, ref_counts = reference(rec.calls, False)
+    w = importance_for(im, "blk.0.ffn_down_exps.weight", F, N_EXPERT)
+    seen = ref_counts["blk.0.ffn_down_exps.weight"] > 0
+    expected = (
+        ref_sums["blk.0.ffn_down_exps.weight"][seen] / ref_counts["blk.0.ffn_down_exps.weight"][seen, None]
+    )
+    np.testing.assert_allclose(w[seen], expected, rtol=2e-6)
+
+
+def test_accumulator_refuses_bad_inputs():
+    acc = ImatrixAccumulator(n_experts=4)
+    x = torch.ones(20, 8)
+    with pytest.raises(ForgeError, match="expert ids"):
+        acc.on_matmul_input("blk.0.ffn_up_exps.weight", x, torch.zeros(3, dtype=torch.long))
+    acc.on_routing(0, torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 4))
+    with pytest.raises(ForgeError, match="out of range"):
+        acc.on_matmul_input("blk.0.ffn_up_exps.weight", x, torch.full((20,), 4))
+    acc.on_matmul_input("blk.0.attn_q.weight", x, None)
+    with pytest.raises(ForgeError, match="columns"):
+        acc.on_matmul_input("blk.0.attn_q.weight", torch.ones(20, 9), None)
+    acc.on_matmul_input("blk.0.attn_k.weight", torch.full((20, 8), float("inf")), None)
+    with pytest.raises(ForgeError, match="non-finite"):
+        acc.to_imatrix()
+
+
+# ----------------------------------------------------------------------------------------- LiveImatrix
+
+
+def feed(live, seed: int, n_tokens: int = 24) -> None:
+    FakeMoE([live], seed=0).forward(torch.randn(n_tokens, D, generator=torch.Generator().manual_seed(seed)))
+
+
+def test_live_snapshots_every_n_once_m_seen(tmp_path):
+    out = tmp_path / "live.gguf"
+    live = LiveImatrix(out, every=3, min_requests=5)
+    written = []
+    for i in range(1, 13):
+        feed(live, i)
+        if live.request_done():
+            written.append(i)
+            assert read_imatrix(out).chunk_count == i
+        assert out.exists() == (i >= 6)
+    assert written == [6, 9, 12]
+    snap = read_imatrix(out)
+    assert snap.datasets == ["live"]
+    assert snap.counts["blk.0.attn_q.weight"].tolist() == [12 * 24]
+    assert live.close() and read_imatrix(out).chunk_count == 12
+    assert LiveImatrix(tmp_path / "never.gguf", every=0, min_requests=1).close() is False  # no data: no file
+    assert not (tmp_path / "never.gguf").exists()
+
+
+def test_live_is_thread_safe(tmp_path):
+    import threading
+
+    live = LiveImatrix(tmp_path / "t.gguf", every=4, min_requests=1)
+    threads = [threading.Thread(target=lambda s=s: (feed(live, s), live.request_done())) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    live.close()
+    im = read_imatrix(tmp_path / "t.gguf")
+    assert live.requests == 8 and im.chunk_count == 8
+    assert im.counts["blk.0.attn_q.weight"].tolist() == [8 * 24]
+    assert im.counts["blk.1.ffn_down_exps.weight"].sum() == 8 * 24 * TOP_K
+
+
+def _strings_in_gguf(path: Path) -> set[str]:
+    from forge.gguf_file import open_gguf
+
+    g = open_gguf(path)
+    out = set(g.tensors)
+    for kv in g.kvs.values():
+        out.add(kv.key)
+        values = kv.value if isinstance(kv.value, list) else [kv.value]
+        out.update(v for v in values if isinstance(v, str))
+    return out
+
+
+def test_live_file_holds_no_prompt_text(tmp_path):
+    prompt = "Patient Jane Q. Example, DOB 1970-01-01, diagnosis: confidential-4711"
+    out = tmp_path / "live.gguf"
+    live = LiveImatrix(out, every=1, min_requests=1)
+    # the prompt enters only as activations (its bytes as values), as it would through the model
+    codes = torch.tensor(list(prompt.encode()), dtype=torch.float32)
+    x = codes[: (codes.numel() // D) * D].reshape(-1, D).repeat(8, 1)
+    live.on_matmul_input("blk.0.attn_q.weight", x, None)
+    with pytest.raises(TypeError):
+        live.request_done(prompt)  # type: ignore[call-arg]  # no request metadata is accepted at all
+    assert live.request_done()
+    data = out.read_bytes()
+    for needle in (prompt, "confidential-4711", "Jane"):
+        assert needle.encode() not in data and needle.encode("utf-16-le") not in data
+    row_bytes = codes[:D].numpy().astype("<f4").tobytes()
+    assert row_bytes not in data  # no single input row is stored, only sums of squares
+    strings = _strings_in_gguf(out)
+    assert strings == {"general.type", "imatrix", "imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size",
+                       "live", "blk.0.attn_q.weight.in_sum2", "blk.0.attn_q.weight.counts"}  # fmt: skip
+
+
+_KILL_SCRIPT = textwrap.dedent(
+    """
+    import sys, time, torch
+    import forge.imatrix.formats as formats
+    from forge.imatrix.live import LiveImatrix
+
+    live = LiveImatrix(sys.argv[1], every=1, min_requests=1)
+    live.on_matmul_input("blk.0.attn_q.weight", torch.ones(32, 64), None)
+    live.request_done()
+    print("FIRST", flush=True)
+    real = formats._tensor_data
+
+    def stalled(tensors):
+        for i, data in enumerate(real(tensors)):
+            yield data
+            if i == 1:
+                print("WRITING", flush=True)
+                time.sleep(120)
+
+    formats._tensor_data = stalled
+    live.on_matmul_input("blk.0.attn_q.weight", torch.full((32, 64), 2.0), None)
+    live.on_matmul_input("blk.1.attn_q.weight", torch.ones(32, 64), None)
+    live.request_done()
+    """
+)
+
+
+@pytest.mark.slow
+def test_kill_during_snapshot_keeps_previous(tmp_path):
+    out = tmp_path / "live.gguf"
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(out)], stdout=subprocess.PIPE, text=True,
+                            env=env, cwd=root)  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == "FIRST"
+        first = out.read_bytes()
+        assert proc.stdout.readline().strip() == "WRITING"
+        time.sleep(0.2)
+        assert out.read_bytes() == first
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert out.read_bytes() == first
+    im = read_imatrix(out)
+    assert im.names() == ["blk.0.attn_q.weight"] and im.counts["blk.0.attn_q.weight"].tolist() == [32]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["live.gguf"], "a temporary file was left behind"
+    assert re.fullmatch(r"-?\d+", str(proc.returncode)) and proc.returncode == -signal.SIGKILL
+
+
+# --------------------------------------------------------------------------------- collection on a model
+
+
+def _model_dir():
+    from tests import oracle
+
+    d = oracle.model_dir("tiny-qwen3moe")
+    if not (d / "tokenizer.json").is_file():
+        pytest.skip("tiny-qwen3moe fixture is absent")
+    return d
+
+
+@pytest.mark.slow
+def test_collect_small_run(tmp_path):
+    from forge.imatrix.accumulate import collect
+    from tests import oracle
+
+    text = tmp_path / "t.txt"
+    text.write_text((oracle.fixtures() / "text" / "calib.txt").read_text()[:6000])
+    lines: list[str] = []
+    rep = collect(_model_dir(), text, tmp_path / "im.dat", ctx=64, chunks=3, save_every=1, log=lines.append)
+    assert rep.chunks == 3 and lines[0].startswith("[1]") and lines[-1].startswith("Final estimate: PPL = ")
+    assert 1 < rep.perplexity < 1000
+    im = read_imatrix(tmp_path / "im.dat")
+    assert im.chunk_count == 3 and im.datasets == [str(text)]
+    g = rep.imatrix
+    assert g.chunk_size == 64 and g.counts["blk.0.attn_q.weight"].tolist() == [3 * 64]
+    assert g.counts["blk.3.ffn_down_exps.weight"].sum() == 3 * 64 * 4 and g.shape(
+        "blk.3.ffn_down_exps.weight"
+    ) == (32, 256)
+    assert "output.weight" not in g.sums
+    with pytest.raises(ForgeError, match="need at least"):
+        collect(_model_dir(), text, tmp_path / "x.gguf", ctx=4096, log=None)
+    assert not (tmp_path / "x.gguf").exists()
