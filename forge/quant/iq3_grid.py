@@ -12,7 +12,7 @@ iq3xxs_grid / iq3s_grid), so nothing is duplicated here; the rest is derived.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 
 import numpy as np
 from gguf import quants as gguf_quants
@@ -32,11 +32,20 @@ class IQ3Grid:
     neighbours: np.ndarray
     #: (4096,) int32 number of neighbours (0 for codes on the grid).
     n_neighbours: np.ndarray
+    #: (max_neighbours, 4096) int32: neighbours transposed, slot-major (-1 padded).
+    neighbours_by_slot: np.ndarray
+    #: (max_neighbours, 4, 4096) float32: magnitudes 2l+1 of each neighbour's coordinates (0 padded).
+    neighbour_magnitudes: np.ndarray
 
-    @property
+    @cached_property
     def magnitudes(self) -> np.ndarray:
         """(n_grid, 4) float32 grid magnitudes 2l+1."""
         return (2 * self.levels.astype(np.float32) + 1).astype(np.float32)
+
+    @cached_property
+    def magnitudes_by_coord(self) -> np.ndarray:
+        """(4, n_grid) float32: the magnitudes, coordinate-major."""
+        return np.ascontiguousarray(self.magnitudes.T)
 
 
 def _levels_from_gguf(qtype: type) -> np.ndarray:
@@ -75,7 +84,16 @@ def build_grid(levels: np.ndarray, nwant: int) -> IQ3Grid:
     n_neighbours = keep.sum(axis=1).astype(np.int32)
     width = int(n_neighbours.max())
     neighbours = np.where(keep[:, :width], order[:, :width], -1).astype(np.int32)
-    return IQ3Grid(levels, codes, index_of_code, neighbours, n_neighbours)
+    magnitudes = np.where(keep[:, :width, None], pos_grid[order[:, :width]], 0).astype(np.float32)
+    return IQ3Grid(
+        levels,
+        codes,
+        index_of_code,
+        neighbours,
+        n_neighbours,
+        np.ascontiguousarray(neighbours.T),
+        np.ascontiguousarray(magnitudes.transpose(1, 2, 0)),
+    )
 
 
 @cache

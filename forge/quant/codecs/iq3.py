@@ -54,47 +54,56 @@ def _best_neighbours(
 ) -> np.ndarray:
     """iq3_find_best_neighbour for n off-grid groups at once.
 
-    codes (n,), xval/waux (n, 4), scale (n,). Returns the grid index minimizing
-    Σ waux·(scale·q − xval)² over the code's neighbour list (first one on ties).
+    codes (n,), xval/waux (4, n), scale (n,). Returns the grid index minimizing
+    Σ waux·(scale·q − xval)² (float32, C's order) over the code's neighbour list, the first one on
+    ties. Groups are sorted by neighbour count so that list slot j is a prefix of the arrays.
     """
     counts = grid.n_neighbours[codes]
-    starts = np.zeros(len(codes), np.int64)
-    np.cumsum(counts[:-1], out=starts[1:])
-    owner = np.repeat(np.arange(len(codes)), counts)
-    slot = np.arange(owner.size) - starts[owner]
-    cand = grid.neighbours[codes[owner], slot]
-    q = grid.magnitudes[cand]  # (pairs, 4)
-    sc = scale[owner]
-    xv = xval[owner]
-    wv = waux[owner]
-    d2 = np.zeros(owner.size, np.float32)
-    for i in range(4):
-        diff = sc * q[:, i] - xv[:, i]
-        d2 += wv[:, i] * diff * diff
-    best_d2 = np.minimum.reduceat(d2, starts)
-    hits = np.flatnonzero(d2 == best_d2[owner])
-    first = hits[np.concatenate([[True], owner[hits[1:]] != owner[hits[:-1]]])]
-    return cand[first]
+    order = np.argsort(-counts, kind="stable")
+    # n_live[j]: how many groups have more than j neighbours (a prefix once sorted)
+    n_live = np.searchsorted(-counts[order], -np.arange(counts.max(initial=0)), side="left")
+    c = codes[order]
+    x = xval[:, order]
+    w = waux[:, order]
+    s = scale[order]
+    best_d2 = np.full(len(c), np.inf, np.float32)
+    best_slot = np.zeros(len(c), np.intp)
+    for j, m in enumerate(n_live):
+        cm = c[:m]
+        mags = grid.neighbour_magnitudes[j]
+        d2 = None
+        for i in range(4):
+            diff = s[:m] * np.take(mags[i], cm) - x[i, :m]
+            term = w[i, :m] * diff * diff
+            d2 = term if d2 is None else d2 + term
+        np.copyto(best_slot[:m], j, where=d2 < best_d2[:m])
+        np.minimum(best_d2[:m], d2, out=best_d2[:m])
+    out = np.empty(len(c), np.int32)
+    out[order] = grid.neighbours_by_slot[best_slot, c]
+    return out
 
 
 def _snap(grid: IQ3Grid, inv_scale, scale, xval, waux, search=None) -> tuple[np.ndarray, np.ndarray]:
     """Grid index (8, B) of every group for one scale per column, and which rounded codes were on
     the grid. Off-grid groups take their best neighbour (only where ``search`` allows, if given)."""
     codes = _group_codes(_levels_for(inv_scale, xval))
-    index = grid.index_of_code[codes]
+    index = np.take(grid.index_of_code, codes)
     on_grid = index >= 0
     off = ~on_grid if search is None else (~on_grid & search)
-    if off.any():
-        k, b = np.nonzero(off)
-        xg = xval.reshape(8, 4, -1)[k, :, b]
-        wg = waux.reshape(8, 4, -1)[k, :, b]
+    k, b = np.nonzero(off)
+    if k.size:
+        xg = xval.reshape(8, 4, -1)[k, :, b].T
+        wg = waux.reshape(8, 4, -1)[k, :, b].T
         index[k, b] = _best_neighbours(grid, codes[k, b], xg, wg, scale[b])
     return index, on_grid
 
 
 def _fit(grid: IQ3Grid, index: np.ndarray, wx: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Σ w·x·q and Σ w·q² (sequential, C order) for the grid points chosen per group."""
-    q = grid.magnitudes[index].transpose(0, 2, 1).reshape(32, -1)  # (8, B, 4) -> (32, B)
+    q = np.empty((8, 4) + index.shape[1:], np.float32)
+    for i in range(4):
+        np.take(grid.magnitudes_by_coord[i], index, out=q[:, i])
+    q = q.reshape(32, -1)
     return _seq_dot(wx, q), _seq_dot(w * q, q)
 
 

@@ -23,7 +23,7 @@ _LEVELS_F32 = IQ4_LEVELS.astype(np.float32)
 _GROUP_MAX_EPS = np.float32(1e-15)
 _NTRY = 7
 #: Elements per encoder step: bounds the temporaries (a few dozen bytes per element).
-_CHUNK_ELEMS = 1 << 21
+_CHUNK_ELEMS = 1 << 17
 
 # --- shared float32 helpers (candidates for forge/quant/numerics.py) -------------------------------
 
@@ -100,12 +100,31 @@ def _importance_position_major(importance: np.ndarray, block: int, n_rows: int) 
 # --- IQ4 core ---------------------------------------------------------------------------------------
 
 
+# best_index_int8 on the levels, by table: the levels are integers, so the pair of levels around
+# al depends only on floor(al) (clipped to the table's range, where the outermost pair applies).
+_FLOORS = np.arange(-128, 114, dtype=np.float32)
+_UPPER = np.searchsorted(_LEVELS_F32, _FLOORS, side="right").clip(1, 15)
+_LO_VAL, _HI_VAL = _LEVELS_F32[_UPPER - 1], _LEVELS_F32[_UPPER]
+
+
+def _slot(al: np.ndarray) -> np.ndarray:
+    return (np.floor(al).clip(-128, 113) + np.float32(128)).astype(np.intp)
+
+
 def _best_level(al: np.ndarray) -> np.ndarray:
-    """best_index_int8(16, kvalues_iq4nl, al): nearest level, ties and edges as ggml decides."""
-    mu = np.searchsorted(_LEVELS_F32, al, side="right").clip(1, 15)
-    lo = _LEVELS_F32[mu - 1]
-    hi = _LEVELS_F32[mu]
-    return np.where(al - lo < hi - al, mu - 1, mu).astype(np.uint8)
+    """best_index_int8(16, kvalues_iq4nl, al): index of the nearest level; on a tie, or while the
+    lower level is not strictly farther, ggml keeps the lower one."""
+    slot = _slot(al)
+    up = al - _LO_VAL[slot] >= _HI_VAL[slot] - al
+    return (_UPPER[slot] - 1 + up).astype(np.uint8)
+
+
+def _best_value(al: np.ndarray) -> np.ndarray:
+    """The level value best_index_int8 picks, as float32."""
+    slot = _slot(al)
+    lo = _LO_VAL[slot]
+    hi = _HI_VAL[slot]
+    return np.where(al - lo >= hi - al, hi, lo)
 
 
 def _block_scales(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -119,7 +138,7 @@ def _block_scales(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     safe_max = np.where(live, vmax, np.float32(1))
 
     def trial(inv_scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        q = _LEVELS_F32[_best_level(inv_scale * x)]
+        q = _best_value(inv_scale * x)
         wq = w * q
         return _seq_dot(wq, x), _seq_dot(wq, q)
 
