@@ -140,11 +140,11 @@ def evaluate(
         raise ForgeError(
             f"the reference has {reference.vocab_size} tokens in its vocabulary, the model {model.vocab_size}"
         )
-    if reference_logits is not None:
-        if reference_logits.n_ctx != n_ctx or not np.array_equal(
-            reference_logits.tokens, ids.numpy().reshape(-1)
-        ):
-            raise ForgeError("the reference logits were computed on other tokens or another --ctx")
+    if reference_logits is not None and (
+        reference_logits.n_ctx != n_ctx
+        or not np.array_equal(reference_logits.tokens, ids.numpy().reshape(-1))
+    ):
+        raise ForgeError("the reference logits were computed on other tokens or another --ctx")
     first = n_ctx // 2
     t0 = time.perf_counter()
 

@@ -53,7 +53,11 @@ class Tokenizer:
         self.ranks = {tuple(m.split(" ", 1)): r for r, m in enumerate(merges)}
         self.split = regex.compile(_PRE_PATTERNS[pre])
         types = token_types or [1] * len(tokens)
-        self.special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in _SPECIAL_TYPES}
+        if len(types) != len(tokens):
+            raise ForgeError(f"tokenizer: {len(tokens)} tokens but {len(types)} token types")
+        self.special = {
+            t: i for i, (t, ty) in enumerate(zip(tokens, types, strict=True)) if ty in _SPECIAL_TYPES
+        }
         self.special_ids = set(self.special.values())
         self.special_split = (
             regex.compile(

@@ -159,6 +159,8 @@ class Weights:
         if not t.resident and t.decoded_nbytes <= self.expert_budget:
             self.expert_budget -= t.decoded_nbytes
             t.resident = True
+        if t.resident:
+            t.decoded()  # at load, so that the first forward pass is not the one paying for it
         return t
 
     def _experts(self, name: str) -> ExpertTensor:

@@ -1,0 +1,145 @@
+"""``forge run`` and ``forge eval``: thin typer functions over runtime.generate / runtime.evaluate."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from forge.errors import ForgeError
+
+DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda or mps")]
+ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads for torch (default: torch's choice)")]
+ExpertCacheOpt = Annotated[
+    int,
+    typer.Option(
+        "--expert-cache-mib", help="MiB of decoded routed experts kept resident (0: decode per use)"
+    ),
+]
+
+
+def _setup(device: str, threads: int | None) -> str:
+    import torch
+
+    if device not in ("cpu", "cuda", "mps"):
+        raise ForgeError(f"--device must be cpu, cuda or mps, not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ForgeError("--device cuda: no CUDA device is available")
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise ForgeError("--device mps: Metal (MPS) is not available")
+    if threads is not None:
+        if threads < 1:
+            raise ForgeError("--threads must be >= 1")
+        torch.set_num_threads(threads)
+    return device
+
+
+def run(
+    model: Annotated[Path, typer.Argument(help="GGUF file (or Hugging Face folder)")],
+    prompt: Annotated[str, typer.Option("-p", "--prompt", help="prompt text")],
+    chat: Annotated[
+        bool, typer.Option("--chat", help="wrap the prompt in the model's chat template")
+    ] = False,
+    system: Annotated[str | None, typer.Option(help="system message (with --chat)")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="tokens to generate at most")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 = off")] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", help="1 = off")] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="sampling seed")] = None,
+    ctx: Annotated[int | None, typer.Option(help="context length (default: the model's)")] = None,
+    device: DeviceOpt = "cpu",
+    threads: ThreadsOpt = None,
+    expert_cache_mib: ExpertCacheOpt = 1024,
+) -> None:
+    """Generate text from a prompt, streamed; prints prefill and decode tokens/s at the end."""
+    from runtime.generate import Sampling, generate
+    from runtime.models import load_model
+    from runtime.tokenizer import Tokenizer
+
+    if max_tokens < 0 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise ForgeError("--max-tokens, --temperature and --top-k must be >= 0 and --top-p in (0, 1]")
+    m = load_model(model, _setup(device, threads), expert_budget=expert_cache_mib << 20)
+    tok = Tokenizer.from_metadata(m.weights)
+    text = prompt
+    if chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    ids = tok.encode(text, parse_special=True)
+
+    def stream(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    res = generate(m, ids, max_tokens, Sampling(temperature, top_k, top_p, seed), tok, stream, context=ctx)
+    sys.stdout.write("\n")
+    sys.stderr.write(
+        f"prefill: {res.prompt_tokens} tokens, {res.prefill_tps:.1f} tok/s | "
+        f"decode: {len(res.tokens)} tokens, {res.decode_tps:.1f} tok/s | stop: {res.stopped_by}\n"
+    )
+
+
+def eval_(
+    model: Annotated[Path, typer.Argument(help="GGUF file (or Hugging Face folder)")],
+    text: Annotated[Path, typer.Option("--text", help="text file to score")],
+    ctx: Annotated[int, typer.Option(help="tokens per chunk (llama-perplexity -c)")] = 512,
+    chunks: Annotated[int | None, typer.Option(help="first N chunks only (default: all)")] = None,
+    reference: Annotated[
+        Path | None, typer.Option(help="reference model (GGUF or HF folder) for KL divergence")
+    ] = None,
+    save_logits: Annotated[
+        Path | None,
+        typer.Option("--save-logits", help="save this model's logits (top-k) as a reference file"),
+    ] = None,
+    reference_logits: Annotated[
+        Path | None, typer.Option("--reference-logits", help="a file written by --save-logits")
+    ] = None,
+    top_k: Annotated[int, typer.Option("--top-k", help="logits kept per token with --save-logits")] = 128,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    device: DeviceOpt = "cpu",
+    threads: ThreadsOpt = None,
+    expert_cache_mib: ExpertCacheOpt = 1024,
+) -> None:
+    """Perplexity like llama-perplexity; with a reference also KL divergence, top-1 agreement, RMS Δp."""
+    from runtime.evaluate import ReferenceLogits, evaluate, format_report, perplexity_tokens
+    from runtime.models import load_model
+    from runtime.tokenizer import Tokenizer
+
+    if save_logits is not None and reference_logits is not None:
+        raise ForgeError("--save-logits and --reference-logits exclude each other")
+    if reference is not None and reference_logits is not None:
+        raise ForgeError("give either --reference or --reference-logits")
+    if chunks is not None and chunks < 1:
+        raise ForgeError("--chunks must be >= 1")
+    if top_k < 1:
+        raise ForgeError("--top-k must be >= 1")
+    if not text.is_file():
+        raise ForgeError(f"{text}: no such file")
+    dev = _setup(device, threads)
+    m = load_model(model, dev, expert_budget=expert_cache_mib << 20)
+    ref = load_model(reference, dev, expert_budget=expert_cache_mib << 20) if reference else None
+    ref_logits = ReferenceLogits.load(reference_logits) if reference_logits else None
+    tok = Tokenizer.from_metadata(m.weights)
+    try:
+        body = text.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ForgeError(f"{text}: not UTF-8 text") from exc
+    ids = perplexity_tokens(tok, body, ctx, chunks)
+    bos = tok.bos_id if tok.add_bos else None
+
+    def progress(done: int, total: int) -> None:
+        if not as_json:
+            sys.stderr.write(f"\rchunk {done}/{total}")
+            sys.stderr.flush()
+            if done == total:
+                sys.stderr.write("\n")
+
+    res = evaluate(m, ids, ctx, chunks, ref, ref_logits, save_logits, top_k, bos, progress)
+    if as_json:
+        sys.stdout.write(json.dumps(res.to_json(), indent=1) + "\n")
+    else:
+        sys.stdout.write(format_report(res) + "\n")
