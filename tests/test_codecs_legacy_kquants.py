@@ -286,3 +286,60 @@ def test_make_qp_quants_matches_a_scalar_transcription() -> None:
         s, lv = _qp_scalar(list(x[b]), 63, list(w[b]))
         assert np.float32(s) == scale[b]
         assert list(levels[b]) == lv
+
+
+# --------------------------------------------------------------------------------------------------
+# optional: llama.cpp's own quantizer through ctypes (FORGE_GGML_LIB or a llama-cpp-python build in
+# ../peer); skipped when no libggml-base is around
+
+
+def _ggml_quantize_chunk():  # noqa: ANN202
+    import ctypes
+    import glob
+    import os
+
+    paths = [os.environ.get("FORGE_GGML_LIB", "")]
+    paths += sorted(
+        glob.glob(str(oracle.FIXTURES.parent.parent / "peer" / "**" / "libggml-base.so"), recursive=True)
+    )
+    for path in paths:
+        if path and os.path.isfile(path):
+            fn = ctypes.CDLL(path).ggml_quantize_chunk
+            fn.restype = ctypes.c_size_t
+            fn.argtypes = (
+                [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+            )
+            return fn
+    pytest.skip("no libggml-base.so (set FORGE_GGML_LIB)")
+
+
+@pytest.mark.parametrize("name", QUANTS)
+def test_matches_libggml_on_random_data(name: str) -> None:
+    quantize_chunk = _ggml_quantize_chunk()
+    qtype = get_type(name)
+    rng = np.random.default_rng(17)
+    n = 512
+    datasets = [
+        rng.standard_normal((8, n)),
+        rng.standard_t(2, (8, n)),
+        rng.integers(-8, 8, (8, n)) / 2,  # exact halves: rounding ties
+        _awkward_rows(1e-6, n)[:, :n],
+        rng.standard_normal((8, n)) * np.exp(rng.uniform(-8, 8, (8, n // 16, 1))).repeat(16, 1).reshape(8, n),
+    ]
+    sparse_w = rng.exponential(1, n)
+    sparse_w[rng.random(n) < 0.3] = 0
+    for x in datasets:
+        x = np.ascontiguousarray(x, np.float32)
+        for w in (None, rng.uniform(0.01, 3, n), sparse_w):
+            w = None if w is None else np.ascontiguousarray(w, np.float32)
+            want = np.zeros((x.shape[0], qtype.row_bytes(n)), np.uint8)
+            quantize_chunk(
+                int(qtype.ggml_type),
+                x.ctypes.data,
+                want.ctypes.data,
+                0,
+                x.shape[0],
+                n,
+                None if w is None else w.ctypes.data,
+            )
+            np.testing.assert_array_equal(qtype.encode(x, w), want)

@@ -203,25 +203,32 @@ def _make_qkx_t(
     guarded: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     fnmax = F32(nmax)
+    zero, limit = F32(0), _NEAREST_INT_EXACT_LIMIT
+    # work buffers, reused by every candidate (the loop is the encoders' hot path)
+    xm = np.empty_like(x)
+    lv = np.empty_like(x)
+    wl = np.empty_like(x)
+    tmp = np.empty_like(x)
+
+    def error(scale: np.ndarray, mn: np.ndarray, levels: np.ndarray) -> np.ndarray:
+        np.multiply(levels, scale, out=tmp)
+        np.add(tmp, mn, out=tmp)
+        np.subtract(tmp, x, out=tmp)
+        if use_mad:
+            np.abs(tmp, out=tmp)
+        else:
+            np.multiply(tmp, tmp, out=tmp)
+        np.multiply(tmp, w, out=tmp)
+        return seq_sum(tmp)
+
     with np.errstate(all="ignore"):
         lo = x.min(axis=0)
         hi = x.max(axis=0)
         sum_w = seq_sum(w, start_zero=False)
         sum_x = seq_sum(w * x, start_zero=False)
-        mn = mn0 = np.minimum(lo, F32(0))
+        mn = mn0 = np.minimum(lo, zero)
         flat = hi == mn
         hi_safe = np.where(flat, F32(1), hi)
-
-        def error(scale: np.ndarray, mn: np.ndarray, lv: np.ndarray) -> np.ndarray:
-            diff = scale * lv
-            diff += mn
-            diff -= x
-            if use_mad:
-                np.abs(diff, out=diff)
-            else:
-                diff *= diff
-            diff *= w
-            return seq_sum(diff)
 
         iscale = fnmax / (hi_safe - mn)
         scale = F32(1) / iscale
@@ -230,36 +237,45 @@ def _make_qkx_t(
         for step in range(nstep + 1):
             c = (F32(rmin) + F32(rdelta) * F32(step)) + fnmax
             iscale = c / (hi_safe - mn)
-            v = iscale * (x - mn)
+            np.subtract(x, mn, out=xm)
+            np.multiply(xm, iscale, out=lv)
             if guarded:
-                # make_qkx3: v > 0 ? nearest_int(MIN(v, nmax)) : 0 (NaN -> 0, +inf -> nmax)
-                lv = np.fmin(np.fmax(np.rint(v), F32(0)), fnmax)
+                # make_qkx3: v > 0 ? nearest_int(MIN(v, nmax)) : 0, so NaN -> 0 and +inf -> nmax
+                if np.isfinite(iscale).all():
+                    np.clip(lv, zero, fnmax, out=lv)
+                else:
+                    np.fmin(np.fmax(lv, zero, out=lv), fnmax, out=lv)
+                np.rint(lv, out=lv)
             else:
-                # v lies in [iscale*(lo - mn), iscale*(hi - mn)] (monotone); check the ends per block
-                ends_ok = (np.abs(iscale * (lo - mn)) <= _NEAREST_INT_EXACT_LIMIT) & (
-                    np.abs(iscale * (hi_safe - mn)) <= _NEAREST_INT_EXACT_LIMIT
-                )
-                lv = rint_clip(v, 0, nmax) if ends_ok.all() else nearest_int_clip(v, 0, nmax)
-            wl = w * lv
+                # v = iscale*(x - mn) is monotone in x: checking both ends bounds every element
+                ends_ok = (np.abs(iscale * (lo - mn)) <= limit) & (np.abs(iscale * (hi_safe - mn)) <= limit)
+                if ends_ok.all():
+                    np.clip(lv, zero, fnmax, out=lv)
+                    np.rint(lv, out=lv)
+                else:
+                    lv[...] = nearest_int_clip(lv, 0, nmax)
+            np.multiply(w, lv, out=wl)
             sum_l = seq_sum(wl)
-            sum_xl = seq_sum(wl * x)
-            wl *= lv
-            sum_l2 = seq_sum(wl)
+            np.multiply(wl, x, out=tmp)
+            sum_xl = seq_sum(tmp)
+            np.multiply(wl, lv, out=tmp)
+            sum_l2 = seq_sum(tmp)
             det = sum_w * sum_l2 - sum_l * sum_l
             this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
             this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
             pos = this_min > 0
-            this_min = np.where(pos, F32(0), this_min)
-            this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
+            if pos.any():
+                this_min = np.where(pos, zero, this_min)
+                this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
             cur = error(this_scale, this_min, lv)
             better = (det > 0) & (cur < best)
             if better.any():
-                levels = np.where(better, lv, levels)
+                np.copyto(levels, lv, where=better)
                 best = np.where(better, cur, best)
                 scale = np.where(better, this_scale, scale)
                 mn = np.where(better, this_min, mn)
     levels[:, flat] = 0
-    scale = np.where(flat, F32(0), scale).astype(F32)
+    scale = np.where(flat, zero, scale).astype(F32)
     return scale, (-np.where(flat, mn0, mn)).astype(F32), levels.astype(np.uint8)
 
 
