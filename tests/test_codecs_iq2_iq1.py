@@ -90,10 +90,15 @@ def _libggml() -> ctypes.CDLL | None:
     return None
 
 
-def _ggml_encode(gtype: T, rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
+def _require_libggml() -> ctypes.CDLL:
     lib = _libggml()
     if lib is None:
         pytest.skip("no libggml-base.so found (set FORGE_LIBGGML)")
+    return lib
+
+
+def _ggml_encode(gtype: T, rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
+    lib = _require_libggml()
     qtype = get_type(gtype.name)
     rows = np.ascontiguousarray(rows, np.float32)
     out = np.zeros((rows.shape[0], qtype.row_bytes(rows.shape[1])), np.uint8)
@@ -124,16 +129,21 @@ def _random_case(seed: int, n_rows: int = 24, n_per_row: int = 512) -> tuple[np.
     return rows, importance
 
 
+# ggml_quantize_init builds its neighbour maps on first use (tens of seconds for IQ1): slow tests.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MINE)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_matches_libggml_on_random_data(name: str, seed: int) -> None:
+    _require_libggml()
     rows, importance = _random_case(seed)
     ours = get_type(name).encode(rows, importance)
     np.testing.assert_array_equal(ours, _ggml_encode(T[name], rows, importance))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["IQ2_S", "IQ1_M"])
 def test_matches_libggml_without_importance(name: str) -> None:
+    _require_libggml()
     rows, _ = _random_case(7)
     ours = get_type(name).encode(rows, None)
     np.testing.assert_array_equal(ours, _ggml_encode(T[name], rows, None))
