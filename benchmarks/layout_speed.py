@@ -5,6 +5,8 @@ random bytes; conversion never decodes them), then times, each after dropping no
 page cache (all runs read warm data, like ``cp`` does here):
 
     cp SRC DST                     (baseline; and cp followed by fsync of DST, since we fsync)
+    (wall time and the CPU seconds used are both printed: on a shared machine the wall time
+    depends on the other processes, the CPU seconds do not)
     convert --to v2 --skip-verify  (source SHA-256 + payload SHA-256 included)
     verify SRC NATIVE              (every byte compared, both digests recomputed)
     convert --to v2                (convert + full verify before install)
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -63,10 +66,17 @@ def build_source(path: Path, gb: float) -> None:
     w.close()
 
 
-def timed(fn) -> float:  # type: ignore[no-untyped-def]
-    t = time.perf_counter()
+def _cpu() -> float:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def timed(fn) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """(wall seconds, CPU seconds of this process and its children, all threads)."""
+    os.sync()  # earlier runs' dirty pages must not be flushed on this run's clock
+    c, t = _cpu(), time.perf_counter()
     fn()
-    return time.perf_counter() - t
+    return time.perf_counter() - t, _cpu() - c
 
 
 def cp_fsync(src: Path, dst: Path) -> None:
@@ -90,7 +100,7 @@ def main() -> None:
         size = src.stat().st_size
         subprocess.run(["cat", str(src)], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
 
-        def best(fn, fresh: tuple[Path, ...] = ()) -> float:  # type: ignore[no-untyped-def]
+        def best(fn, fresh: tuple[Path, ...] = ()) -> tuple[float, float]:  # type: ignore[no-untyped-def]
             runs = []
             for _ in range(args.repeat):
                 for p in fresh:
@@ -110,12 +120,18 @@ def main() -> None:
             ("convert --to canonical", best(lambda: convert(native, back, "canonical"), (back,))),
         ]
         assert back.read_bytes() == src.read_bytes()
-        base = size / rows[0][1]
-        print(f"file {size / 1e9:.2f} GB, {os.cpu_count()} CPUs; best of {args.repeat}; MB = 1e6 bytes")
-        print(f"{'operation':<32} {'seconds':>8} {'MB/s':>8} {'vs cp':>7}")
-        for name, secs in rows:
+        base = size / rows[0][1][0]
+        load = os.getloadavg()[0]
+        print(
+            f"file {size / 1e9:.2f} GB, {os.cpu_count()} CPUs, load average {load:.1f}; best of {args.repeat}"
+        )
+        print(
+            "page cache warm; every run starts after os.sync(); MB = 1e6 bytes; cpu = all threads + children"
+        )
+        print(f"{'operation':<32} {'seconds':>8} {'MB/s':>8} {'vs cp':>7} {'cpu s':>7}")
+        for name, (secs, cpu) in rows:
             rate = size / secs
-            print(f"{name:<32} {secs:>8.2f} {rate / 1e6:>8.0f} {rate / base:>7.0%}")
+            print(f"{name:<32} {secs:>8.2f} {rate / 1e6:>8.0f} {rate / base:>7.0%} {cpu:>7.2f}")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
