@@ -114,6 +114,12 @@ def quantize(
     ] = False,
     jobs: Annotated[int, typer.Option(help="worker processes; output bytes do not depend on it")] = 1,
     allow_requantize: Annotated[bool, typer.Option(help="allow an already-quantized source")] = False,
+    reuse: Annotated[
+        list[Path] | None, typer.Option(help="prior build (file or folder) to copy unchanged tensors from")
+    ] = None,
+    trust_mtime: Annotated[
+        bool, typer.Option(help="key sources by shard name/size/mtime instead of content")
+    ] = False,
     no_mtp: Annotated[
         bool, typer.Option("--no-mtp", help="leave out the multi-token-prediction block")
     ] = False,
@@ -127,7 +133,8 @@ def quantize(
         raise ForgeError("give -o OUT.gguf (or --dry-run)")
     log = None if as_json else (lambda line: err.print(line, highlight=False, markup=False))
     plan, rep = run(src, None if dry_run else output, recipe, imatrix, tensor_type or [], jobs, allow_requantize,
-                    not no_mtp, progress=not as_json, log=log)  # fmt: skip
+                    not no_mtp, progress=not as_json, log=log, reuse=reuse or [], trust_mtime=trust_mtime,
+                    warn=lambda line: err.print(line, highlight=False, markup=False))  # fmt: skip
     by_type = bytes_by_type(rep)
     n_el = sum(e["elements"] for e in by_type.values())
     n_bytes = sum(e["bytes"] for e in by_type.values())
@@ -145,6 +152,12 @@ def quantize(
     for name, e in sorted(by_type.items(), key=lambda kv: -kv[1]["bytes"]):
         table.add_row(name, str(e["tensors"]), f"{e['bytes']:,}", f"{8 * e['bytes'] / e['elements']:.3f}")
     out.print(table)
+    if reuse:
+        copied = [r for r in rep.tensors if r["reason"].startswith("key match")]
+        out.print(f"reuse: copied {len(copied)} / {len(rep.tensors)} tensors from prior builds")
+        for r in rep.tensors:
+            if r["action"] == "encoded":
+                out.print(f"  regenerated {r['name']}: {r['reason']}", highlight=False, markup=False)
     verb = "would write" if dry_run else f"wrote {output}:"
     out.print(f"{verb} {rep.bytes:,} bytes, {summary['bits_per_weight']:.3f} bpw"
               + ("" if dry_run else f" in {rep.seconds:.1f} s"))  # fmt: skip

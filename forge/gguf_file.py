@@ -264,6 +264,15 @@ class GGUFLayout:
         self.header = b"".join(parts)
         self.data_start = align_up(len(self.header), self.alignment)
 
+    def kv_offset(self, key: str) -> int:
+        """Byte offset (in the file) where ``key``'s entry starts."""
+        pos = struct.calcsize("<IIQQ")
+        for kv in self.kvs:
+            if kv.key == key:
+                return pos
+            pos += len(pack_kv(kv))
+        raise KeyError(key)
+
     @property
     def total_size(self) -> int:
         if not self.tensors:
@@ -295,14 +304,18 @@ def write_gguf(
     data: Iterable[TensorData | TensorWriter],
     alignment: int = DEFAULT_ALIGNMENT,
     on_tensor: Callable[[TensorSpec], None] | None = None,
+    finalize: Callable[[Any, GGUFLayout], None] | None = None,
 ) -> int:
     """Write one GGUF file transactionally; ``data`` yields each tensor's bytes in ``tensors`` order.
 
-    Returns the file size. On any error the destination is untouched and nothing is left behind.
+    ``finalize(file, layout)`` may patch fixed-size header fields (e.g. digests) before the file is
+    committed. Returns the file size. On any error the destination is untouched, nothing left behind.
     """
     layout = GGUFLayout(kvs, tensors, alignment)
     with atomic_output(dest, need_bytes=layout.total_size) as f:
         _write_layout(f, layout, iter(data), on_tensor)
+        if finalize:
+            finalize(f, layout)
     return layout.total_size
 
 

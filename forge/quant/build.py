@@ -18,6 +18,18 @@ from forge.imatrix.model import Imatrix
 from forge.progress import byte_progress
 from forge.quant.plan import PlannedTensor
 from forge.quant.recipe import Recipe
+from forge.quant.reuse import (
+    DIGESTS,
+    Priors,
+    TensorStamp,
+    content_digest,
+    copy_from_prior,
+    importance_digest,
+    stamp_kvs,
+    tensor_key,
+    verified_bytes,
+    why_regenerated,
+)
 from forge.quant.source import QuantSource, SourceRef
 from forge.quant.types import get_type
 
@@ -156,6 +168,49 @@ class BuildReport:
     tensors: list[dict] = field(default_factory=list)
 
 
+def stamp_plan(
+    source: QuantSource, plan: list[PlannedTensor], trust_mtime: bool = False
+) -> list[TensorStamp]:
+    """Each planned tensor's reuse key and its components."""
+    stamps = []
+    for p in plan:
+        src = source.digest(p.name, trust_mtime)
+        qt = get_type(p.out_type) if p.action == "encode" else None
+        encoder = qt.version if qt is not None else 0
+        imat = importance_digest(p.importance) if qt is not None and qt.uses_imatrix else ""
+        stamps.append(
+            TensorStamp(tensor_key(p.name, src, p.out_type.name, p.shape, encoder, imat), src, imat, encoder)
+        )
+    return stamps
+
+
+def apply_priors(plan: list[PlannedTensor], stamps: list[TensorStamp], priors: Priors) -> None:
+    """Turn tensors whose key a prior holds (with intact bytes) into copies; say why for the rest."""
+    for p, stamp in zip(plan, stamps, strict=True):
+        prior = priors.by_key.get(stamp.key)
+        if prior is not None and prior.out_type == p.out_type.name and prior.shape == p.shape:
+            if verified_bytes(prior) is not None:
+                p.action, p.reason, p.prior = "reuse", f"key match ({prior.file.path.name})", prior
+                continue
+            p.reason = f"prior {prior.file.path.name} failed its digest check: regenerated"
+        else:
+            p.reason = why_regenerated(stamp, p.out_type.name, priors.by_name.get(p.name))
+        if p.action == "copy":
+            p.reason = "not quantized; " + p.reason
+
+
+def _digest_patcher(digests: list[str]):  # noqa: ANN202
+    def finalize(f, layout: GGUFLayout) -> None:  # noqa: ANN001
+        kv = next(k for k in layout.kvs if k.key == DIGESTS)
+        start = layout.kv_offset(DIGESTS) + 8 + len(DIGESTS.encode()) + 4 + 4 + 8
+        for j, d in enumerate(digests):
+            f.seek(start + j * (8 + 16) + 8)
+            f.write(d.encode())
+        assert len(digests) == len(kv.value)
+
+    return finalize
+
+
 def build(
     source: QuantSource,
     plan: list[PlannedTensor],
@@ -164,9 +219,13 @@ def build(
     jobs: int = 1,
     progress: bool = False,
     log=None,  # noqa: ANN001  (callable(str) or None)
+    stamps: list[TensorStamp] | None = None,
 ) -> BuildReport:
     """Encode/copy every planned tensor and write ``out`` (``None``: dry run, nothing written)."""
     specs = [p.spec for p in plan]
+    digests: list[str] = []
+    if stamps is not None:
+        kvs = kvs + stamp_kvs(stamps, ["0" * 16] * len(plan))
     layout = GGUFLayout(kvs, specs)
     report = BuildReport(out, layout.total_size, 0.0)
     if out is None:
@@ -180,17 +239,24 @@ def build(
         results = executor.map(encode_jobs)
         with byte_progress(sum(s.nbytes for s in specs), "quantize", progress) as advance:
 
-            def data() -> Iterator[np.ndarray]:
+            def data() -> Iterator[object]:
                 for p in plan:
                     res = next(results) if p.action == "encode" else None
                     row = _row(p, res)
                     report.tensors.append(row)
                     if log:
                         log(_log_line(row))
-                    yield res.data if res else source.stored(p.name)
+                    if p.action == "reuse":
+                        digests.append(p.prior.digest)
+                        yield copy_from_prior(p.prior)
+                    else:
+                        item = res.data if res else source.stored(p.name)
+                        digests.append(content_digest([item]))
+                        yield item
                     advance(p.spec.nbytes, p.name)
 
-            write_gguf(out, kvs, specs, data())
+            finalize = _digest_patcher(digests) if stamps is not None else None
+            write_gguf(out, kvs, specs, data(), finalize=finalize)
     finally:
         executor.close()
     report.seconds = time.perf_counter() - start

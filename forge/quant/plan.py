@@ -42,9 +42,10 @@ class PlannedTensor:
     shape: tuple[int, ...]
     src_type: Q
     out_type: Q
-    action: str  # "encode" or "copy"
+    action: str  # "encode", "copy" (from the source, unchanged) or "reuse" (from a prior build)
     reason: str
     importance: object = None  # float32 (n_mat, n_per_row) or None
+    prior: object = None  # reuse.PriorTensor when action == "reuse"
 
     @property
     def spec(self) -> TensorSpec:

@@ -7,10 +7,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from forge.atomic import check_output_path
+from forge.gguf_file import DEFAULT_ALIGNMENT, KV, T
 from forge.imatrix.formats import read_imatrix
-from forge.quant.build import BuildReport, build, output_kvs
+from forge.quant.build import BuildReport, apply_priors, build, output_kvs, stamp_plan
 from forge.quant.plan import PlannedTensor, make_plan
 from forge.quant.recipe import load_recipe, parse_overrides
+from forge.quant.reuse import ds4_keys, load_priors
 from forge.quant.source import source_ref
 
 
@@ -25,17 +27,34 @@ def quantize(
     mtp: bool = True,
     progress: bool = False,
     log: Callable[[str], None] | None = None,
+    reuse: list[str | Path] = (),
+    trust_mtime: bool = False,
+    warn: Callable[[str], None] | None = None,
 ) -> tuple[list[PlannedTensor], BuildReport]:
-    """Quantize ``src`` (HF folder or GGUF) to ``out``; ``out=None`` is a dry run."""
+    """Quantize ``src`` (HF folder or GGUF) to ``out``; ``out=None`` is a dry run.
+
+    ``reuse``: prior builds (files or folders) whose tensors are copied where their keys match.
+    """
     if out is not None:
         check_output_path(out)
     rec = load_recipe(recipe)
     overrides = parse_overrides(list(tensor_types))
+    priors = load_priors(reuse, Path(out) if out is not None else None) if reuse else None
     im = read_imatrix(imatrix) if imatrix else None
-    source = source_ref(src, mtp).open()
+    ref = source_ref(src, mtp)
+    source = ref.open()
     plan = make_plan(source, rec, overrides, im, allow_requantize)
-    kvs = output_kvs(source, rec, overrides, im, str(imatrix) if imatrix else None)
-    report = build(source, plan, kvs, Path(out) if out is not None else None, jobs, progress, log)
+    stamps = stamp_plan(source, plan, trust_mtime)
+    if priors is not None:
+        for w in priors.warnings:
+            (warn or log or (lambda _: None))(f"warning: {w}; building those tensors from scratch")
+        apply_priors(plan, stamps, priors)
+    key, key_weights = ds4_keys(
+        Path(ref.path), Path(imatrix) if imatrix else None, len(plan), DEFAULT_ALIGNMENT
+    )
+    extra = [KV("quantize.reuse_key", key, T.STRING), KV("quantize.reuse_key_weights", key_weights, T.STRING)]
+    kvs = output_kvs(source, rec, overrides, im, str(imatrix) if imatrix else None, extra)
+    report = build(source, plan, kvs, Path(out) if out is not None else None, jobs, progress, log, stamps)
     return plan, report
 
 

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType
 from forge.convert import ModelSource, encode_float, float_type_for
 from forge.errors import ForgeError
 from forge.gguf_file import KV, GGUFFile, open_gguf
+from forge.quant.reuse import CONVERTER_VERSION, content_digest
 
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 #: KVs a quantized output writes afresh
@@ -63,6 +64,10 @@ class QuantSource:
     def hparam(self, key: str, default: int = 0) -> int:
         raise NotImplementedError
 
+    def digest(self, name: str, trust_mtime: bool = False) -> str:
+        """A digest of everything the tensor's values are made from (content, or file stats)."""
+        raise NotImplementedError
+
 
 class HFQuantSource(QuantSource):
     def __init__(self, ref: SourceRef):
@@ -102,6 +107,17 @@ class HFQuantSource(QuantSource):
         kv = next((k for k in self._kvs if k.key == f"{self.arch}.{key}"), None)
         return int(kv.value) if kv is not None else default
 
+    def digest(self, name: str, trust_mtime: bool = False) -> str:
+        parts = self._by_name[name].sources
+        head = f"hf-v{CONVERTER_VERSION}:{name}"
+        if trust_mtime:
+            stats = [
+                (p.shard.name, p.shard.stat().st_size, int(p.shard.stat().st_mtime), p.offset, p.nbytes)
+                for p in parts
+            ]
+            return content_digest([np.frombuffer(f"{head}:{stats}".encode(), np.uint8)])
+        return content_digest([np.frombuffer(head.encode(), np.uint8), *(p.raw() for p in parts)])
+
 
 class GGUFQuantSource(QuantSource):
     def __init__(self, ref: SourceRef):
@@ -135,6 +151,14 @@ class GGUFQuantSource(QuantSource):
 
     def hparam(self, key: str, default: int = 0) -> int:
         return int(self.file.kv(f"{self.arch}.{key}", default))
+
+    def digest(self, name: str, trust_mtime: bool = False) -> str:
+        info = self.file.tensors[name]
+        if trust_mtime:
+            st = self.file.path.stat()
+            stats = (self.file.path.name, st.st_size, int(st.st_mtime), info.offset, info.nbytes)
+            return content_digest([np.frombuffer(f"gguf:{name}:{stats}".encode(), np.uint8)])
+        return content_digest([np.frombuffer(f"gguf:{name}".encode(), np.uint8), self.file.raw(name)])
 
 
 def source_ref(path: str | Path, mtp: bool = True) -> SourceRef:
