@@ -16,7 +16,11 @@ Decoder = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def f16_at(blocks: torch.Tensor, offset: int) -> torch.Tensor:
     """The little-endian fp16 field at byte ``offset`` of each block, as float32 (n_blocks, 1)."""
-    return blocks[:, offset : offset + 2].contiguous().view(torch.float16).float()
+    try:
+        halves = blocks.view(torch.float16)  # one strided column read beats a copy of 2-byte rows
+    except RuntimeError:
+        return blocks[:, offset : offset + 2].contiguous().view(torch.float16).float()
+    return halves[:, offset // 2 : offset // 2 + 1].float()
 
 
 def f16_from_bytes(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -39,14 +43,38 @@ def u28(b: torch.Tensor) -> torch.Tensor:
     )
 
 
-def unpack(b: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """Split each byte into 8/width fields of ``width`` bits, least significant first.
+def _fields(blocks: torch.Tensor, start: int, stop: int, width: int) -> list[torch.Tensor]:
+    """Bytes [start, stop) of each block split into 8/width fields of ``width`` bits, least significant first.
 
-    The fields become a new axis at ``dim`` (-1: right after each byte; -2: before the byte axis,
-    i.e. all bytes' first fields, then all second fields, ... as ggml's ``>> shift`` loops lay them out).
+    The shifts and masks run over the whole contiguous block tensor (one long loop each, far faster
+    than per-block loops over a column range); the returned (n, stop - start) tensors are views.
     """
+    blocks = blocks.contiguous()
     mask = (1 << width) - 1
-    return torch.stack([(b >> s) & mask for s in range(0, 8, width)], dim=dim)
+    out = []
+    for shift in range(0, 8, width):
+        x = blocks >> shift if shift else blocks
+        out.append((x & mask if shift + width < 8 else x)[:, start:stop])
+    return out
+
+
+def shift_major(blocks: torch.Tensor, start: int, stop: int, width: int, run: int) -> torch.Tensor:
+    """Unpack bytes [start, stop) in runs of ``run`` bytes: per run, every byte's lowest field, then
+    every byte's next field, ... (ggml's ``for shift: for l in run: q[l] >> shift`` loops).
+
+    Returns uint8 (n_blocks, (stop - start) * 8 // width).
+    """
+    n = blocks.shape[0]
+    parts = [f.reshape(n, -1, run) for f in _fields(blocks, start, stop, width)]
+    return torch.stack(parts, dim=-2).reshape(n, -1)
+
+
+def byte_major(blocks: torch.Tensor, start: int, stop: int, width: int) -> torch.Tensor:
+    """Unpack bytes [start, stop) with each byte's fields adjacent, least significant first.
+
+    Returns uint8 (n_blocks, (stop - start) * 8 // width).
+    """
+    return torch.stack(_fields(blocks, start, stop, width), dim=-1).reshape(blocks.shape[0], -1)
 
 
 _TABLES: dict[tuple[str, str], torch.Tensor] = {}
@@ -87,6 +115,15 @@ def parity_signs(device: torch.device) -> torch.Tensor:
         return _sign_rows(i | (parity << 7))
 
     return cached_table("parity_signs", device, build)
+
+
+def high_bits(device: torch.device, shift: int) -> torch.Tensor:
+    """(256, 8) uint8: bit j of the byte, moved to bit ``shift`` (one byte of Q5_0/Q5_1's qh)."""
+    return cached_table(
+        f"high_bits{shift}",
+        device,
+        lambda: ((torch.arange(256).view(-1, 1) >> torch.arange(8)) & 1).to(torch.uint8) << shift,
+    )
 
 
 def lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

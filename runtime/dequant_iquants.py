@@ -14,15 +14,16 @@ import torch
 from gguf import quants as gq
 
 from runtime.dequant_bits import (
+    byte_major,
     byte_signs,
     cached_table,
     f16_at,
     f16_from_bytes,
     lookup,
     parity_signs,
+    shift_major,
     u16,
     u28,
-    unpack,
 )
 
 # The non-linear 4-bit codebook of IQ4_NL/IQ4_XS (ggml's kvalues_iq4nl).
@@ -47,16 +48,16 @@ def _iq4_values(device: torch.device) -> torch.Tensor:
 
 def iq4_nl(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | 16 B nibbles (element j: low nibble of byte j, element j+16: high nibble)
-    q = unpack(blocks[:, 2:18], 4, -2).reshape(-1, 32)
+    q = shift_major(blocks, 2, 18, 4, 16)
     return torch.mul(f16_at(blocks, 0), lookup(_iq4_values(blocks.device), q), out=out)
 
 
 def iq4_xs(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | uint16 scales_h (2 bits per group) | scales_l[4] (4 bits per group) | qs[128]
-    low = unpack(blocks[:, 4:8], 4, -1).reshape(-1, 8)
-    high = unpack(blocks[:, 2:4], 2, -1).reshape(-1, 8)
+    low = byte_major(blocks, 4, 8, 4)
+    high = byte_major(blocks, 2, 4, 2)
     dl = (f16_at(blocks, 0) * ((low | (high << 4)).float() - 32)).unsqueeze(-1)
-    q = unpack(blocks[:, 8:136].reshape(-1, 8, 16), 4, -2).reshape(-1, 8, 32)
+    q = shift_major(blocks, 8, 136, 4, 16).view(-1, 8, 32)
     return torch.mul(dl, lookup(_iq4_values(blocks.device), q), out=out.view(-1, 8, 32))
 
 
@@ -83,7 +84,7 @@ def iq2_xxs(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 def iq2_xs(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | 32 x uint16 (9-bit grid index, 7-bit sign index) | scales[8] (two 4-bit per byte)
     qs = u16(blocks[:, 2:66])
-    db = _half_step_scale(f16_at(blocks, 0), unpack(blocks[:, 66:74], 4, -1).reshape(-1, 16), 0.25)
+    db = _half_step_scale(f16_at(blocks, 0), byte_major(blocks, 66, 74, 4), 0.25)
     grid = lookup(_grid(gq.IQ2_XS, blocks.device), qs & 0x1FF)
     signs = lookup(parity_signs(blocks.device), qs >> 9)
     return torch.mul(
@@ -93,8 +94,8 @@ def iq2_xs(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 def iq2_s(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | qs[32] (grid index low 8 bits) | signs[32] | qh[8] (2 high bits each) | scales[8]
-    idx = blocks[:, 2:34].int() | (unpack(blocks[:, 66:74], 2, -1).reshape(-1, 32).int() << 8)
-    db = _half_step_scale(f16_at(blocks, 0), unpack(blocks[:, 74:82], 4, -1).reshape(-1, 16), 0.25)
+    idx = blocks[:, 2:34].int() | (byte_major(blocks, 66, 74, 2).int() << 8)
+    db = _half_step_scale(f16_at(blocks, 0), byte_major(blocks, 74, 82, 4), 0.25)
     grid = lookup(_grid(gq.IQ2_S, blocks.device), idx)
     signs = lookup(byte_signs(blocks.device), blocks[:, 34:66])
     return torch.mul(
@@ -113,8 +114,8 @@ def iq3_xxs(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 def iq3_s(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | qs[64] (index low 8 bits) | qh[8] (9th bits) | signs[32] | scales[4] (two 4-bit per byte)
-    idx = blocks[:, 2:66].int() | (unpack(blocks[:, 66:74], 1, -1).reshape(-1, 64).int() << 8)
-    scales = unpack(blocks[:, 106:110], 4, -1).reshape(-1, 8)
+    idx = blocks[:, 2:66].int() | (byte_major(blocks, 66, 74, 1).int() << 8)
+    scales = byte_major(blocks, 106, 110, 4)
     db = f16_at(blocks, 0) * (1 + 2 * scales.float())
     grid = lookup(_grid(gq.IQ3_S, blocks.device), idx)
     signs = lookup(byte_signs(blocks.device), blocks[:, 74:106])
@@ -145,7 +146,7 @@ def iq1_m(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     sc = u16(blocks[:, 48:56])
     scales = torch.stack([(sc >> (3 * k)) & 7 for k in range(4)], dim=-1).reshape(-1, 16)
     dl = d * (2 * scales + 1).float()
-    nib = unpack(blocks[:, 32:48], 4, -1).reshape(-1, 32)
+    nib = byte_major(blocks, 32, 48, 4)
     grid = lookup(_grid(gq.IQ1_S, blocks.device), blocks[:, 0:32].int() | ((nib & 7).int() << 8))
     delta = _iq1_delta(nib & 8)
     return torch.mul(

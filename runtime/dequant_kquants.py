@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.dequant_bits import f16_at, unpack
+from runtime.dequant_bits import f16_at, shift_major
 
 
 def q2_k(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -19,19 +19,18 @@ def q2_k(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     d, dmin = f16_at(blocks, 80), f16_at(blocks, 82)
     dl = (d * (sc & 0x0F).float()).unsqueeze(-1)
     ml = (dmin * (sc >> 4).float()).unsqueeze(-1)
-    q = unpack(blocks[:, 16:80].reshape(-1, 2, 32), 2, -2).reshape(-1, 16, 16).float()
+    q = shift_major(blocks, 16, 80, 2, 32).view(-1, 16, 16).float()
     return torch.sub(dl * q, ml, out=out.view(-1, 16, 16))
 
 
 def q3_k(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # hmask[32] | qs[64] (low 2 bits) | scales[12] (16 x 6-bit) | fp16 d
-    sc = blocks[:, 96:108]
     # scale i: low 4 bits from byte i%8 (nibble i//8), high 2 bits from byte 8 + i%4 (bits 2*(i//4))
-    low = unpack(sc[:, 0:8], 4, -2).reshape(-1, 16)
-    high = unpack(sc[:, 8:12], 2, -2).reshape(-1, 16)
+    low = shift_major(blocks, 96, 104, 4, 8)
+    high = shift_major(blocks, 104, 108, 2, 4)
     dl = (f16_at(blocks, 108) * ((low | (high << 4)).float() - 32)).unsqueeze(-1)
-    q2 = unpack(blocks[:, 32:96].reshape(-1, 2, 32), 2, -2).reshape(-1, 256)
-    hbit = unpack(blocks[:, 0:32], 1, -2).reshape(-1, 256)
+    q2 = shift_major(blocks, 32, 96, 2, 32)
+    hbit = shift_major(blocks, 0, 32, 1, 32)
     # a clear hmask bit subtracts 4: q = q2 - 4 * (1 - hbit)
     q = ((q2 | (hbit << 2)).view(torch.int8) - 4).float().view(-1, 16, 16)
     return torch.mul(dl, q, out=out.view(-1, 16, 16))
@@ -59,23 +58,24 @@ def _k4_scale_and_offset(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 def q4_k(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | fp16 dmin | scales[12] | qs[128] (nibbles; 32 bytes per pair of 32-element groups)
     dl, ml = _k4_scale_and_offset(blocks)
-    q = unpack(blocks[:, 16:144].reshape(-1, 4, 32), 4, -2).reshape(-1, 8, 32).float()
+    q = shift_major(blocks, 16, 144, 4, 32).view(-1, 8, 32).float()
     return torch.sub(dl * q, ml, out=out.view(-1, 8, 32))
 
 
 def q5_k(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | fp16 dmin | scales[12] | qh[32] (bit g of byte l: group g, element l) | qs[128]
     dl, ml = _k4_scale_and_offset(blocks)
-    low = unpack(blocks[:, 48:176].reshape(-1, 4, 32), 4, -2).reshape(-1, 8, 32)
-    high = unpack(blocks[:, 16:48], 1, -2)
-    q = (low | (high << 4)).float()
+    q = (
+        (shift_major(blocks, 48, 176, 4, 32) | (shift_major(blocks, 16, 48, 1, 32) << 4))
+        .view(-1, 8, 32)
+        .float()
+    )
     return torch.sub(dl * q, ml, out=out.view(-1, 8, 32))
 
 
 def q6_k(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # ql[128] (low nibbles) | qh[64] (2-bit high parts) | int8 scales[16] | fp16 d; x = d * s * (q - 32)
-    low = unpack(blocks[:, 0:128].reshape(-1, 2, 64), 4, -2).reshape(-1, 256)
-    high = unpack(blocks[:, 128:192].reshape(-1, 2, 32), 2, -2).reshape(-1, 256)
-    q = ((low | (high << 4)).view(torch.int8) - 32).float().view(-1, 16, 16)
+    q6 = shift_major(blocks, 0, 128, 4, 64) | (shift_major(blocks, 128, 192, 2, 32) << 4)
+    q = (q6.view(torch.int8) - 32).float().view(-1, 16, 16)
     dl = (f16_at(blocks, 208) * blocks[:, 192:208].view(torch.int8).float()).unsqueeze(-1)
     return torch.mul(dl, q, out=out.view(-1, 16, 16))

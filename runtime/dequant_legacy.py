@@ -9,41 +9,41 @@ from __future__ import annotations
 
 import torch
 
-from runtime.dequant_bits import f16_at, unpack
+from runtime.dequant_bits import f16_at, high_bits, lookup, shift_major
 
 
-def _nibbles32(qs: torch.Tensor) -> torch.Tensor:
-    """(n, 16) packed bytes -> (n, 32) uint8 values: low nibbles first, then high nibbles."""
-    return unpack(qs, 4, -2).reshape(-1, 32)
+def _nibbles32(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """16 bytes of nibbles at ``start`` -> (n, 32) uint8 values: low nibbles first, then high nibbles."""
+    return shift_major(blocks, start, start + 16, 4, 16)
 
 
-def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
-    """(n, 4) bytes of a little-endian uint32 -> (n, 32): bit j is element j's fifth bit, shifted to 16."""
-    return unpack(qh, 1, -1).reshape(-1, 32) << 4
+def _fifth_bits(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The little-endian uint32 at ``start`` -> (n, 32): bit j is element j's fifth bit, already at bit 4."""
+    return lookup(high_bits(blocks.device, 4), blocks[:, start : start + 4]).reshape(-1, 32)
 
 
 def q4_0(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | 16 B nibbles; x = d * (q - 8)
-    q = _nibbles32(blocks[:, 2:18]).view(torch.int8) - 8
+    q = _nibbles32(blocks, 2).view(torch.int8) - 8
     return torch.mul(f16_at(blocks, 0), q.float(), out=out)
 
 
 def q4_1(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | fp16 m | 16 B nibbles; x = d * q + m
     d, m = f16_at(blocks, 0), f16_at(blocks, 2)
-    return torch.add(d * _nibbles32(blocks[:, 4:20]).float(), m, out=out)
+    return torch.add(d * _nibbles32(blocks, 4).float(), m, out=out)
 
 
 def q5_0(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | uint32 qh (fifth bits) | 16 B nibbles; x = d * (q - 16)
-    q = (_nibbles32(blocks[:, 6:22]) | _fifth_bits(blocks[:, 2:6])).view(torch.int8) - 16
+    q = (_nibbles32(blocks, 6) | _fifth_bits(blocks, 2)).view(torch.int8) - 16
     return torch.mul(f16_at(blocks, 0), q.float(), out=out)
 
 
 def q5_1(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | fp16 m | uint32 qh | 16 B nibbles; x = d * q + m
     d, m = f16_at(blocks, 0), f16_at(blocks, 2)
-    q = _nibbles32(blocks[:, 8:24]) | _fifth_bits(blocks[:, 4:8])
+    q = _nibbles32(blocks, 8) | _fifth_bits(blocks, 4)
     return torch.add(d * q.float(), m, out=out)
 
 
