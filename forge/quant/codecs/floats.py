@@ -12,11 +12,17 @@ from forge.quant.types import QuantType
 
 def fp32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
     """ggml's ``ggml_compute_fp32_to_bf16``: round to nearest even; NaN kept NaN with the quiet bit set."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
     u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    rounded = (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
-    quiet = (u >> np.uint32(16)) | np.uint32(64)
-    return np.where(nan, quiet, rounded).astype(np.uint16)
+    lsb = u >> np.uint32(16)
+    lsb &= np.uint32(1)
+    lsb += np.uint32(0x7FFF)
+    lsb += u  # wraps modulo 2**32 like the C code; only NaNs come near the top
+    bits = (lsb >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(values)
+    if nan.any():
+        bits[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(64)).astype(np.uint16)
+    return bits
 
 
 class _Float(QuantType):
