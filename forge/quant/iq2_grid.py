@@ -45,6 +45,13 @@ class Codebook:
     nb_start: np.ndarray
     nb_count: np.ndarray
     nb_flat: np.ndarray
+    #: (len(nb_flat), 8) int64: the term_index columns of every neighbour-list entry.
+    nb_term_cols: np.ndarray
+
+    @property
+    def magnitudes(self) -> np.ndarray:
+        """(n_points, 8) float32 values 2l+1 (the IQ2 quantizer's q)."""
+        return (2 * self.levels.astype(np.float32) + 1).astype(np.float32)
 
     def neighbours_of(self, code: int) -> np.ndarray:
         return self.nb_flat[self.nb_start[code] : self.nb_start[code] + self.nb_count[code]]
@@ -85,23 +92,29 @@ class Codebook:
         return out
 
     def _best_ragged(self, codes: np.ndarray, table: np.ndarray, tindex: np.ndarray) -> np.ndarray:
+        """Queries with few peers: walk the neighbour lists rank by rank, all queries at once."""
+        n = len(codes)
         counts = self.nb_count[codes]
-        total = int(counts.sum())
-        seg_start = np.cumsum(counts) - counts
-        base = np.repeat(np.arange(len(codes), dtype=np.int64) * 24, counts)
-        cand = self.nb_flat[np.arange(total) - np.repeat(seg_start - self.nb_start[codes], counts)]
-        flat = table.reshape(-1)
-        score = flat[base + tindex[0][cand]]
-        for i in range(1, 8):
-            score = score + flat[base + tindex[i][cand]]
-        seg_min = np.minimum.reduceat(score, seg_start)
-        pos = np.where(score == np.repeat(seg_min, counts), np.arange(total), total)
-        return cand[np.minimum.reduceat(pos, seg_start)]
-
-    @property
-    def magnitudes(self) -> np.ndarray:
-        """(n_points, 8) float32 values 2l+1 (the IQ2 quantizer's q)."""
-        return (2 * self.levels.astype(np.float32) + 1).astype(np.float32)
+        order = np.argsort(-counts, kind="stable")  # longest lists first: the live queries are a prefix
+        count = counts[order]
+        start = self.nb_start[codes[order]]
+        flat = table[order].reshape(-1)
+        base = np.arange(n, dtype=np.int64)[:, None] * 24
+        cols = self.nb_term_cols
+        best = np.full(n, np.inf, np.float32)
+        rank = np.zeros(n, np.int64)
+        live_counts = np.searchsorted(-count, -np.arange(int(count[0])), side="left")
+        for k, live in enumerate(live_counts):  # live = queries whose list has more than k entries
+            v = flat[base[:live] + cols[start[:live] + k]]
+            score = v[:, 0]
+            for i in range(1, 8):
+                score = score + v[:, i]
+            better = score < best[:live]
+            best[:live] = np.where(better, score, best[:live])
+            rank[:live] = np.where(better, k, rank[:live])
+        out = np.empty(n, np.int32)
+        out[order] = self.nb_flat[start + rank]
+        return out
 
 
 def grid_codes(gtype: T) -> np.ndarray:
@@ -151,6 +164,7 @@ def _codebook(gtype: T) -> Codebook:
     nb_count[off] = [len(x) for x in lists]
     nb_start = (np.cumsum(nb_count) - nb_count).astype(np.int32)
     nb_flat = np.concatenate(lists).astype(np.int32)
-    for arr in (levels, point_of_code, nb_start, nb_count, nb_flat):
+    term_cols = (3 * np.arange(8) + levels[nb_flat].astype(np.int64)).astype(np.int64)
+    for arr in (levels, point_of_code, nb_start, nb_count, nb_flat, term_cols):
         arr.flags.writeable = False
-    return Codebook(levels, point_of_code, nb_start, nb_count, nb_flat)
+    return Codebook(levels, point_of_code, nb_start, nb_count, nb_flat, term_cols)
