@@ -15,6 +15,7 @@ from forge.arch import Architecture, OutTensor, architecture_for
 from forge.arch.tokenizer import tokenizer_kvs
 from forge.checkpoint import Checkpoint
 from forge.errors import ForgeError
+from forge.fileio import copy_ranges
 from forge.gguf_file import KV, T, TensorSpec, write_gguf, write_gguf_split
 from forge.progress import byte_progress
 
@@ -88,6 +89,21 @@ def encode_float(t: OutTensor, gtype: GGMLQuantizationType) -> np.ndarray:
     return gguf.quants.quantize(f32, GGMLQuantizationType.BF16)
 
 
+_STORED = {
+    "BF16": GGMLQuantizationType.BF16,
+    "F16": GGMLQuantizationType.F16,
+    "F32": GGMLQuantizationType.F32,
+}
+
+
+def byte_copy(t: OutTensor, gtype: GGMLQuantizationType):  # noqa: ANN201  (a TensorWriter or None)
+    """When the output bytes are the stored source bytes, a writer that copies them file to file."""
+    if not t.verbatim or any(_STORED.get(s.dtype) != gtype for s in t.sources):
+        return None
+    ranges = [(s.shard, s.offset, s.nbytes) for s in t.sources]
+    return lambda f: copy_ranges(f, ranges)
+
+
 @dataclass
 class ConvertReport:
     paths: list[Path]
@@ -114,9 +130,9 @@ def convert_checkpoint(
     kvs = src.kvs(int(ftype))
     specs = [TensorSpec(t.name, t.shape, float_type_for(t, gtype)) for t in src.tensors]
 
-    def data() -> Iterator[np.ndarray]:
+    def data() -> Iterator[object]:
         for t, spec in zip(src.tensors, specs, strict=True):
-            yield encode_float(t, spec.ggml_type)
+            yield byte_copy(t, spec.ggml_type) or encode_float(t, spec.ggml_type)
 
     with byte_progress(sum(s.nbytes for s in specs), "convert", progress) as advance:
 

@@ -17,7 +17,7 @@ from conftest import EXAMPLE
 from oracle import MODELS, manifest, model_dir
 from safetensors.torch import load_file
 
-import forge.convert
+import forge.gguf_file
 from forge.checkpoint import bf16_bits_to_f32
 from forge.convert import convert_checkpoint
 from forge.errors import ForgeError
@@ -122,15 +122,15 @@ def test_failure_midway_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Monke
     dest = tmp_path / "out.gguf"
     dest.write_bytes(b"previous contents")
     calls = {"n": 0}
-    real = forge.convert.encode_float
+    real = forge.gguf_file._write_tensor_bytes
 
-    def failing(t, gtype):  # noqa: ANN001, ANN202
+    def failing(f, spec, data):  # noqa: ANN001, ANN202
         calls["n"] += 1
         if calls["n"] == 10:
             raise RuntimeError("injected failure")
-        return real(t, gtype)
+        return real(f, spec, data)
 
-    monkeypatch.setattr(forge.convert, "encode_float", failing)
+    monkeypatch.setattr(forge.gguf_file, "_write_tensor_bytes", failing)
     with pytest.raises(RuntimeError, match="injected"):
         convert_checkpoint(EXAMPLE, dest, "bf16")
     assert dest.read_bytes() == b"previous contents"
@@ -139,12 +139,12 @@ def test_failure_midway_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Monke
 
 _SLOW_CONVERT = """
 import sys, time
-import forge.convert as c
-real = c.encode_float
-def slow(t, g):
+import forge.gguf_file as g
+real = g._write_tensor_bytes
+def slow(f, spec, data):
     time.sleep(0.2)
-    return real(t, g)
-c.encode_float = slow
+    return real(f, spec, data)
+g._write_tensor_bytes = slow
 sys.argv = ["forge", "convert", sys.argv[1], "-o", sys.argv[2]]
 from forge.cli import main
 main()

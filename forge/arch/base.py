@@ -42,6 +42,8 @@ class OutTensor:
     sources: tuple[HFTensor, ...]
     #: llama.cpp's converter keeps these in F32 whatever the output type (norms, router, ssm...)
     force_f32: bool = False
+    #: the values are the sources' stored bytes in order (no transform): a plain byte copy
+    verbatim: bool = False
 
 
 def raw(t: HFTensor) -> SourceArray:
@@ -177,7 +179,11 @@ class Architecture:
             shape = (n, *parts[0].shape)
             out.append(
                 OutTensor(
-                    f"blk.{layer}.ffn_{proj}_exps.weight", shape, lambda p=parts: stacked(p), tuple(parts)
+                    f"blk.{layer}.ffn_{proj}_exps.weight",
+                    shape,
+                    lambda p=parts: stacked(p),
+                    tuple(parts),
+                    verbatim=True,
                 )
             )
             g.clear()
@@ -193,7 +199,7 @@ class Architecture:
                 OutTensor(f"blk.{layer}.ffn_up_exps.weight", (t.shape[0], half, t.shape[2]),
                           transformed(t, lambda a: a[:, half:]), (t,)),
             ]  # fmt: skip
-        return [OutTensor(f"blk.{layer}.ffn_down_exps.weight", t.shape, lambda: raw(t), (t,))]
+        return [OutTensor(f"blk.{layer}.ffn_down_exps.weight", t.shape, lambda: raw(t), (t,), verbatim=True)]
 
 
 _EXPERT_RE = re.compile(

@@ -161,9 +161,9 @@ class Qwen35Moe(Architecture):
 
     def map_tensor(self, name: str, t: HFTensor) -> list[OutTensor] | None:
         if name == "lm_head.weight":
-            return [OutTensor("output.weight", t.shape, lambda: raw(t), (t,))]
+            return [OutTensor("output.weight", t.shape, lambda: raw(t), (t,), verbatim=True)]
         if name == "embed_tokens.weight":
-            return [OutTensor("token_embd.weight", t.shape, lambda: raw(t), (t,))]
+            return [OutTensor("token_embd.weight", t.shape, lambda: raw(t), (t,), verbatim=True)]
         if name == "norm.weight":
             return [OutTensor("output_norm.weight", t.shape, transformed(t, _plus_one, False), (t,), True)]
         if name in MTP_TENSORS:
@@ -181,5 +181,5 @@ class Qwen35Moe(Architecture):
             return [OutTensor(f"blk.{layer}.{NORMS_PLUS_ONE[rest]}", t.shape, produce, (t,), True)]
         if rest in PLAIN:
             gname, f32 = PLAIN[rest]
-            return [OutTensor(f"blk.{layer}.{gname}", t.shape, lambda: raw(t), (t,), f32)]
+            return [OutTensor(f"blk.{layer}.{gname}", t.shape, lambda: raw(t), (t,), f32, verbatim=True)]
         return self._linear_attn(layer, rest, t)

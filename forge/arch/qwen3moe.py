@@ -52,7 +52,7 @@ class Qwen3Moe(Architecture):
     def map_tensor(self, name: str, t: HFTensor) -> list[OutTensor] | None:
         if name in GLOBAL_TENSORS:
             gname, f32 = GLOBAL_TENSORS[name]
-            return [OutTensor(gname, t.shape, lambda: raw(t), (t,), f32)]
+            return [OutTensor(gname, t.shape, lambda: raw(t), (t,), f32, verbatim=True)]
         m = LAYER_RE.match(name)
         if not m:
             return None
@@ -62,4 +62,4 @@ class Qwen3Moe(Architecture):
         if rest not in LAYER_TENSORS:
             return None
         gname, f32 = LAYER_TENSORS[rest]
-        return [OutTensor(f"blk.{layer}.{gname}", t.shape, lambda: raw(t), (t,), f32)]
+        return [OutTensor(f"blk.{layer}.{gname}", t.shape, lambda: raw(t), (t,), f32, verbatim=True)]

@@ -19,7 +19,6 @@ prior's bytes still hash to the digest it recorded; anything else is encoded, wi
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import numpy as np
 import xxhash
 
 from forge.errors import ForgeError
+from forge.fileio import copy_ranges
 from forge.gguf_file import KV, GGUFFile, T, open_gguf
 
 #: ds4's FNV-1a basis: one decimal digit short of the canonical 14695981039346656037 (kept for
@@ -224,28 +224,6 @@ def verified_bytes(prior: PriorTensor) -> np.ndarray | None:
 
 
 def copy_from_prior(prior: PriorTensor):  # noqa: ANN201  (returns a TensorWriter)
-    """A writer that streams the prior's bytes in the kernel (copy_file_range), with a read fallback."""
+    """A writer that streams the prior tensor's bytes in the kernel where possible."""
     info = prior.file.tensors[prior.name]
-
-    def write(f) -> None:  # noqa: ANN001
-        f.flush()
-        src = os.open(prior.file.path, os.O_RDONLY)
-        try:
-            done, dst = 0, f.fileno()
-            pos = f.tell()
-            while done < info.nbytes:
-                try:
-                    n = os.copy_file_range(src, dst, info.nbytes - done, info.offset + done, pos + done)
-                except (AttributeError, OSError):
-                    n = 0
-                if n <= 0:  # no in-kernel copy here: write from the mapping
-                    f.seek(pos + done)
-                    f.write(memoryview(prior.file.raw(prior.name)[done:]))
-                    done = info.nbytes
-                    break
-                done += n
-            f.seek(pos + done)
-        finally:
-            os.close(src)
-
-    return write
+    return lambda f: copy_ranges(f, [(prior.file.path, info.offset, info.nbytes)])
