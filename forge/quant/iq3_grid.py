@@ -43,6 +43,10 @@ class IQ3Grid:
         return (2 * self.levels.astype(np.float32) + 1).astype(np.float32)
 
     @cached_property
+    def n_neighbours_u8(self) -> np.ndarray:
+        return self.n_neighbours.astype(np.uint8)
+
+    @cached_property
     def magnitudes_by_coord(self) -> np.ndarray:
         """(4, n_grid) float32: the magnitudes, coordinate-major."""
         return np.ascontiguousarray(self.magnitudes.T)

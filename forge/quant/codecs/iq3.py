@@ -49,52 +49,63 @@ def _group_codes(levels: np.ndarray) -> np.ndarray:
     return lv[:, 0] | (lv[:, 1] << 3) | (lv[:, 2] << 6) | (lv[:, 3] << 9)
 
 
+def _group_major(a: np.ndarray) -> np.ndarray:
+    """(32, B) -> (8·B, 4): row k·B + b holds group k of sub-block b."""
+    return np.ascontiguousarray(a.reshape(8, 4, -1).transpose(0, 2, 1)).reshape(-1, 4)
+
+
 def _best_neighbours(
-    grid: IQ3Grid, codes: np.ndarray, xval: np.ndarray, waux: np.ndarray, scale: np.ndarray
+    grid: IQ3Grid, codes: np.ndarray, rows: np.ndarray, xg: np.ndarray, wg: np.ndarray, scale: np.ndarray
 ) -> np.ndarray:
     """iq3_find_best_neighbour for n off-grid groups at once.
 
-    codes (n,), xval/waux (4, n), scale (n,). Returns the grid index minimizing
-    Σ waux·(scale·q − xval)² (float32, C's order) over the code's neighbour list, the first one on
-    ties. Groups are sorted by neighbour count so that list slot j is a prefix of the arrays.
+    codes (n,) their codes, rows (n,) their rows in xg/wg (group-major |x| and sqrt(weight)),
+    scale (n,). Returns the grid index minimizing Σ waux·(scale·q − xval)² (float32, C's order)
+    over the code's neighbour list, the first one on ties. Groups are sorted by neighbour count
+    (radix sort of a uint8 key) so that neighbour slot j is a prefix of the arrays.
     """
-    counts = grid.n_neighbours[codes]
-    order = np.argsort(-counts, kind="stable")
+    counts = np.take(grid.n_neighbours_u8, codes)
+    order = np.argsort(~counts, kind="stable")
     # n_live[j]: how many groups have more than j neighbours (a prefix once sorted)
-    n_live = np.searchsorted(-counts[order], -np.arange(counts.max(initial=0)), side="left")
+    n_live = len(codes) - np.cumsum(np.bincount(counts))[:-1]
     c = codes[order]
-    x = xval[:, order]
-    w = waux[:, order]
+    sel = rows[order]
+    x = np.ascontiguousarray(xg[sel].T)
+    w = np.ascontiguousarray(wg[sel].T)
     s = scale[order]
     best_d2 = np.full(len(c), np.inf, np.float32)
-    best_slot = np.zeros(len(c), np.intp)
+    best_slot = np.zeros(len(c), np.uint8)
     for j, m in enumerate(n_live):
-        cm = c[:m]
-        mags = grid.neighbour_magnitudes[j]
-        d2 = None
-        for i in range(4):
-            diff = s[:m] * np.take(mags[i], cm) - x[i, :m]
-            term = w[i, :m] * diff * diff
-            d2 = term if d2 is None else d2 + term
-        np.copyto(best_slot[:m], j, where=d2 < best_d2[:m])
-        np.minimum(best_d2[:m], d2, out=best_d2[:m])
+        q = np.take(grid.neighbour_magnitudes[j], c[:m], axis=1)  # (4, m)
+        diff = s[:m] * q
+        diff -= x[:, :m]
+        term = w[:, :m] * diff
+        term *= diff
+        d2 = term[0] + term[1]  # C adds the four terms in order
+        d2 += term[2]
+        d2 += term[3]
+        best = best_d2[:m]
+        np.copyto(best_slot[:m], j, where=d2 < best)
+        np.minimum(best, d2, out=best)
     out = np.empty(len(c), np.int32)
     out[order] = grid.neighbours_by_slot[best_slot, c]
     return out
 
 
-def _snap(grid: IQ3Grid, inv_scale, scale, xval, waux, search=None) -> tuple[np.ndarray, np.ndarray]:
+def _snap(grid: IQ3Grid, inv_scale, scale, xval, xg, wg, search=None) -> tuple[np.ndarray, np.ndarray]:
     """Grid index (8, B) of every group for one scale per column, and which rounded codes were on
-    the grid. Off-grid groups take their best neighbour (only where ``search`` allows, if given)."""
+    the grid. Off-grid groups take their best neighbour (only where ``search`` allows, if given).
+    xg, wg: group-major |x| and sqrt(weight) (see _group_major)."""
     codes = _group_codes(_levels_for(inv_scale, xval))
     index = np.take(grid.index_of_code, codes)
     on_grid = index >= 0
     off = ~on_grid if search is None else (~on_grid & search)
-    k, b = np.nonzero(off)
-    if k.size:
-        xg = xval.reshape(8, 4, -1)[k, :, b].T
-        wg = waux.reshape(8, 4, -1)[k, :, b].T
-        index[k, b] = _best_neighbours(grid, codes[k, b], xg, wg, scale[b])
+    flat = np.flatnonzero(off)
+    if flat.size:
+        n_cols = xval.shape[1]
+        index.reshape(-1)[flat] = _best_neighbours(
+            grid, codes.reshape(-1)[flat], flat, xg, wg, scale[flat % n_cols]
+        )
     return index, on_grid
 
 
@@ -141,6 +152,7 @@ def _subblock_scales(grid: IQ3Grid, kind: str, x: np.ndarray, w: np.ndarray):
     live = vmax >= _GROUP_MAX_EPS_IQ3_XXS if xxs else vmax != 0
     vmax = np.where(live, vmax, np.float32(1))
     wx = w * xval
+    xg, wg = _group_major(xval), _group_major(waux)
 
     n_cols = x.shape[1]
     best = np.zeros(n_cols, np.float32)
@@ -150,7 +162,7 @@ def _subblock_scales(grid: IQ3Grid, kind: str, x: np.ndarray, w: np.ndarray):
     steps = range(-15, 16) if xxs else range(-9, 10)
     for step in steps:
         inv = (np.float32(2 * _KMAXQ - 1) + np.float32(step) * np.float32(0.2)) / vmax
-        idx, on = _snap(grid, inv, np.float32(1) / inv, xval, waux)
+        idx, on = _snap(grid, inv, np.float32(1) / inv, xval, xg, wg)
         sumqx, sumq2 = _fit(grid, idx, wx, w)
         better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
         new_scale = sumqx / sumq2
@@ -163,9 +175,11 @@ def _subblock_scales(grid: IQ3Grid, kind: str, x: np.ndarray, w: np.ndarray):
     cols = np.flatnonzero((~on_grid).any(axis=0) & (scale > 0))
     if cols.size:
         sc = scale[cols]
-        xv, wa = xval[:, cols], waux[:, cols]
+        xv = xval[:, cols]
         search = ~on_grid[:, cols] if xxs else None
-        idx, _ = _snap(grid, np.float32(1) / sc, sc, xv, wa, search)
+        idx, _ = _snap(
+            grid, np.float32(1) / sc, sc, xv, _group_major(xv), _group_major(waux[:, cols]), search
+        )
         if xxs:  # IQ3_XXS keeps the groups that were on the grid; IQ3_S re-snaps all
             idx = np.where(on_grid[:, cols], index[:, cols], idx)
         index[:, cols] = idx
