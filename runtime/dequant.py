@@ -44,9 +44,10 @@ _BLOCK_DECODERS: dict[GGMLQuantizationType, Decoder] = {
 }
 _FLOAT_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 
-# Output elements decoded per step: small enough that a step's temporaries stay in the CPU caches,
-# large enough that per-op overhead vanishes; accelerators get far larger steps.
-_CPU_STEP = 1 << 18
+# Output values decoded per step: small enough that a step's temporaries stay in the CPU caches,
+# large enough that per-op overhead fades (1M was the best of 64K..4M on 1 and 16 threads, measured
+# with benchmarks/dequant_speed.py); accelerators get far larger steps.
+_CPU_STEP = 1 << 20
 _ACCEL_STEP = 1 << 26
 
 

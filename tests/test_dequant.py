@@ -91,10 +91,18 @@ def test_matches_gguf_py(qtype: GGMLQuantizationType, lead: tuple[int, ...]) -> 
         assert_bit_equal(decode(data, qtype), gq.dequantize(data, qtype))
 
 
-def test_large_tensor_spans_several_decode_steps() -> None:
-    # more output values than one CPU decode step, and a block count that does not divide evenly
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_tensor_spanning_several_decode_steps(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    import runtime.dequant
+
+    monkeypatch.setattr(runtime.dequant, "_CPU_STEP", 7 * 256)  # 7 blocks a step; 29 x 37 leaves a remainder
     data = random_rows(T.Q4_K, (37,), 29)
-    assert_bit_equal(decode(data, T.Q4_K), gq.dequantize(data, T.Q4_K))
+    got = dequantize(torch.from_numpy(data), T.Q4_K, 29 * 256, dtype=dtype)
+    assert got.dtype == dtype
+    expected = gq.dequantize(data, T.Q4_K)
+    if dtype == torch.float16:
+        expected = expected.astype(np.float16).astype(np.float32)
+    assert_bit_equal(got.float().numpy(), expected)
 
 
 def iq1_m_scalar_reference(block: bytes) -> list[float]:
@@ -199,7 +207,7 @@ def test_llamacpp_fixture_tensors_decode_like_gguf_py(name: str) -> None:
     tensors = fixture_tensors(name)
     assert tensors
     for tensor_name, qtype, raw, n_per_row in tensors:
-        got = dequantize(torch.from_numpy(raw), qtype, n_per_row).numpy()
+        got = dequantize(torch.from_numpy(raw.copy()), qtype, n_per_row).numpy()
         try:
             assert_bit_equal(got, gq.dequantize(raw, qtype).reshape(got.shape))
         except AssertionError as e:
