@@ -18,6 +18,7 @@ Usage: python benchmarks/layout_speed.py [--gb 2.0] [--dir /tmp] [--keep]
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import resource
 import shutil
@@ -120,6 +121,11 @@ def main() -> None:
             ("convert --to canonical", best(lambda: convert(native, back, "canonical"), (back,))),
         ]
         assert back.read_bytes() == src.read_bytes()
+        blob = os.urandom(256 << 20)
+        rows.append(
+            ("one SHA-256 stream (in memory)", timed(lambda: [hashlib.sha256(blob) for _ in range(8)]))
+        )
+        rows[-1] = (rows[-1][0], tuple(x * size / (8 * len(blob)) for x in rows[-1][1]))  # scaled to the file
         base = size / rows[0][1][0]
         load = os.getloadavg()[0]
         print(

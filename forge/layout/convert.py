@@ -162,7 +162,7 @@ def to_expert_major(
             if verify:
                 with open_gguf(f"/proc/self/fd/{f.fileno()}") as native:
                     native.path = Path(dest)
-                    verify_native(raw, native, source_sha256=source_sha)
+                    verify_native(raw, native, source_sha256=source_sha, written_payload_sha256=payload_sha)
     recorded = version == 1 or meta[200:224] != bytes(24)  # v2: descriptor 0 extension bytes
     order = "recorded" if recorded else "derived"
     return ConvertResult(Path(dest), out_size, source_sha.hex(), payload_sha.hex(), verify, order)

@@ -47,10 +47,18 @@ def _check_zero(native: RawGGUF, start: int, end: int, what: str) -> None:
         raise ForgeError(f"{native.path}: {what} (bytes {start}..{end}) is not zero")
 
 
-def verify_native(src: RawGGUF, native: RawGGUF, source_sha256: bytes | None = None) -> VerifyReport:
+def verify_native(
+    src: RawGGUF,
+    native: RawGGUF,
+    source_sha256: bytes | None = None,
+    written_payload_sha256: bytes | None = None,
+) -> VerifyReport:
     """Every check of the format; ForgeError naming the layer, expert and component on a mismatch.
 
     ``source_sha256``: the source's digest when the caller has just computed it (skips one pass).
+    ``written_payload_sha256``: the digest of the payload bytes the caller wrote. The byte-for-byte
+    comparison below covers every payload byte (each component slice, each padding byte), so once
+    it passes the file's payload digest equals this one: the converter passes it to skip a pass.
     """
     source_digest = None if source_sha256 is not None else sha256_async(src.mm, 0, src.size)
     if native.n_kv != src.n_kv or bytes(native.kv_block) != bytes(src.kv_block):
@@ -58,7 +66,11 @@ def verify_native(src: RawGGUF, native: RawGGUF, source_sha256: bytes | None = N
     store = parse_native(native)
     h = store.header
     payload_start = store.store_start + store.payload_offset
-    payload_digest = sha256_async(native.mm, payload_start, store.store_start + store.store_size)
+    payload_digest = (
+        None
+        if written_payload_sha256 is not None
+        else sha256_async(native.mm, payload_start, store.store_start + store.store_size)
+    )
     plan = plan_source(src)
 
     identity = [
@@ -104,7 +116,8 @@ def verify_native(src: RawGGUF, native: RawGGUF, source_sha256: bytes | None = N
 
     _verify_payload(src, native, store, plan)
 
-    if h.payload_sha256 != payload_digest.result():
+    got_payload = written_payload_sha256 if payload_digest is None else payload_digest.result()
+    if h.payload_sha256 != got_payload:
         raise ForgeError(f"{native.path}: payload digest mismatch (expert data corrupted)")
     got_source = source_sha256 if source_sha256 is not None else source_digest.result()  # type: ignore[union-attr]
     if h.source_sha256 != got_source:
