@@ -298,3 +298,62 @@ def test_collect_small_run(tmp_path):
     with pytest.raises(ForgeError, match="need at least"):
         collect(_model_dir(), text, tmp_path / "x.gguf", ctx=4096, log=None)
     assert not (tmp_path / "x.gguf").exists()
+
+
+@pytest.fixture(scope="module")
+def collected_like_llamacpp(tmp_path_factory):
+    """The fixture README's llama-imatrix run (calib.txt, -c 512, --chunks 32) on our runtime."""
+    from forge.imatrix.accumulate import collect
+    from tests import oracle
+
+    ref = oracle.llamacpp_dir("tiny-qwen3moe") / "tiny-qwen3moe-imatrix.gguf"
+    if not ref.is_file():
+        pytest.skip("llama.cpp's imatrix fixture is absent")
+    out = tmp_path_factory.mktemp("collect") / "ours.gguf"
+    rep = collect(_model_dir(), oracle.fixtures() / "text" / "calib.txt", out, ctx=512, chunks=32, log=None)
+    return rep.imatrix, read_imatrix(ref), out
+
+
+def _rel_l2(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a.astype(np.float64) - b) / np.linalg.norm(b.astype(np.float64)))
+
+
+@pytest.mark.slow
+def test_collection_matches_llama_imatrix(collected_like_llamacpp, tmp_path):
+    ours, ref, _ = collected_like_llamacpp
+    assert ours.names() == ref.names() and ours.chunk_count == ref.chunk_count == 32
+    assert ours.chunk_size == ref.chunk_size
+    for name in ref.names():
+        assert ours.shape(name) == ref.shape(name), name
+        if ref.shape(name)[0] == 1:  # attention and router inputs: same rows, same sums
+            assert ours.counts[name].tolist() == ref.counts[name].tolist(), name
+            assert _rel_l2(ours.sums[name], ref.sums[name]) <= 1e-3, name
+        else:  # routed experts: every routed pair counted; a few near-tie routings differ (see below)
+            assert ours.counts[name].sum() == ref.counts[name].sum(), name
+            assert np.abs(ours.counts[name] - ref.counts[name]).sum() <= 2e-3 * ref.counts[name].sum(), name
+            assert _rel_l2(ours.sums[name], ref.sums[name]) <= 1e-2, name
+    # the same through .dat: our file's weights against llama-imatrix's .dat
+    from forge.imatrix import write_imatrix
+
+    write_imatrix(ours, tmp_path / "ours.dat")
+    dat, ref_dat = read_imatrix(tmp_path / "ours.dat"), read_imatrix(str(ref_dat_path()))
+    for name in ref_dat.names():
+        n_per_row = ref.shape(name)[1] * ref.shape(name)[0]
+        w, w_ref = importance_for(dat, name, n_per_row), importance_for(ref_dat, name, n_per_row)
+        assert _rel_l2(w, w_ref) <= (1e-3 if ref.shape(name)[0] == 1 else 5e-2), name
+
+
+def ref_dat_path():
+    from tests import oracle
+
+    return oracle.llamacpp_dir("tiny-qwen3moe") / "tiny-qwen3moe-imatrix.dat"
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="the runtime routes ~0.1% of (token, expert) pairs differently from llama.cpp "
+                   "(near ties; rounding matmul inputs to bf16 as ggml does did not remove it, cause not yet found)")  # fmt: skip
+def test_collection_expert_counts_equal_llama_imatrix(collected_like_llamacpp):
+    ours, ref, _ = collected_like_llamacpp
+    for name in ref.names():
+        assert ours.counts[name].tolist() == ref.counts[name].tolist(), name
+        assert _rel_l2(ours.sums[name], ref.sums[name]) <= 1e-3, name
