@@ -198,7 +198,7 @@ def test_float_types_round_trip(name: str) -> None:
 
 def test_seq_sum_is_sequential_float32() -> None:
     rng = np.random.default_rng(0)
-    for cols in (1, 3, 17, 5000):
+    for cols in (1, 3, 15, 16, 17, 64, 255, 5000):
         t = (rng.standard_normal((32, cols)) * rng.uniform(0, 1e4, (1, cols))).astype(np.float32)
         ref = np.zeros(cols, np.float32)
         for row in t:
