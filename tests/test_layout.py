@@ -288,3 +288,17 @@ def test_killed_conversion_leaves_nothing(tmp_path: Path) -> None:
     assert proc.returncode == -signal.SIGKILL
     assert sorted(os.listdir(tmp_path)) == before
     assert not dest.exists()
+
+
+def test_refuses_source_whose_inverse_would_differ(tmp_path: Path) -> None:
+    src = mixed_qwen3moe(tmp_path / "mixed.gguf")
+    with open_gguf(src) as raw:
+        gap = (raw.dir_end, raw.data_start)
+    assert gap[1] > gap[0]  # GGUFWriter pads the directory to the alignment
+    data = bytearray(src.read_bytes())
+    data[gap[1] - 1] = 0xFF
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ForgeError, match="non-zero padding"):
+        convert(bad, tmp_path / "native.gguf", "v2")
+    assert not (tmp_path / "native.gguf").exists()
