@@ -182,6 +182,19 @@ def demo(
     out.print(table)
 
 
+def _register_subcommands() -> None:
+    from forge.imatrix.cli import app as imatrix_app
+
+    app.add_typer(
+        imatrix_app,
+        name="imatrix",
+        help="Importance matrices: collect, show, merge, convert (llama.cpp GGUF and .dat).",
+    )
+
+
+_register_subcommands()
+
+
 def _terminate(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through atomic_output, which removes its temp file
 
