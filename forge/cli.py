@@ -184,11 +184,18 @@ def demo(
 
 def _register_subcommands() -> None:
     from forge.imatrix.cli import app as imatrix_app
+    from forge.layout.cli import app as layout_app
 
     app.add_typer(
         imatrix_app,
         name="imatrix",
         help="Importance matrices: collect, show, merge, convert (llama.cpp GGUF and .dat).",
+    )
+
+    app.add_typer(
+        layout_app,
+        name="layout",
+        help="Expert-major layouts (ds4 v1/v2): convert, convert back, verify, inspect.",
     )
 
 

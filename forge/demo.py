@@ -33,6 +33,8 @@ def _timed(fn: Callable[[], tuple[str, int, str]], step: str) -> Step:
 def run_demo(model: Path | None, keep: Path | None, console: Console) -> list[Step]:
     from forge.convert import convert_checkpoint
     from forge.inspect_file import describe
+    from forge.layout import convert as convert_layout
+    from forge.quant.quantize import quantize
 
     model = model or EXAMPLE
     if not (model / "config.json").is_file():
@@ -40,22 +42,47 @@ def run_demo(model: Path | None, keep: Path | None, console: Console) -> list[St
     with tempfile.TemporaryDirectory(prefix="forge-demo-") as tmp:
         work = keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        bf16 = work / "model-bf16.gguf"
-        rows = []
+        bf16, q4 = work / "model-bf16.gguf", work / "model-Q4_K_M.gguf"
+        boost, em = work / "model-Q4_K_M-boost.gguf", work / "model-Q4_K_M-v2.gguf"
 
         def do_convert() -> tuple[str, int, str]:
             rep = convert_checkpoint(model, bf16, "bf16", progress=True)
             return bf16.name, rep.bytes_written, f"{rep.n_tensors} tensors, lossless"
 
-        def do_inspect() -> tuple[str, int, str]:
-            info = describe(bf16)
+        def do_quantize() -> tuple[str, int, str]:
+            _, rep = quantize(model, q4, "q4_k_m", jobs=2, progress=True)
+            return q4.name, rep.bytes, f"llama.cpp's Q4_K_M mix, {len(rep.tensors)} tensors"
+
+        def do_reuse() -> tuple[str, int, str]:
+            over = ["blk\\.3\\.ffn_.*_exps=q6_k"]
+            _, rep = quantize(model, boost, "q4_k_m", tensor_types=over, reuse=[q4], progress=True)
+            copied = sum(r["reason"].startswith("key match") for r in rep.tensors)
             return (
-                bf16.name,
-                info["file_bytes"],
-                f"{info['architecture']}, {info['parameters']:,} params, {info['bits_per_weight']:.2f} bpw",
+                boost.name,
+                rep.bytes,
+                f"layer 3 experts -> Q6_K: {copied}/{len(rep.tensors)} tensors copied",
             )
 
-        for name, fn in (("convert HF -> GGUF bf16", do_convert), ("inspect", do_inspect)):
+        def do_layout() -> tuple[str, int, str]:
+            convert_layout(q4, em, "v2")
+            back = work / "model-Q4_K_M-roundtrip.gguf"
+            convert_layout(em, back, "canonical")
+            same = "byte-identical" if back.read_bytes() == q4.read_bytes() else "DIFFERS"
+            return em.name, em.stat().st_size, f"expert-major v2, verified; back to canonical: {same}"
+
+        def do_inspect() -> tuple[str, int, str]:
+            info = describe(q4)
+            return q4.name, info["file_bytes"], f"{info['architecture']}, {info['bits_per_weight']:.2f} bpw"
+
+        steps = (
+            ("convert HF -> GGUF bf16", do_convert),
+            ("quantize HF -> Q4_K_M", do_quantize),
+            ("rebuild a boosted variant (--reuse)", do_reuse),
+            ("layout -> expert-major v2 and back", do_layout),
+            ("inspect", do_inspect),
+        )
+        rows = []
+        for name, fn in steps:
             console.print(f"[bold]>[/bold] {name}")
             rows.append(_timed(fn, name))
         return rows
