@@ -18,29 +18,23 @@ from gguf import GGMLQuantizationType
 from forge.quant.codecs.iq4 import (
     _check_input,
     _decode,
-    _fp16_bits,
     _importance_position_major,
     _position_major,
     _row_chunks,
     _seq_dot,
 )
 from forge.quant.iq3_grid import IQ3Grid, iq3s_grid, iq3xxs_grid
+from forge.quant.numerics import fp16_bits, nearest_int
 from forge.quant.types import QuantType
 
 _KMAXQ = 8
 _GROUP_MAX_EPS_IQ3_XXS = np.float32(1e-8)
 
 
-def _nearest_int(a: np.ndarray) -> np.ndarray:
-    """ggml's nearest_int bit trick (round half to even; same result as C for every input)."""
-    biased = (np.asarray(a, np.float32) + np.float32(12582912.0)).view(np.int32)
-    return (biased & 0x007FFFFF) - 0x00400000
-
-
 def _levels_for(inv_scale: np.ndarray, xval: np.ndarray) -> np.ndarray:
     """clamp(nearest_int(0.5·(id·x − 1)), 0, 7): the level l of magnitude 2l+1."""
     half = np.float32(0.5) * (inv_scale * xval - np.float32(1))
-    return _nearest_int(half).clip(0, _KMAXQ - 1)
+    return nearest_int(half).clip(0, _KMAXQ - 1)
 
 
 def _group_codes(levels: np.ndarray) -> np.ndarray:
@@ -217,8 +211,8 @@ def _superblock_scales(scale: np.ndarray, n_super: int, fudge: float):
     has = max_scale > 0
     with np.errstate(divide="ignore", invalid="ignore"):
         inv = np.float32(1) / d
-    ls = _nearest_int(np.float32(0.5) * (inv[:, None] * scales - np.float32(1))).clip(0, 15)
-    d_bits = np.where(has, _fp16_bits(d * np.float32(fudge)), 0).astype(np.uint16)
+    ls = nearest_int(np.float32(0.5) * (inv[:, None] * scales - np.float32(1))).clip(0, 15)
+    d_bits = np.where(has, fp16_bits(d * np.float32(fudge)), 0).astype(np.uint16)
     return d_bits, np.where(has[:, None], ls, 0).astype(np.uint32), has
 
 

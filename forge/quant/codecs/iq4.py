@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from forge.errors import ForgeError
+from forge.quant.numerics import fp16_bits, nearest_int, seq_sum
 from forge.quant.types import QuantType
 
 #: kvalues_iq4nl (ggml-common.h), ascending.
@@ -25,29 +26,13 @@ _NTRY = 7
 #: Elements per encoder step: bounds the temporaries (a few dozen bytes per element).
 _CHUNK_ELEMS = 1 << 17
 
-# --- shared float32 helpers (candidates for forge/quant/numerics.py) -------------------------------
-
-
-def _fp16_bits(a: np.ndarray) -> np.ndarray:
-    """GGML_FP32_TO_FP16 (round to nearest even) as raw uint16 bits."""
-    return np.asarray(a, np.float32).astype(np.float16).view(np.uint16)
-
-
-def _nearest_int(a: np.ndarray) -> np.ndarray:
-    """ggml's nearest_int: round half to even."""
-    return np.rint(a).astype(np.int32)
-
 
 def _seq_dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Σ_i a[i]·b[i] over axis 0 in C's order: a float32 accumulator, one product added at a time.
+    """Σ_i a[i]·b[i] over axis 0 in C's order: products rounded to float32, then added one at a time.
 
-    (ggml-quants.c lives in ggml-base, which is built without FMA: products are rounded before
-    each add, which the fixtures confirm.)
+    (ggml-quants.c lives in ggml-base, which is built without FMA, as the fixtures confirm.)
     """
-    acc = np.zeros(a.shape[1:], np.float32)
-    for i in range(a.shape[0]):
-        acc += a[i] * b[i]
-    return acc
+    return seq_sum(a * b)
 
 
 def _check_input(cls: type[QuantType], rows: np.ndarray, importance: np.ndarray | None):
@@ -184,7 +169,7 @@ def _encode_iq4_nl(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarra
         inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
     levels = _best_level(inv * x)
     out = np.empty((x.shape[1], 18), np.uint8)
-    out[:, :2] = _fp16_bits(d).view(np.uint8).reshape(-1, 2)
+    out[:, :2] = fp16_bits(d).view(np.uint8).reshape(-1, 2)
     out[:, 2:] = _pack_nibbles(levels)
     return out.reshape(n_rows, -1)
 
@@ -207,7 +192,7 @@ def _encode_iq4_xs(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarra
     d = -max_scale / np.float32(32)
     with np.errstate(divide="ignore"):
         inv_d = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    ls = _nearest_int(inv_d * scales).clip(-32, 31)  # (8, S)
+    ls = nearest_int(inv_d * scales).clip(-32, 31)  # (8, S)
     dl = d * ls.astype(np.float32)
     with np.errstate(divide="ignore"):
         inv_dl = np.where(dl != 0, np.float32(1) / dl, np.float32(0)).astype(np.float32)
@@ -220,7 +205,7 @@ def _encode_iq4_xs(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarra
     scales_l = (ls_u[0::2] & 15) | ((ls_u[1::2] & 15) << 4)  # (4, S)
 
     out = np.empty((n_super, 136), np.uint8)
-    out[:, 0:2] = _fp16_bits(d).view(np.uint8).reshape(-1, 2)
+    out[:, 0:2] = fp16_bits(d).view(np.uint8).reshape(-1, 2)
     out[:, 2:4] = scales_h.view(np.uint8).reshape(-1, 2)
     out[:, 4:8] = scales_l.T.astype(np.uint8)
     nib = _pack_nibbles(levels).reshape(8, n_super, 16).transpose(1, 0, 2)
