@@ -44,8 +44,8 @@ def _group_codes(levels: np.ndarray) -> np.ndarray:
 
 
 def _group_major(a: np.ndarray) -> np.ndarray:
-    """(32, B) -> (8·B, 4): row k·B + b holds group k of sub-block b."""
-    return np.ascontiguousarray(a.reshape(8, 4, -1).transpose(0, 2, 1)).reshape(-1, 4)
+    """(32, B) -> (4, 8·B): column k·B + b holds the 4 values of group k of sub-block b."""
+    return np.ascontiguousarray(a.reshape(8, 4, -1).transpose(1, 0, 2)).reshape(4, -1)
 
 
 def _best_neighbours(
@@ -53,7 +53,7 @@ def _best_neighbours(
 ) -> np.ndarray:
     """iq3_find_best_neighbour for n off-grid groups at once.
 
-    codes (n,) their codes, rows (n,) their rows in xg/wg (group-major |x| and sqrt(weight)),
+    codes (n,) their codes, rows (n,) their columns in xg/wg (group-major |x| and sqrt(weight)),
     scale (n,). Returns the grid index minimizing Σ waux·(scale·q − xval)² (float32, C's order)
     over the code's neighbour list, the first one on ties. Groups are sorted by neighbour count
     (radix sort of a uint8 key) so that neighbour slot j is a prefix of the arrays.
@@ -64,8 +64,8 @@ def _best_neighbours(
     n_live = len(codes) - np.cumsum(np.bincount(counts))[:-1]
     c = codes[order]
     sel = rows[order]
-    x = np.ascontiguousarray(xg[sel].T)
-    w = np.ascontiguousarray(wg[sel].T)
+    x = np.take(xg, sel, axis=1)
+    w = np.take(wg, sel, axis=1)
     s = scale[order]
     best_d2 = np.full(len(c), np.inf, np.float32)
     best_slot = np.zeros(len(c), np.uint8)
@@ -169,15 +169,21 @@ def _subblock_scales(grid: IQ3Grid, kind: str, x: np.ndarray, w: np.ndarray):
     cols = np.flatnonzero((~on_grid).any(axis=0) & (scale > 0))
     if cols.size:
         sc = scale[cols]
-        xv = xval[:, cols]
+        xv = np.take(xval, cols, axis=1)
         search = ~on_grid[:, cols] if xxs else None
         idx, _ = _snap(
-            grid, np.float32(1) / sc, sc, xv, _group_major(xv), _group_major(waux[:, cols]), search
+            grid,
+            np.float32(1) / sc,
+            sc,
+            xv,
+            _group_major(xv),
+            _group_major(np.take(waux, cols, axis=1)),
+            search,
         )
         if xxs:  # IQ3_XXS keeps the groups that were on the grid; IQ3_S re-snaps all
             idx = np.where(on_grid[:, cols], index[:, cols], idx)
         index[:, cols] = idx
-        sumqx, sumq2 = _fit(grid, idx, wx[:, cols], w[:, cols])
+        sumqx, sumq2 = _fit(grid, idx, np.take(wx, cols, axis=1), np.take(w, cols, axis=1))
         scale[cols] = np.where(sumq2 > 0, sumqx / sumq2, sc)
 
     flip = scale < 0  # "should never happen" in llama.cpp, handled there by flipping every sign
