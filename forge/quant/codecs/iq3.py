@@ -15,17 +15,9 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from forge.quant.codecs.iq4 import (
-    _check_input,
-    _decode,
-    _importance_position_major,
-    _position_major,
-    _row_chunks,
-    _seq_dot,
-)
+from forge.quant.codecs.iq4 import RowChunkedCodec, _importance_position_major, _position_major, _seq_dot
 from forge.quant.iq3_grid import IQ3Grid, iq3s_grid, iq3xxs_grid
 from forge.quant.numerics import fp16_bits, nearest_int
-from forge.quant.types import QuantType
 
 _KMAXQ = 8
 _GROUP_MAX_EPS_IQ3_XXS = np.float32(1e-8)
@@ -121,7 +113,7 @@ def _signs(x: np.ndarray, w: np.ndarray, even: bool) -> tuple[np.ndarray, np.nda
     neg8 = neg.reshape(4, 8, -1)
     if even:
         odd = (neg8.sum(axis=1) & 1).astype(bool)  # (4, B)
-        imin = np.argmin((w * x * x).reshape(4, 8, -1), axis=0 + 1)
+        imin = np.argmin((w * x * x).reshape(4, 8, -1), axis=1)
         k, b = np.nonzero(odd)
         i = imin[k, b]
         pos = 8 * k + i
@@ -269,30 +261,12 @@ def _encode_iq3_s(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray
     return out.reshape(n_rows, -1)
 
 
-class _IQ3Base(QuantType):
-    uses_imatrix = True
-    _encoder = staticmethod(_encode_iq3_xxs)
-
-    @classmethod
-    def encode(cls, rows: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
-        rows, importance = _check_input(cls, rows, importance)
-        n_rows, n_per_row = rows.shape
-        out = np.empty((n_rows, cls.row_bytes(n_per_row)), np.uint8)
-        for r0, r1 in _row_chunks(n_rows, n_per_row):
-            out[r0:r1] = cls._encoder(rows[r0:r1], importance)
-        return out
-
-    @classmethod
-    def decode(cls, data: np.ndarray, n_per_row: int) -> np.ndarray:
-        return _decode(cls, data, n_per_row)
-
-
-class IQ3_XXS(_IQ3Base):
+class IQ3_XXS(RowChunkedCodec):
     ggml_type = GGMLQuantizationType.IQ3_XXS
     needs_imatrix = True
-    _encoder = staticmethod(_encode_iq3_xxs)
+    _encode_rows = staticmethod(_encode_iq3_xxs)
 
 
-class IQ3_S(_IQ3Base):
+class IQ3_S(RowChunkedCodec):
     ggml_type = GGMLQuantizationType.IQ3_S
-    _encoder = staticmethod(_encode_iq3_s)
+    _encode_rows = staticmethod(_encode_iq3_s)
