@@ -6,6 +6,7 @@ import ctypes
 import glob
 import hashlib
 import os
+from functools import cache
 
 import numpy as np
 import pytest
@@ -245,11 +246,12 @@ def test_iq3s_skipped_subblocks_shift_later_ones_forward() -> None:
 # --- optional development oracle: llama.cpp's libggml through ctypes -----------------------------
 
 
-def _libggml():
+@cache
+def _find_libggml() -> ctypes.CDLL | None:
     pattern = os.environ.get("FORGE_LIBGGML", "/work/peer/**/libggml-base.so")
     hits = sorted(glob.glob(pattern, recursive=True))
     if not hits:
-        pytest.skip("no libggml-base shared library found (set FORGE_LIBGGML)")
+        return None
     lib = ctypes.CDLL(hits[0])
     lib.ggml_quantize_init.argtypes = [ctypes.c_int]
     lib.ggml_quantize_chunk.restype = ctypes.c_size_t
@@ -262,6 +264,13 @@ def _libggml():
         ctypes.c_int64,
         ctypes.c_void_p,
     ]
+    return lib
+
+
+def _libggml() -> ctypes.CDLL:
+    lib = _find_libggml()
+    if lib is None:
+        pytest.skip("no libggml-base shared library found (set FORGE_LIBGGML)")
     return lib
 
 
