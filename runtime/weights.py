@@ -93,6 +93,10 @@ class ExpertTensor:
             self._decoded = dequantize(self.raw, self.qtype, self.cols)
         return self._decoded
 
+    def release(self) -> None:
+        """Drop the decoded copy (its owner keeps it in another form) and decode per use from now on."""
+        self._decoded, self.resident = None, False
+
     def per_expert(self, ids: list[int]) -> list[torch.Tensor]:
         """Float32 (rows, cols) matrices of experts ``ids``: views of the decoded tensor when resident."""
         if self.resident:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from runtime.models.qwen3moe import (
     AttentionConfig,
+    FusedLinear,
     GQAttention,
     KVCache,
     Linear,
@@ -106,10 +107,8 @@ class GatedDeltaNet:
         self.n_v = int(weights.hparam("ssm.time_step_rank"))
         self.d_k = int(weights.hparam("ssm.state_size"))
         self.d_v = int(weights.hparam("ssm.inner_size")) // self.n_v
-        self.qkv = Linear(weights, p + "attn_qkv.weight", observers)
-        self.z = Linear(weights, p + "attn_gate.weight", observers)
-        self.beta = Linear(weights, p + "ssm_beta.weight", observers)
-        self.alpha = Linear(weights, p + "ssm_alpha.weight", observers)
+        names = ["attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight"]
+        self.inputs = FusedLinear(weights, [p + n for n in names], observers)
         self.out = Linear(weights, p + "ssm_out.weight", observers)
         self.conv_w = weights.dense(p + "ssm_conv1d.weight")  # (channels, kernel)
         self.dt_bias = weights.dense(p + "ssm_dt.bias")
@@ -125,10 +124,9 @@ class GatedDeltaNet:
 
     def __call__(self, x: torch.Tensor, st: DeltaNetState) -> torch.Tensor:
         t = x.shape[0]
-        mixed = self.qkv(x)
-        z = self.z(x)
-        beta = torch.sigmoid(self.beta(x))
-        g = F.softplus(self.alpha(x) + self.dt_bias) * self.a
+        mixed, z, beta, alpha = self.inputs(x)
+        beta = torch.sigmoid(beta)
+        g = F.softplus(alpha + self.dt_bias) * self.a
 
         window = torch.cat([st.conv, mixed])
         st.conv = window[t:].clone()
@@ -154,14 +152,13 @@ class GatedDeltaNet:
 class SharedExpert:
     def __init__(self, weights: Weights, layer: int, observers: list[Observer]) -> None:
         p = f"blk.{layer}."
-        self.gate = Linear(weights, p + "ffn_gate_shexp.weight", observers)
-        self.up = Linear(weights, p + "ffn_up_shexp.weight", observers)
+        names = ["ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_gate_inp_shexp.weight"]
+        self.inputs = FusedLinear(weights, [p + n for n in names], observers)
         self.down = Linear(weights, p + "ffn_down_shexp.weight", observers)
-        self.scale = Linear(weights, p + "ffn_gate_inp_shexp.weight", observers)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.down(F.silu(self.gate(x)) * self.up(x))
-        return y * torch.sigmoid(self.scale(x))
+        gate, up, scale = self.inputs(x)
+        return self.down(F.silu(gate) * up) * torch.sigmoid(scale)
 
 
 class Qwen35MoeBlock:

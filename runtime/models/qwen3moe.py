@@ -17,7 +17,7 @@ from runtime.weights import ExpertTensor, Weights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class Linear:
@@ -34,24 +34,50 @@ class Linear:
         return F.linear(x, self.weight)
 
 
+class FusedLinear:
+    """Several weights that read the same input, multiplied as one matrix; each is reported by its name."""
+
+    def __init__(self, weights: Weights, names: list[str], observers: list[Observer]) -> None:
+        parts = [weights.dense(n) for n in names]
+        parts = [w[None, :] if w.dim() == 1 else w for w in parts]
+        self.names, self.observers = names, observers
+        self.weight = torch.cat(parts)
+        self.sizes = [w.shape[0] for w in parts]
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.observers:
+            for name in self.names:
+                notify_matmul(self.observers, name, x)
+        return torch.split(F.linear(x, self.weight), self.sizes, dim=-1)
+
+
 class Rope:
     """NEOX-style rotary embedding on the first ``n_rot`` dims of each head (llama.cpp's rope type 2)."""
 
     def __init__(self, n_rot: int, base: float, device: torch.device) -> None:
-        self.n_rot = n_rot
+        self.n_rot, self.device = n_rot, device
         self.inv_freq = 1.0 / (
             base ** (torch.arange(0, n_rot, 2, dtype=torch.float32, device=device) / n_rot)
         )
+        self.cos = self.sin = torch.empty(0, n_rot // 2, device=device)
+
+    def _table(self, end: int) -> None:
+        if end > self.cos.shape[0]:
+            n = max(end, 2 * self.cos.shape[0], 1024)
+            ang = torch.arange(n, dtype=torch.float32, device=self.device)[:, None] * self.inv_freq[None, :]
+            self.cos, self.sin = ang.cos(), ang.sin()
 
     def __call__(self, x: torch.Tensor, pos0: int) -> torch.Tensor:
         """x: (T, H, D) at positions pos0..pos0+T-1."""
         t = x.shape[0]
-        pos = torch.arange(pos0, pos0 + t, dtype=torch.float32, device=x.device)
-        ang = (pos[:, None] * self.inv_freq[None, :])[:, None, :]
-        cos, sin = ang.cos(), ang.sin()
+        self._table(pos0 + t)
+        cos, sin = self.cos[pos0 : pos0 + t, None, :], self.sin[pos0 : pos0 + t, None, :]
         half = self.n_rot // 2
-        x1, x2, rest = x[..., :half], x[..., half : self.n_rot], x[..., self.n_rot :]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+        x1, x2 = x[..., :half], x[..., half : self.n_rot]
+        parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+        if self.n_rot < x.shape[-1]:
+            parts.append(x[..., self.n_rot :])
+        return torch.cat(parts, dim=-1)
 
 
 class KVCache:
@@ -91,14 +117,17 @@ class State:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int) -> torch.Tensor:
     """Causal GQA attention. q: (T, H, D) at positions pos0.., k/v: (pos0+T, Hkv, D) -> (T, H*D)."""
     t, n_head, d = q.shape
-    n_rep = n_head // k.shape[1]
+    n_kv = k.shape[1]
+    n_rep = n_head // n_kv
+    if t == 1:  # one query row: each KV head's group of query heads attends as a batch of rows, no copies
+        qg = q.view(n_kv, n_rep, d)
+        out = F.scaled_dot_product_attention(qg, k.transpose(0, 1), v.transpose(0, 1))
+        return out.reshape(1, n_head * d)
     if n_rep > 1:
         k = k.repeat_interleave(n_rep, dim=1)
         v = v.repeat_interleave(n_rep, dim=1)
     q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    if t == 1:
-        out = F.scaled_dot_product_attention(q, k, v)
-    elif pos0 == 0:
+    if pos0 == 0:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     else:
         rows = torch.arange(pos0, pos0 + t, device=q.device)[:, None]
@@ -115,13 +144,39 @@ class RoutedExperts:
         self.layer, self.n_used, self.observers = layer, n_used, observers
         self.router = Linear(weights, p + "ffn_gate_inp.weight", observers)
         self.names = (p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", p + "ffn_down_exps.weight")
+        self.gate_up: ExpertTensor | None = None
+        self.gate: ExpertTensor | None = None
+        self.up: ExpertTensor | None = None
         if weights.has(p + "ffn_gate_up_exps.weight"):
-            self.gate_up: ExpertTensor | None = weights.experts(p + "ffn_gate_up_exps.weight")
-            self.gate = self.up = None
+            self.gate_up = weights.experts(p + "ffn_gate_up_exps.weight")
         else:
-            self.gate_up = None
             self.gate, self.up = weights.experts(self.names[0]), weights.experts(self.names[1])
         self.down = weights.experts(self.names[2])
+        self.n_ff = self.down.cols
+        # Resident gate and up are kept as one (n_expert, 2 n_ff, n_embd) tensor: one matmul per expert.
+        self.fused: torch.Tensor | None = None
+        if self.gate_up is not None and self.gate_up.resident:
+            self.fused = self.gate_up.decoded()
+        elif self.gate is not None and self.up is not None and self.gate.resident and self.up.resident:
+            self.fused = torch.cat([self.gate.decoded(), self.up.decoded()], dim=1)
+            self.gate.release()
+            self.up.release()
+
+    def _gate_up(self, hit: list[int]) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if self.fused is not None:
+            return [self.fused[e] for e in hit]
+        if self.gate_up is not None:
+            return self.gate_up.per_expert(hit)
+        assert self.gate is not None and self.up is not None
+        return self.gate.per_expert(hit), self.up.per_expert(hit)
+
+    def _swiglu(
+        self, w: list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]], i: int, x: torch.Tensor
+    ) -> torch.Tensor:
+        if isinstance(w, list):
+            gu = F.linear(x, w[i])
+            return F.silu(gu[:, : self.n_ff]) * gu[:, self.n_ff :]
+        return F.silu(F.linear(x, w[0][i])) * F.linear(x, w[1][i])
 
     def _report(self, x: torch.Tensor, act: torch.Tensor, ids: torch.Tensor) -> None:
         notify_matmul(self.observers, self.names[0], x, ids)
@@ -130,41 +185,47 @@ class RoutedExperts:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.router(x)
-        probs = torch.softmax(logits, dim=-1)
-        top_w, top_ids = torch.topk(probs, self.n_used, dim=-1)
-        top_w = top_w / top_w.sum(-1, keepdim=True)
+        # softmax over the top-k logits = the top-k softmax probabilities renormalized to sum 1
+        top_logits, top_ids = torch.topk(logits, self.n_used, dim=-1)
+        top_w = torch.softmax(top_logits, dim=-1)
         if self.observers:
             notify_routing(self.observers, self.layer, top_ids, top_w, logits)
-        ids = top_ids.reshape(-1)
+        if x.shape[0] == 1:
+            return self._one_token(x, top_ids[0], top_w[0])
+        return self._batch(x, top_ids.reshape(-1), top_w.reshape(-1))
+
+    def _one_token(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        hit = ids.tolist()
+        gate_up, down = self._gate_up(hit), self.down.per_expert(hit)
+        acts = [self._swiglu(gate_up, i, x) for i in range(len(hit))]
+        if self.observers:
+            self._report(x.expand(len(hit), -1), torch.cat(acts), ids)
+        out = F.linear(acts[0], down[0]) * w[0]
+        for i in range(1, len(hit)):
+            out = out + F.linear(acts[i], down[i]) * w[i]
+        return out
+
+    def _batch(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         order = torch.argsort(ids, stable=True)
         sorted_ids = ids[order]
         token = order // self.n_used
         hit, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
         hit_list, counts_list = hit.tolist(), counts.tolist()
-        if self.gate_up is not None:
-            fused = self.gate_up.per_expert(hit_list)
-            n_ff = fused[0].shape[0] // 2
-            w_gate, w_up = [w[:n_ff] for w in fused], [w[n_ff:] for w in fused]
-        else:
-            assert self.gate is not None and self.up is not None
-            w_gate, w_up = self.gate.per_expert(hit_list), self.up.per_expert(hit_list)
-        w_down = self.down.per_expert(hit_list)
-
+        gate_up, down = self._gate_up(hit_list), self.down.per_expert(hit_list)
         xs = x[token]
-        act = torch.empty(xs.shape[0], w_gate[0].shape[0], dtype=x.dtype, device=x.device)
+        act = torch.empty(xs.shape[0], self.n_ff, dtype=x.dtype, device=x.device)
         start = 0
         for i, n in enumerate(counts_list):
-            seg = xs[start : start + n]
-            act[start : start + n] = F.silu(F.linear(seg, w_gate[i])) * F.linear(seg, w_up[i])
+            act[start : start + n] = self._swiglu(gate_up, i, xs[start : start + n])
             start += n
         if self.observers:
             self._report(xs, act, sorted_ids)
         ys = torch.empty_like(xs)
         start = 0
         for i, n in enumerate(counts_list):
-            ys[start : start + n] = F.linear(act[start : start + n], w_down[i])
+            ys[start : start + n] = F.linear(act[start : start + n], down[i])
             start += n
-        ys *= top_w.reshape(-1)[order, None]
+        ys *= w[order, None]
         return torch.zeros_like(x).index_add_(0, token, ys)
 
 
@@ -198,9 +259,9 @@ class GQAttention:
             self.split = (q_rows, kv_rows, kv_rows)
         else:
             self.qkv = None
-            self.q = Linear(weights, p + "attn_q.weight", observers)
-            self.k = Linear(weights, p + "attn_k.weight", observers)
-            self.v = Linear(weights, p + "attn_v.weight", observers)
+            self.q_k_v = FusedLinear(
+                weights, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], observers
+            )
         self.out = Linear(weights, p + "attn_output.weight", observers)
         self.q_norm = weights.dense(p + "attn_q_norm.weight")
         self.k_norm = weights.dense(p + "attn_k_norm.weight")
@@ -211,7 +272,7 @@ class GQAttention:
         if self.qkv is not None:
             q, k, v = torch.split(self.qkv(x), self.split, dim=-1)
         else:
-            q, k, v = self.q(x), self.k(x), self.v(x)
+            q, k, v = self.q_k_v(x)
         gate = None
         if self.gated:
             qg = q.view(t, c.n_head, 2 * c.head_dim)
@@ -219,7 +280,8 @@ class GQAttention:
         q = rms_norm(q.reshape(t, c.n_head, c.head_dim), self.q_norm, c.eps)
         k = rms_norm(k.reshape(t, c.n_head_kv, c.head_dim), self.k_norm, c.eps)
         v = v.reshape(t, c.n_head_kv, c.head_dim)
-        q, k = self.rope(q, pos0), self.rope(k, pos0)
+        qk = self.rope(torch.cat([q, k], dim=1), pos0)
+        q, k = qk[:, : c.n_head], qk[:, c.n_head :]
         keys, values = cache.append(k, v)
         out = attention(q, keys, values, pos0)
         if gate is not None:

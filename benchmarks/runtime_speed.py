@@ -1,0 +1,262 @@
+"""Prefill / decode tokens per second of the runtime (pp512 / tg128, like llama-bench), beside transformers.
+
+    python benchmarks/runtime_speed.py [GGUF ...] [--threads 2] [--device cpu|cuda|mps]
+        [--transformers HF_DIR] [--synth] [--json OUT]
+
+Without files it converts the bundled examples/tiny-qwen3moe to bf16 and derives a Q8_0 copy, and adds the
+llama.cpp files under ../shared/fixtures when present. ``--synth`` benchmarks a larger randomly initialized
+qwen3moe (about 5 B parameters, Q4_K experts) written on the fly: meant for GPUs.
+llama.cpp's figures for the tiny model (llama-bench, 2 threads, the 2-core development machine) are printed
+for reference from the fixtures README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from runtime.models import load_model  # noqa: E402
+
+LLAMA_CPP = {"bf16": (6100, 1600), "Q8_0": (5400, 1740), "Q4_K_M": (6600, 2100)}  # pp512, tg128 tok/s
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    elif device == "mps":
+        torch.mps.synchronize()
+
+
+def bench_runtime(path: Path, device: str, pp: int, tg: int, reps: int, budget: int) -> dict:
+    t0 = time.perf_counter()
+    model = load_model(path, device, expert_budget=budget)
+    load_s = time.perf_counter() - t0
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.vocab_size
+    ids = torch.randint(0, vocab, (pp,), generator=gen).to(device)
+    model.forward(ids[:64], model.new_state())  # warm-up
+    best_pp = 0.0
+    for _ in range(reps):
+        st = model.new_state()
+        _sync(device)
+        t = time.perf_counter()
+        model.forward(ids, st, last_only=True)
+        _sync(device)
+        best_pp = max(best_pp, pp / (time.perf_counter() - t))
+    best_tg = 0.0
+    for _ in range(max(1, reps - 1)):
+        st = model.new_state()
+        toks = torch.randint(0, vocab, (tg,), generator=gen).to(device)
+        _sync(device)
+        t = time.perf_counter()
+        for i in range(tg):
+            model.forward(toks[i : i + 1], st, last_only=True)
+        _sync(device)
+        best_tg = max(best_tg, tg / (time.perf_counter() - t))
+    return {"file": path.name, "load_s": round(load_s, 2), "pp": round(best_pp, 1), "tg": round(best_tg, 1)}
+
+
+def bench_transformers(hf_dir: Path, device: str, pp: int, tg: int, reps: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, pp), generator=torch.Generator().manual_seed(0)).to(
+        device
+    )
+    best_pp = best_tg = 0.0
+    with torch.no_grad():
+        model(ids[:, :64])
+        for _ in range(reps):
+            _sync(device)
+            t = time.perf_counter()
+            model(ids)
+            _sync(device)
+            best_pp = max(best_pp, pp / (time.perf_counter() - t))
+        for _ in range(max(1, reps - 1)):
+            _sync(device)
+            t = time.perf_counter()
+            out = model(ids[:, :1], use_cache=True)
+            for i in range(1, tg):
+                out = model(ids[:, i : i + 1], past_key_values=out.past_key_values, use_cache=True)
+            _sync(device)
+            best_tg = max(best_tg, tg / (time.perf_counter() - t))
+    return {"file": f"transformers fp32 ({hf_dir.name})", "pp": round(best_pp, 1), "tg": round(best_tg, 1)}
+
+
+# files to measure ----------------------------------------------------------------------------------------
+
+
+def _random_blocks(qtype, rows: int, n_per_row: int, rng: np.random.Generator) -> np.ndarray:
+    """Random but valid encoded rows of a Q8_0 / Q4_K tensor (finite, small fp16 scales)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, size=(rows, n_per_row // block, size), dtype=np.uint8)
+    n_scales = {GGMLQuantizationType.Q8_0: 1, GGMLQuantizationType.Q4_K: 2}[qtype]
+    scale = {GGMLQuantizationType.Q8_0: 0.02 / 64, GGMLQuantizationType.Q4_K: 0.02 / 400}[qtype]
+    fp16 = np.full((rows, n_per_row // block, n_scales), scale, dtype=np.float16)
+    data[..., : 2 * n_scales] = fp16.view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+def synth_qwen3moe(
+    out: Path,
+    n_layer: int = 8,
+    n_embd: int = 2048,
+    n_expert: int = 128,
+    n_used: int = 8,
+    n_ff: int = 768,
+    vocab: int = 151936,
+    n_head: int = 32,
+    n_kv: int = 4,
+    head_dim: int = 128,
+) -> Path:
+    """A randomly initialized qwen3moe GGUF (Qwen3-30B-A3B's shapes, fewer layers): Q4_K weights, F32 norms."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    q4k = GGMLQuantizationType.Q4_K
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(out, "qwen3moe")
+    for key, value in {"block_count": n_layer, "context_length": 40960, "embedding_length": n_embd,
+                       "attention.head_count": n_head, "attention.head_count_kv": n_kv, "rope.freq_base": 1e6,
+                       "attention.layer_norm_rms_epsilon": 1e-6, "expert_count": n_expert,
+                       "expert_used_count": n_used, "attention.key_length": head_dim,
+                       "attention.value_length": head_dim, "expert_feed_forward_length": n_ff}.items():  # fmt: skip
+        if isinstance(value, float):
+            w.add_float32(f"qwen3moe.{key}", value)
+        else:
+            w.add_uint32(f"qwen3moe.{key}", value)
+
+    def quant(name: str, *shape: int) -> None:
+        rows = int(np.prod(shape[:-1]))
+        data = _random_blocks(q4k, rows, shape[-1], rng)
+        w.add_tensor(name, data.reshape(*shape[:-1], -1), raw_dtype=q4k)
+
+    def ones(name: str, n: int) -> None:
+        w.add_tensor(name, np.ones(n, dtype=np.float32))
+
+    quant("token_embd.weight", vocab, n_embd)
+    quant("output.weight", vocab, n_embd)
+    ones("output_norm.weight", n_embd)
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        ones(b + "attn_norm.weight", n_embd)
+        ones(b + "ffn_norm.weight", n_embd)
+        ones(b + "attn_q_norm.weight", head_dim)
+        ones(b + "attn_k_norm.weight", head_dim)
+        quant(b + "attn_q.weight", n_head * head_dim, n_embd)
+        quant(b + "attn_k.weight", n_kv * head_dim, n_embd)
+        quant(b + "attn_v.weight", n_kv * head_dim, n_embd)
+        quant(b + "attn_output.weight", n_embd, n_head * head_dim)
+        w.add_tensor(
+            b + "ffn_gate_inp.weight", (rng.standard_normal((n_expert, n_embd)) * 0.02).astype(np.float32)
+        )
+        quant(b + "ffn_gate_exps.weight", n_expert, n_ff, n_embd)
+        quant(b + "ffn_up_exps.weight", n_expert, n_ff, n_embd)
+        quant(b + "ffn_down_exps.weight", n_expert, n_embd, n_ff)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def q8_0_copy(src: Path, out: Path) -> Path:
+    """``src`` with every quantizable weight (2-D+, not norms or the router) re-encoded as Q8_0."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from gguf.quants import quantize
+
+    from runtime.weights import dequantize
+
+    r = GGUFReader(src)
+    arch = str(r.fields["general.architecture"].contents())
+    w = GGUFWriter(out, arch)
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0].name == "ARRAY" else None
+        w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for t in r.tensors:
+        qtype = GGMLQuantizationType(t.tensor_type)
+        shape = [int(x) for x in reversed(t.shape)]
+        raw = torch.from_numpy(np.asarray(t.data).view(np.uint8).reshape(*shape[:-1], -1).copy())
+        values = dequantize(raw, qtype, shape[-1]).numpy()
+        if len(shape) >= 2 and "norm" not in t.name and "ffn_gate_inp" not in t.name and shape[-1] % 32 == 0:
+            w.add_tensor(
+                t.name, quantize(values, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0
+            )
+        else:
+            w.add_tensor(t.name, values.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def default_files(tmp: Path) -> list[Path]:
+    from forge.convert import convert_checkpoint
+
+    bf16 = tmp / "tiny-qwen3moe-bf16.gguf"
+    convert_checkpoint(ROOT / "examples" / "tiny-qwen3moe", bf16, "bf16")
+    files = [bf16, q8_0_copy(bf16, tmp / "tiny-qwen3moe-Q8_0-forge.gguf")]
+    fixtures = ROOT.parent / "shared" / "fixtures" / "llamacpp" / "tiny-qwen3moe"
+    files += sorted(fixtures.glob("tiny-qwen3moe-Q*.gguf"))
+    return files
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="*", type=Path)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=512)
+    ap.add_argument("--tg", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--expert-cache-mib", type=int, default=1024)
+    ap.add_argument("--transformers", type=Path, default=ROOT / "examples" / "tiny-qwen3moe")
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--synth", action="store_true", help="also a ~5 B-parameter random Q4_K qwen3moe")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        files = args.files or default_files(Path(tmp))
+        if args.synth:
+            files.append(synth_qwen3moe(Path(tmp) / "synth-qwen3moe-8L-Q4_K.gguf"))
+        for f in files:
+            for budget_mib in sorted({args.expert_cache_mib, 0}, reverse=True):
+                row = bench_runtime(f, args.device, args.pp, args.tg, args.reps, budget_mib << 20)
+                row["expert_cache_mib"] = budget_mib
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        if not args.no_transformers:
+            row = bench_transformers(args.transformers, args.device, args.pp, args.tg, args.reps)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    where = args.device + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
+    print(
+        f"\n{where}, torch threads {args.threads}, pp{args.pp} / tg{args.tg} tokens/s (best of {args.reps})"
+    )
+    print(f"{'file':<42} {'cache MiB':>9} {'pp':>9} {'tg':>8}")
+    for r in rows:
+        print(f"{r['file']:<42} {r.get('expert_cache_mib', ''):>9} {r['pp']:>9.1f} {r['tg']:>8.1f}")
+    print("llama.cpp llama-bench, tiny-qwen3moe, 2 threads (fixtures README): "
+          + ", ".join(f"{k} {pp}/{tg}" for k, (pp, tg) in LLAMA_CPP.items()))  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"device": where, "threads": args.threads, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Runtime oracles: Hugging Face transformers (fp32) and llama.cpp's perplexity/KLD tables (fixtures)."""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from oracle import FIXTURES, fixtures, llamacpp_dir, model_dir
+
+from runtime.evaluate import ReferenceLogits, evaluate, perplexity_tokens
+from runtime.generate import generate
+from runtime.models import load_model
+from runtime.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow
+MODELS = ("tiny-qwen3moe", "tiny-qwen35moe")
+TEXTS = ("val.txt", "calib.txt")
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory: pytest.TempPathFactory):
+    """model name -> the forge-converted bf16 GGUF (converted once)."""
+    from forge.convert import convert_checkpoint
+
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            out = tmp_path_factory.mktemp(name) / f"{name}-bf16.gguf"
+            convert_checkpoint(model_dir(name), out, "bf16", mtp=False)
+            made[name] = out
+        return made[name]
+
+    return get
+
+
+def _text_ids(tok: Tokenizer, text: str, n: int, offset: int = 0) -> torch.Tensor:
+    body = (fixtures() / "text" / text).read_text()[offset : offset + 40 * n]
+    return torch.tensor(tok.encode(body)[:n])
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_matches_transformers_fp32(name: str, bf16) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ours = load_model(bf16(name))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir(name), dtype=torch.float32).eval()
+    tok = Tokenizer.from_metadata(ours.weights)
+    for text in TEXTS:
+        ids = _text_ids(tok, text, 256, offset=5000)
+        with torch.no_grad():
+            ref = hf(ids[None]).logits[0]
+        got = ours.forward(ids, ours.new_state())
+        assert (got - ref).abs().max() <= 1e-3 * ref.abs().max(), text
+
+        prompt = ids[:48]
+        with torch.no_grad():
+            hf_out = hf.generate(prompt[None], max_new_tokens=64, do_sample=False)[0, 48:].tolist()
+        eos = tok.eos_id
+        if eos in hf_out:
+            hf_out = hf_out[: hf_out.index(eos)]
+        res = generate(ours, prompt.tolist(), 64, stop_ids={eos})
+        assert res.tokens == hf_out, text
+        assert len(res.tokens) == 64 or res.stopped_by == "stop-token"
+
+
+def test_qwen35moe_state_is_carried_across_calls(bf16) -> None:
+    m = load_model(bf16("tiny-qwen35moe"))
+    ids = _text_ids(Tokenizer.from_metadata(m.weights), "val.txt", 150)
+    full = m.forward(ids, m.new_state())
+    tol = 1e-4 * full.abs().max()
+    for sizes in ((64, 86), (37, 100, 13)):
+        st, outs, start = m.new_state(), [], 0
+        for n in sizes:
+            outs.append(m.forward(ids[start : start + n], st))
+            start += n
+        assert (torch.cat(outs) - full).abs().max() <= tol, sizes
+    st = m.new_state()
+    one_by_one = torch.cat([m.forward(ids[i : i + 1], st) for i in range(len(ids))])
+    assert (one_by_one - full).abs().max() <= tol
+
+
+# llama.cpp's tables -------------------------------------------------------------------------------------
+
+
+@cache
+def _tables() -> dict[tuple[str, str], tuple[float, float | None]]:
+    """(model, file label) -> (PPL, mean KLD) from the fixtures README."""
+    readme = (FIXTURES / "README.md").read_text()
+    out: dict[tuple[str, str], tuple[float, float | None]] = {}
+    for section in re.split(r"^### ", readme, flags=re.M)[1:]:
+        model = section.split()[0]
+        for label, ppl, kld in re.findall(r"^\| (\S+) \| ([\d.]+) \| ([\d.]+|-) \|", section, flags=re.M):
+            out[(model, label)] = (float(ppl), None if kld == "-" else float(kld))
+    return out
+
+
+def _shipped() -> list[tuple[str, str]]:
+    found = []
+    for name in MODELS:
+        for f in sorted((FIXTURES / "llamacpp" / name).glob(f"{name}-*.gguf")):
+            found.append((name, f.stem.removeprefix(name + "-")))
+    return found or [("absent", "absent")]
+
+
+@pytest.fixture(scope="module")
+def reference(bf16):
+    """model name -> (tokens, bf16 ReferenceLogits) on text/val.txt, ctx 512, 32 chunks; bf16 PPL checked."""
+    made: dict[str, tuple[list[int], ReferenceLogits]] = {}
+
+    def get(name: str, tmp: Path) -> tuple[list[int], ReferenceLogits]:
+        if name not in made:
+            m = load_model(bf16(name))
+            tok = Tokenizer.from_metadata(m.weights)
+            ids = perplexity_tokens(tok, (fixtures() / "text" / "val.txt").read_text(), 512, 32)
+            res = evaluate(m, ids, 512, 32, save_logits=tmp / f"{name}.npz", top_k=1024)
+            ppl, _ = _tables()[(name, "bf16")]
+            assert abs(res.perplexity / ppl - 1) <= 0.005, (res.perplexity, ppl)
+            made[name] = (ids, ReferenceLogits.load(tmp / f"{name}.npz"))
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize(("name", "label"), _shipped())
+def test_perplexity_and_kld_match_llamacpp(name: str, label: str, reference, tmp_path_factory) -> None:
+    path = llamacpp_dir(name) / f"{name}-{label}.gguf"
+    if (name, label) not in _tables():
+        pytest.skip(f"no table row for {name} {label}")
+    ppl, kld = _tables()[(name, label)]
+    ids, ref = reference(name, tmp_path_factory.mktemp("ref"))
+    res = evaluate(load_model(path), ids, 512, 32, reference_logits=ref)
+    assert res.tokens == 32 * 255
+    assert abs(res.perplexity / ppl - 1) <= 0.005, (res.perplexity, ppl)
+    assert kld is not None and res.kld_mean is not None
+    assert abs(res.kld_mean / kld - 1) <= 0.10, (res.kld_mean, kld)
