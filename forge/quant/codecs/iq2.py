@@ -26,7 +26,7 @@ QK_K = 256
 GROUP_MAX_EPS = F(1e-15)
 GROUP_MAX_EPS_IQ2_S = F(1e-8)
 #: Super-blocks handled per vectorized step (bounds the temporaries to a few tens of MB).
-CHUNK_BLOCKS = 2048
+CHUNK_BLOCKS = 8192
 
 
 # ---------------------------------------------------------------- float helpers shared with iq1.py
