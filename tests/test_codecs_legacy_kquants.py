@@ -289,7 +289,7 @@ def test_make_qp_quants_matches_a_scalar_transcription() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# optional: llama.cpp's own quantizer through ctypes (FORGE_GGML_LIB or a llama-cpp-python build in
+# optional: llama.cpp's own quantizer through ctypes (FORGE_LIBGGML or a llama-cpp-python build in
 # ../peer); skipped when no libggml-base is around
 
 
@@ -298,7 +298,7 @@ def _ggml_quantize_chunk():  # noqa: ANN202
     import glob
     import os
 
-    paths = [os.environ.get("FORGE_GGML_LIB", "")]
+    paths = [os.environ.get("FORGE_LIBGGML", "")]
     paths += sorted(
         glob.glob(str(oracle.FIXTURES.parent.parent / "peer" / "**" / "libggml-base.so"), recursive=True)
     )
@@ -310,7 +310,7 @@ def _ggml_quantize_chunk():  # noqa: ANN202
                 [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
             )
             return fn
-    pytest.skip("no libggml-base.so (set FORGE_GGML_LIB)")
+    pytest.skip("no libggml-base.so (set FORGE_LIBGGML)")
 
 
 @pytest.mark.parametrize("name", QUANTS)

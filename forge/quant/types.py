@@ -74,3 +74,41 @@ def known_type_names() -> list[str]:
 
 def _load_all() -> None:
     import forge.quant  # noqa: F401  (registers every type module)
+
+
+class BlockCodec(QuantType):
+    """Most codecs: validate rows, encode them in chunks of whole rows (on a small thread pool),
+    decode through the ``gguf`` package. A subclass only provides ``_encode_chunk``."""
+
+    #: (rows float32 (r, n_per_row), importance (n_per_row,) | None) -> uint8 (r, row_bytes)
+    _encode_chunk: ClassVar = None
+    #: the encoder itself cannot run without importance weights
+    requires_importance: ClassVar[bool] = False
+    chunk_elems: ClassVar[int] = 1 << 16
+
+    @classmethod
+    def encode(cls, rows: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+        from forge.quant.numerics import check_rows, map_row_chunks
+
+        rows, importance = check_rows(cls.name(), rows, cls.block_size, importance)
+        if not cls.uses_imatrix:
+            importance = None
+        elif importance is None and cls.requires_importance:
+            raise ForgeError(f"{cls.name()} needs importance weights (an imatrix); none were given")
+        fn = cls._encode_chunk
+        return map_row_chunks(
+            rows, cls.row_bytes(rows.shape[1]), lambda c: fn(c, importance), cls.chunk_elems
+        )
+
+    @classmethod
+    def decode(cls, data: np.ndarray, n_per_row: int) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        data = np.asarray(data, dtype=np.uint8)
+        if n_per_row % cls.block_size or data.shape[-1] != cls.row_bytes(n_per_row):
+            raise ForgeError(f"{cls.name()}: rows of {data.shape[-1]} bytes do not hold {n_per_row} values")
+        return (
+            dequantize(data, cls.ggml_type)
+            .astype(np.float32, copy=False)
+            .reshape(*data.shape[:-1], n_per_row)
+        )

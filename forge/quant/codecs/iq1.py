@@ -17,17 +17,10 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from forge.quant.codecs.iq2 import (
-    QK_K,
-    check_input,
-    decode_with_gguf,
-    fp16_bits,
-    iter_block_chunks,
-    nearest_int,
-    seq_sum,
-)
+from forge.quant.codecs.iq2 import QK_K, block_encoder, seq_sum
 from forge.quant.iq2_grid import CODE_WEIGHTS, codebook
-from forge.quant.types import QuantType
+from forge.quant.numerics import fp16_bits, nearest_int
+from forge.quant.types import BlockCodec
 
 F = np.float32
 DELTA = F(0.125)
@@ -301,33 +294,18 @@ def _search_iq1_m(cb, xb: np.ndarray, weight: np.ndarray):
     return scale, best_k, np.where(ok[:, None], point, 0), ok
 
 
-def encode_iq1(cls: type[QuantType], rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
-    gtype = cls.ggml_type
-    rows, importance = check_input(cls, rows, importance, required=gtype == T.IQ1_S)
-    out = np.empty((rows.size // QK_K, cls.type_size), np.uint8)
-    chunk = _encode_iq1_s_chunk if gtype == T.IQ1_S else _encode_iq1_m_chunk
-    for x, qw, where in iter_block_chunks(rows, importance, IQ1_CHUNK_BLOCKS):
-        out[where] = chunk(x, qw)
-    return out.reshape(rows.shape[0], -1)
-
-
-class _IQ1(QuantType):
+class _IQ1(BlockCodec):
     uses_imatrix = True
     needs_imatrix = True
-
-    @classmethod
-    def encode(cls, rows: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
-        return encode_iq1(cls, rows, importance)
-
-    @classmethod
-    def decode(cls, data: np.ndarray, n_per_row: int) -> np.ndarray:
-        return decode_with_gguf(cls, data, n_per_row)
+    chunk_elems = IQ1_CHUNK_BLOCKS * QK_K
 
 
 class IQ1_S(_IQ1):
     """1.5625 bpw: 2048-point ternary codebook, one +-delta shift and a 3-bit scale per 32."""
 
     ggml_type = T.IQ1_S
+    requires_importance = True
+    _encode_chunk = staticmethod(block_encoder(lambda x, qw: _encode_iq1_s_chunk(x, qw)))
 
 
 class IQ1_M(_IQ1):
@@ -336,3 +314,4 @@ class IQ1_M(_IQ1):
     llama-quantize refuses the type without an imatrix."""
 
     ggml_type = T.IQ1_M
+    _encode_chunk = staticmethod(block_encoder(lambda x, qw: _encode_iq1_m_chunk(x, qw)))

@@ -13,13 +13,14 @@ rounding or comparison. ggml-base is built without FMA, so no contraction is emu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from gguf import quants as gguf_quants
 
-from forge.errors import ForgeError
 from forge.quant.iq2_grid import CODE_WEIGHTS, Codebook, codebook
-from forge.quant.types import QuantType
+from forge.quant.numerics import fp16_bits, nearest_int
+from forge.quant.types import BlockCodec
 
 F = np.float32
 QK_K = 256
@@ -32,65 +33,20 @@ CHUNK_BLOCKS = 8192
 # ---------------------------------------------------------------- float helpers shared with iq1.py
 
 
-def nearest_int(f: np.ndarray) -> np.ndarray:
-    """ggml's nearest_int: the low mantissa bits of f + 1.5*2^23 (round half to even for |f| < 2^22)."""
-    v = (np.asarray(f, F) + F(12582912.0)).view(np.int32)
-    return (v & 0x7FFFFF) - 0x400000
-
-
 def seq_sum(a: np.ndarray) -> np.ndarray:
     """float32 sum over the last axis, accumulated left to right like a C loop (not pairwise)."""
     return np.cumsum(a, axis=-1, dtype=F)[..., -1]
 
 
-def fp16_bits(x: np.ndarray) -> np.ndarray:
-    """GGML_FP32_TO_FP16 (round to nearest even) as uint16 bits."""
-    return np.asarray(x, F).astype(np.float16).view(np.uint16)
+def block_encoder(encode_blocks: Callable[[np.ndarray, np.ndarray | None], np.ndarray]):  # noqa: ANN201
+    """Adapt ``encode_blocks(x (N, 256), qw (N, 256) | None) -> uint8 (N, type_size)`` to whole rows."""
 
+    def encode_rows(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
+        n_rows = rows.shape[0]
+        qw = None if importance is None else np.tile(importance.reshape(-1, QK_K), (n_rows, 1))
+        return encode_blocks(rows.reshape(-1, QK_K), qw).reshape(n_rows, -1)
 
-def check_input(
-    cls: type[QuantType], rows: np.ndarray, importance: np.ndarray | None, required: bool
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """Validate encode() arguments; return float32 rows (n_rows, n_per_row) and importance."""
-    rows = np.asarray(rows)
-    if rows.ndim != 2:
-        raise ForgeError(f"{cls.name()}: expected a 2-D array of rows, got shape {rows.shape}")
-    n_per_row = rows.shape[1]
-    if n_per_row % QK_K:
-        raise ForgeError(f"{cls.name()}: row length {n_per_row} is not a multiple of {QK_K}")
-    rows = np.ascontiguousarray(rows, dtype=F)
-    if not np.isfinite(rows).all():
-        raise ForgeError(f"{cls.name()}: input holds NaN or infinite values")
-    if importance is None:
-        if required:
-            raise ForgeError(f"{cls.name()} needs importance weights (an imatrix); none were given")
-        return rows, None
-    importance = np.ascontiguousarray(importance, dtype=F)
-    if importance.shape != (n_per_row,):
-        raise ForgeError(f"{cls.name()}: importance has shape {importance.shape}, expected ({n_per_row},)")
-    if not np.isfinite(importance).all():
-        raise ForgeError(f"{cls.name()}: importance holds NaN or infinite values")
-    return rows, importance
-
-
-def iter_block_chunks(rows: np.ndarray, importance: np.ndarray | None, chunk_blocks: int = 0):
-    """Yield (x (N, 256), qw (N, 256) | None, slice of the flat block index) chunk by chunk."""
-    n_rows, n_per_row = rows.shape
-    nb_row = n_per_row // QK_K
-    blocks = rows.reshape(-1, QK_K)
-    qw_row = None if importance is None else importance.reshape(nb_row, QK_K)
-    step = max(1, (chunk_blocks or CHUNK_BLOCKS) // nb_row) * nb_row
-    for start in range(0, len(blocks), step):
-        x = blocks[start : start + step]
-        qw = None if qw_row is None else np.tile(qw_row, (len(x) // nb_row, 1))
-        yield x, qw, slice(start, start + len(x))
-
-
-def decode_with_gguf(cls: type[QuantType], data: np.ndarray, n_per_row: int) -> np.ndarray:
-    data = np.asarray(data, np.uint8)
-    if data.shape[-1] != cls.row_bytes(n_per_row):
-        raise ForgeError(f"{cls.name()}: rows of {data.shape[-1]} bytes do not hold {n_per_row} values")
-    return gguf_quants.dequantize(data, cls.ggml_type).astype(F, copy=False)
+    return encode_rows
 
 
 # ---------------------------------------------------------------- codebook search
@@ -312,38 +268,25 @@ def _encode_chunk(gtype: T, x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     )
 
 
-def encode_iq2(cls: type[QuantType], rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
-    gtype = cls.ggml_type
-    rows, importance = check_input(cls, rows, importance, required=gtype != T.IQ2_S)
-    out = np.empty((rows.size // QK_K, cls.type_size), np.uint8)
-    for x, qw, where in iter_block_chunks(rows, importance):
-        out[where] = _encode_chunk(gtype, x, qw)
-    return out.reshape(rows.shape[0], -1)
-
-
-class _IQ2(QuantType):
+class _IQ2(BlockCodec):
     uses_imatrix = True
     needs_imatrix = True
-
-    @classmethod
-    def encode(cls, rows: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
-        return encode_iq2(cls, rows, importance)
-
-    @classmethod
-    def decode(cls, data: np.ndarray, n_per_row: int) -> np.ndarray:
-        return decode_with_gguf(cls, data, n_per_row)
+    requires_importance = True
+    chunk_elems = CHUNK_BLOCKS * QK_K
 
 
 class IQ2_XXS(_IQ2):
     """2.0625 bpw: 256-point codebook, 7 sign bits per 8 (even parity), 4-bit scale per 32."""
 
     ggml_type = T.IQ2_XXS
+    _encode_chunk = staticmethod(block_encoder(lambda x, qw: _encode_chunk(T.IQ2_XXS, x, qw)))
 
 
 class IQ2_XS(_IQ2):
     """2.3125 bpw: 512-point codebook, 7 sign bits per 8 (even parity), 4-bit scale per 16."""
 
     ggml_type = T.IQ2_XS
+    _encode_chunk = staticmethod(block_encoder(lambda x, qw: _encode_chunk(T.IQ2_XS, x, qw)))
 
 
 class IQ2_S(_IQ2):
@@ -354,3 +297,5 @@ class IQ2_S(_IQ2):
     """
 
     ggml_type = T.IQ2_S
+    requires_importance = False
+    _encode_chunk = staticmethod(block_encoder(lambda x, qw: _encode_chunk(T.IQ2_S, x, qw)))

@@ -264,9 +264,9 @@ def _encode_iq3_s(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray
 class IQ3_XXS(RowChunkedCodec):
     ggml_type = GGMLQuantizationType.IQ3_XXS
     needs_imatrix = True
-    _encode_rows = staticmethod(_encode_iq3_xxs)
+    _encode_chunk = staticmethod(_encode_iq3_xxs)
 
 
 class IQ3_S(RowChunkedCodec):
     ggml_type = GGMLQuantizationType.IQ3_S
-    _encode_rows = staticmethod(_encode_iq3_s)
+    _encode_chunk = staticmethod(_encode_iq3_s)

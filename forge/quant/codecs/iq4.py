@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 
-from forge.errors import ForgeError
 from forge.quant.numerics import fp16_bits, nearest_int, seq_sum
-from forge.quant.types import QuantType
+from forge.quant.types import BlockCodec
 
 #: kvalues_iq4nl (ggml-common.h), ascending.
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
@@ -176,62 +174,18 @@ def _encode_iq4_xs(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarra
     return out.reshape(n_rows, -1)
 
 
-class RowChunkedCodec(QuantType):
-    """Shared by the IQ4 and IQ3 types: input checks, encoding in row chunks, gguf-py decoding."""
+class RowChunkedCodec(BlockCodec):
+    """The IQ4 and IQ3 types."""
 
     uses_imatrix = True
-
-    @staticmethod
-    def _encode_rows(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
-        raise NotImplementedError
-
-    @classmethod
-    def encode(cls, rows: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
-        rows, importance = cls._checked(rows, importance)
-        n_rows, n_per_row = rows.shape
-        out = np.empty((n_rows, cls.row_bytes(n_per_row)), np.uint8)
-        step = max(1, _CHUNK_ELEMS // max(1, n_per_row))
-        for r0 in range(0, n_rows, step):
-            out[r0 : r0 + step] = cls._encode_rows(rows[r0 : r0 + step], importance)
-        return out
-
-    @classmethod
-    def decode(cls, data: np.ndarray, n_per_row: int) -> np.ndarray:
-        data = np.asarray(data, np.uint8)
-        if n_per_row % cls.block_size or data.shape[-1] != cls.row_bytes(n_per_row):
-            raise ForgeError(
-                f"{cls.name()}: rows of {n_per_row} values need {cls.row_bytes(n_per_row)} bytes, "
-                f"got {data.shape[-1]}"
-            )
-        return dequantize(data, cls.ggml_type).astype(np.float32, copy=False)
-
-    @classmethod
-    def _checked(cls, rows: np.ndarray, importance: np.ndarray | None):
-        rows = np.asarray(rows)
-        if rows.ndim != 2:
-            raise ForgeError(f"{cls.name()}: expected a 2-D array of rows, got shape {rows.shape}")
-        n_per_row = rows.shape[1]
-        if n_per_row % cls.block_size:
-            raise ForgeError(f"{cls.name()}: row length {n_per_row} is not a multiple of {cls.block_size}")
-        rows = np.ascontiguousarray(rows, np.float32)
-        if not np.isfinite(rows).all():
-            raise ForgeError(f"{cls.name()}: input contains NaN or infinity")
-        if importance is not None:
-            importance = np.ascontiguousarray(importance, np.float32).reshape(-1)
-            if importance.shape[0] != n_per_row:
-                raise ForgeError(
-                    f"{cls.name()}: importance has {importance.shape[0]} values, rows have {n_per_row}"
-                )
-            if not np.isfinite(importance).all():
-                raise ForgeError(f"{cls.name()}: importance contains NaN or infinity")
-        return rows, importance
+    chunk_elems = _CHUNK_ELEMS
 
 
 class IQ4_NL(RowChunkedCodec):
     ggml_type = GGMLQuantizationType.IQ4_NL
-    _encode_rows = staticmethod(_encode_iq4_nl)
+    _encode_chunk = staticmethod(_encode_iq4_nl)
 
 
 class IQ4_XS(RowChunkedCodec):
     ggml_type = GGMLQuantizationType.IQ4_XS
-    _encode_rows = staticmethod(_encode_iq4_xs)
+    _encode_chunk = staticmethod(_encode_iq4_xs)

@@ -12,11 +12,10 @@ from typing import ClassVar
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from gguf import quants as gguf_quants
 
 from forge.quant import numerics as nx
 from forge.quant.numerics import F32
-from forge.quant.types import QuantType
+from forge.quant.types import BlockCodec
 
 QK = 256
 
@@ -254,20 +253,8 @@ def encode_q3_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
     return np.concatenate([hmask.astype(np.uint8), qs, _pack_q3_scales(ls), d16], axis=1).reshape(n_rows, -1)
 
 
-class _KQuant(QuantType):
+class _KQuant(BlockCodec):
     uses_imatrix: ClassVar[bool] = True
-    _encode_chunk: ClassVar = None
-
-    @classmethod
-    def encode(cls, rows: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
-        rows, importance = nx.check_rows(cls.name(), rows, cls.block_size, importance)
-        fn = cls._encode_chunk
-        return nx.map_row_chunks(rows, cls.row_bytes(rows.shape[1]), lambda chunk: fn(chunk, importance))
-
-    @classmethod
-    def decode(cls, data: np.ndarray, n_per_row: int) -> np.ndarray:
-        data = np.asarray(data, dtype=np.uint8)
-        return gguf_quants.dequantize(data, cls.ggml_type).reshape(*data.shape[:-1], n_per_row)
 
 
 class Q4_K(_KQuant):
