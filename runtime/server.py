@@ -76,12 +76,23 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "none"}
+
+
 def _validation_error(errors: list[Any]) -> APIError:
     first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc: list[str] = []
+    msg = first.get("msg", "invalid value")
+    for part in first.get("loc", ()):
+        part = str(part)
+        if "[" in part or part in _UNION_TAGS:  # pydantic names the union member it tried: not a field
+            msg = "not one of the accepted types"
+            break
+        if part != "body":
+            loc.append(part)
     param = ".".join(loc) or None
     where = f"{param}: " if param else ""
-    return APIError(400, f"{where}{first.get('msg', 'invalid value')}", param=param, code="invalid_value")
+    return APIError(400, f"{where}{msg}", param=param, code="invalid_value")
 
 
 def _no_constants(name: str) -> None:
@@ -382,7 +393,8 @@ class Engine:
     def encode_tokens(self, ids: list[int], param: str = "prompt") -> list[int]:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param)
+            raise APIError(400, f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param,
+                           "invalid_token")  # fmt: skip
         return self._checked(ids, param)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
@@ -486,9 +498,9 @@ def _sampling(req: _Request) -> Sampling:
 def _stops(req: _Request) -> list[str]:
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > MAX_STOPS:
-        raise APIError(400, f"at most {MAX_STOPS} stop strings", "stop")
+        raise APIError(400, f"at most {MAX_STOPS} stop strings", "stop", "invalid_value")
     if any(not s for s in stops):
-        raise APIError(400, "stop strings must not be empty", "stop")
+        raise APIError(400, "stop strings must not be empty", "stop", "invalid_value")
     return stops
 
 
@@ -518,7 +530,7 @@ class _BodyLimit:
         await self.app(scope, receive, send)
 
 
-def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
+def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI application; starting it starts the engine's worker, stopping it closes the engine."""
 
     @asynccontextmanager
@@ -530,7 +542,7 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
             await run_in_threadpool(engine.close)
 
     app = FastAPI(title="gguf-forge", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
+    app.add_middleware(_BodyLimit, limit=max_body_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -570,7 +582,11 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": engine.name, "queued": engine.queued, "served": engine.served}
+        info: dict[str, Any] = {"status": "ok", "model": engine.name, "queued": engine.queued,
+                                "served": engine.served}  # fmt: skip
+        if engine.imatrix is not None:
+            info["imatrix"] = {"requests": engine.imatrix.requests, "snapshots": engine.imatrix.snapshots}
+        return info
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict[str, Any]:
