@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -97,6 +98,56 @@ def serve(
     uvicorn.run(create_app(engine, api_key), host=host, port=port, log_level=log_level)
     if live is not None and live.snapshots:
         sys.stderr.write(f"imatrix: {live.requests} requests, {live.snapshots} snapshots in {live.path}\n")
+
+
+@dataclass
+class ServeDemo:
+    reply: str
+    streamed_chunks: int
+    seconds: float
+    imatrix_requests: int
+
+
+def demo_round_trip(model: str | Path, imatrix_out: Path | None = None, max_tokens: int = 8) -> ServeDemo:
+    """For ``forge demo``: serve MODEL on a free loopback port, ask one plain and one streamed chat request
+    over HTTP (stdlib client), stop the server (final imatrix snapshot when ``imatrix_out``)."""
+    require_serve_deps()
+    import json
+    import threading
+    import time
+    import urllib.request
+
+    import uvicorn
+
+    from forge.imatrix.live import LiveImatrix
+    from runtime.server import create_app, load_engine
+
+    t0 = time.perf_counter()
+    live = LiveImatrix(imatrix_out, every=0, min_requests=1) if imatrix_out is not None else None
+    engine = load_engine(model, name="demo", imatrix=live)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise ForgeError("forge serve demo: the server did not start")
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1/chat/completions"
+
+    def post(stream: bool) -> bytes:
+        body = {"model": "demo", "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+                "messages": [{"role": "user", "content": "Name three uses of a quantized model."}]}  # fmt: skip
+        req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.read()
+
+    try:
+        reply = json.loads(post(False))["choices"][0]["message"]["content"]
+        chunks = [ln for ln in post(True).split(b"\n\n") if ln.startswith(b"data: {")]
+    finally:
+        server.should_exit = True
+        thread.join()
+    return ServeDemo(reply, len(chunks), time.perf_counter() - t0, live.requests if live else 0)
 
 
 if __name__ == "__main__":  # python -m runtime.serve_cli MODEL ... (works before `forge serve` is registered)

@@ -373,6 +373,15 @@ def test_specific_error_statuses(server: ServerThread) -> None:
     assert e.value.param == "max_tokens"
 
 
+def test_demo_round_trip(example_bf16: Path, tmp_path: Path, reference) -> None:
+    from runtime.serve_cli import demo_round_trip
+
+    res = demo_round_trip(example_bf16, tmp_path / "demo.gguf", max_tokens=6)
+    assert res.reply == expect_chat(reference, "Name three uses of a quantized model.", 6)[0].text
+    assert res.streamed_chunks >= 3 and res.imatrix_requests == 2
+    assert read_imatrix(tmp_path / "demo.gguf").chunk_count == 2  # written when the server stopped
+
+
 def test_missing_extra_gives_a_one_line_hint(monkeypatch: pytest.MonkeyPatch) -> None:
     from runtime.serve_cli import require_serve_deps
 
@@ -464,8 +473,59 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-# The child is `forge serve`'s own code with os.fsync slowed down once ARM exists, so that SIGKILL lands
-# while a snapshot is being written (data written, not yet renamed).
+class CliServer:
+    """``forge serve``'s own code (``python -c CODE`` or ``-m runtime.serve_cli``) as a child process."""
+
+    def __init__(self, args: list[str], code: str | None = None) -> None:
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        head = ["-c", code] if code else ["-m", "runtime.serve_cli"]
+        cmd = [sys.executable, *head, *args, "--port", str(port), "--threads", "1", "--model-name", NAME,
+               "--log-level", "warning"]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.proc.poll() is None, self.proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+    def ask(self, i: int) -> None:
+        self.client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": PRIVATE[i]}], max_tokens=2, temperature=0
+        )
+
+    def end(self, sig: int) -> int:
+        self.proc.send_signal(sig)
+        rc = self.proc.wait(60)
+        self.proc.stdout.close()
+        return rc
+
+
+@pytest.mark.slow
+def test_sigterm_writes_the_final_snapshot(example_bf16: Path, tmp_path: Path) -> None:
+    out = tmp_path / "live.dat"
+    server = CliServer([str(example_bf16), "--imatrix-out", str(out), "--imatrix-every", "0",
+                        "--imatrix-min-requests", "2"])  # fmt: skip
+    try:
+        for i in range(3):
+            server.ask(i)
+        wait_imatrix(server.url, requests=3)
+        assert not out.exists()  # every 0: only at shutdown
+    finally:
+        server.end(signal.SIGTERM)
+    im = read_imatrix(out)  # the legacy .dat format, chosen by the suffix
+    assert im.chunk_count == 3 and im.names()
+    assert not any(w in out.read_bytes() for text in PRIVATE[:3] for w in _windows(text))
+
+
+# The child runs `forge serve`'s own code with os.fsync slowed down once ARM exists, so that SIGKILL
+# lands while a snapshot is being written (data written, not yet renamed).
 _CHILD = """
 import os, sys, time, runpy
 real_fsync, arm = os.fsync, sys.argv.pop(1)
@@ -481,44 +541,22 @@ runpy.run_module("runtime.serve_cli", run_name="__main__")
 
 @pytest.mark.slow
 def test_sigkill_during_a_snapshot_keeps_the_previous_one(example_bf16: Path, tmp_path: Path) -> None:
-    out, arm, port = tmp_path / "live.gguf", tmp_path / "arm", _free_port()
-    cmd = [sys.executable, "-c", _CHILD, str(arm), str(example_bf16), "--port", str(port), "--threads", "1",
-           "--model-name", NAME, "--imatrix-out", str(out), "--imatrix-every", "1", "--imatrix-min-requests", "1",
-           "--log-level", "warning"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, arm = tmp_path / "live.gguf", tmp_path / "arm"
+    args = [str(arm), str(example_bf16), "--imatrix-out", str(out), "--imatrix-every", "1",
+            "--imatrix-min-requests", "1"]  # fmt: skip
+    server = CliServer(args, _CHILD)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
-
-        def ask(i: int) -> None:
-            client.chat.completions.create(
-                model=NAME, messages=[{"role": "user", "content": PRIVATE[i]}], max_tokens=2, temperature=0
-            )
-
-        ask(0)
-        wait_imatrix(url, snapshots=1)
+        server.ask(0)
+        wait_imatrix(server.url, snapshots=1)
         before = out.read_bytes()
         arm.touch()
-        ask(1)  # answered; the worker then hangs inside the snapshot's fsync
+        server.ask(1)  # answered; the worker then hangs inside the second snapshot's fsync
         deadline = time.monotonic() + 30
         while not (tmp_path / "arm.in-write").exists():
             assert time.monotonic() < deadline, "the second snapshot never started"
             time.sleep(0.05)
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-        proc.stdout.close()
+        server.end(signal.SIGKILL)
     assert out.read_bytes() == before
-    im = read_imatrix(out)
-    assert im.chunk_count == 1
+    assert read_imatrix(out).chunk_count == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["arm", "arm.in-write", "live.gguf"]  # no temp file
