@@ -13,6 +13,12 @@ from forge.errors import ForgeError
 
 DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda or mps")]
 ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads for torch (default: torch's choice)")]
+GgmlOpt = Annotated[
+    bool,
+    typer.Option(
+        "--ggml-numerics", help="round matmul inputs and the KV cache as llama.cpp's CPU backend does"
+    ),
+]
 ExpertCacheOpt = Annotated[
     int,
     typer.Option(
@@ -53,6 +59,7 @@ def run(
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = None,
     expert_cache_mib: ExpertCacheOpt = 1024,
+    ggml_numerics: GgmlOpt = False,
 ) -> None:
     """Generate text from a prompt, streamed; prints prefill and decode tokens/s at the end."""
     from runtime.generate import Sampling, generate
@@ -61,7 +68,9 @@ def run(
 
     if max_tokens < 0 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
         raise ForgeError("--max-tokens, --temperature and --top-k must be >= 0 and --top-p in (0, 1]")
-    m = load_model(model, _setup(device, threads), expert_budget=expert_cache_mib << 20)
+    m = load_model(
+        model, _setup(device, threads), expert_budget=expert_cache_mib << 20, ggml_numerics=ggml_numerics
+    )
     tok = Tokenizer.from_metadata(m.weights)
     text = prompt
     if chat:
@@ -103,6 +112,7 @@ def eval_(
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = None,
     expert_cache_mib: ExpertCacheOpt = 1024,
+    ggml_numerics: GgmlOpt = False,
 ) -> None:
     """Perplexity like llama-perplexity; with a reference also KL divergence, top-1 agreement, RMS Δp."""
     from runtime.evaluate import ReferenceLogits, evaluate, format_report, perplexity_tokens
@@ -120,8 +130,9 @@ def eval_(
     if not text.is_file():
         raise ForgeError(f"{text}: no such file")
     dev = _setup(device, threads)
-    m = load_model(model, dev, expert_budget=expert_cache_mib << 20)
-    ref = load_model(reference, dev, expert_budget=expert_cache_mib << 20) if reference else None
+    budget = expert_cache_mib << 20
+    m = load_model(model, dev, expert_budget=budget, ggml_numerics=ggml_numerics)
+    ref = load_model(reference, dev, expert_budget=budget, ggml_numerics=ggml_numerics) if reference else None
     ref_logits = ReferenceLogits.load(reference_logits) if reference_logits else None
     tok = Tokenizer.from_metadata(m.weights)
     try:

@@ -85,7 +85,7 @@ class ReferenceLogits:
     tokens: np.ndarray  # int32: the evaluated token ids (chunks * n_ctx)
     n_ctx: int
     top_ids: np.ndarray  # int32 (N, k)
-    top_logp: np.ndarray  # float16 (N, k)
+    top_logp: np.ndarray  # float32 (N, k)
     target_logp: np.ndarray  # float32 (N,)
 
     def save(self, path: str | Path) -> int:
@@ -160,7 +160,7 @@ def evaluate(
         if save_logits is not None:
             top = torch.topk(logp, min(top_k, logp.shape[1]), dim=-1)
             saved_ids.append(top.indices.to(torch.int32))
-            saved_logp.append(top.values.half())
+            saved_logp.append(top.values)
             saved_target.append(target_logp)
         if reference is not None:
             base = _chunk_logp(reference, chunk, first)

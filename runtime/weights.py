@@ -119,6 +119,8 @@ class Weights:
     def __init__(self, meta: dict[str, Any], device: torch.device, source: str) -> None:
         self.meta, self.device, self.source = meta, device, source
         self.expert_budget = DEFAULT_EXPERT_BUDGET
+        # round matmul inputs as ggml's CPU backend does (to compare with llama.cpp's own figures)
+        self.ggml_numerics = False
         self._dense: dict[str, torch.Tensor] = {}
         arch = self.get("general.architecture", None)
         if not isinstance(arch, str):
@@ -155,6 +157,10 @@ class Weights:
     def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of a 2-D tensor (the token embedding), float32."""
         raise NotImplementedError
+
+    def qtype(self, name: str) -> GGMLQuantizationType:
+        """The tensor's encoding in the source (float tensors: F32)."""
+        return GGMLQuantizationType.F32
 
     def experts(self, name: str) -> ExpertTensor:
         """A routed-expert tensor; made resident while the expert budget lasts (first come, first served)."""
@@ -268,7 +274,10 @@ class TensorWeights(Weights):
 
 
 def load_weights(
-    path: str | Path, device: str | torch.device = "cpu", expert_budget: int = DEFAULT_EXPERT_BUDGET
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    expert_budget: int = DEFAULT_EXPERT_BUDGET,
+    ggml_numerics: bool = False,
 ) -> Weights:
     """A GGUF file, or a Hugging Face folder (config.json + safetensors) of a supported architecture.
 
@@ -277,6 +286,7 @@ def load_weights(
     path = Path(path)
     weights: Weights = load_hf_folder(path, device) if path.is_dir() else GGUFWeights(path, device)
     weights.expert_budget = expert_budget
+    weights.ggml_numerics = ggml_numerics
     return weights
 
 

@@ -108,12 +108,16 @@ def _shipped() -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def reference(bf16):
-    """model name -> (tokens, bf16 ReferenceLogits) on text/val.txt, ctx 512, 32 chunks; bf16 PPL checked."""
+    """model name -> (tokens, bf16 ReferenceLogits) on text/val.txt, ctx 512, 32 chunks; bf16 PPL checked.
+
+    Run with ggml's activation rounding: llama.cpp's KLD figures include it (for Q8_0 it is about 40% of the
+    divergence: 0.00045 exact fp32 vs 0.00077 with ggml rounding; llama.cpp 0.00076).
+    """
     made: dict[str, tuple[list[int], ReferenceLogits]] = {}
 
     def get(name: str, tmp: Path) -> tuple[list[int], ReferenceLogits]:
         if name not in made:
-            m = load_model(bf16(name))
+            m = load_model(bf16(name), ggml_numerics=True)
             tok = Tokenizer.from_metadata(m.weights)
             ids = perplexity_tokens(tok, (fixtures() / "text" / "val.txt").read_text(), 512, 32)
             res = evaluate(m, ids, 512, 32, save_logits=tmp / f"{name}.npz", top_k=1024)
@@ -132,7 +136,7 @@ def test_perplexity_and_kld_match_llamacpp(name: str, label: str, reference, tmp
         pytest.skip(f"no table row for {name} {label}")
     ppl, kld = _tables()[(name, label)]
     ids, ref = reference(name, tmp_path_factory.mktemp("ref"))
-    res = evaluate(load_model(path), ids, 512, 32, reference_logits=ref)
+    res = evaluate(load_model(path, ggml_numerics=True), ids, 512, 32, reference_logits=ref)
     assert res.tokens == 32 * 255
     assert abs(res.perplexity / ppl - 1) <= 0.005, (res.perplexity, ppl)
     assert kld is not None and res.kld_mean is not None

@@ -32,9 +32,11 @@ def load_model(
     device: str | torch.device = "cpu",
     observers: list[Observer] | None = None,
     expert_budget: int = DEFAULT_EXPERT_BUDGET,
+    ggml_numerics: bool = False,
 ) -> MoeCausalLM:
     """A GGUF file or a Hugging Face folder -> a runnable model on ``device``.
 
     ``expert_budget``: bytes of decoded routed experts kept resident; the rest are decoded per use.
+    ``ggml_numerics``: round matmul inputs (and the KV cache) as llama.cpp's CPU backend does.
     """
-    return build_model(load_weights(path, device, expert_budget), observers)
+    return build_model(load_weights(path, device, expert_budget, ggml_numerics), observers)

@@ -10,10 +10,45 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
 
 from forge.errors import ForgeError
 from runtime.observers import Observer, notify_matmul, notify_routing
 from runtime.weights import ExpertTensor, Weights
+
+# ggml's CPU matmul first converts the activations to the weight type's "vec_dot" type; with
+# ``ggml_numerics`` the runtime rounds activations the same way, to reproduce llama.cpp's figures closely.
+_Q8_0_INPUTS = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL}
+_FLOAT_INPUTS = {Q.BF16: torch.bfloat16, Q.F16: torch.float16}
+
+
+def _round_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """quantize_row_q8_0 then dequantize: blocks of 32, d = amax/127 kept as fp16, q = roundf(x / d)."""
+    b = x.reshape(-1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    v = b * torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.sign(v) * torch.floor(v.abs() + 0.5)
+    return (q * d.half().float()).reshape(x.shape)
+
+
+def _round_q8_k(x: torch.Tensor) -> torch.Tensor:
+    """quantize_row_q8_K then dequantize: blocks of 256, iscale = -127/max (signed max-abs value)."""
+    b = x.reshape(-1, 256)
+    peak = b.gather(-1, b.abs().argmax(-1, keepdim=True))
+    iscale = torch.where(peak != 0, -127 / peak, torch.zeros_like(peak))
+    q = torch.round(b * iscale).clamp_max(127)
+    return (q * torch.where(iscale != 0, 1 / iscale, torch.zeros_like(iscale))).reshape(x.shape)
+
+
+def ggml_input_rounding(qtype: Q):  # noqa: ANN201 - returns a function or None
+    if qtype in _FLOAT_INPUTS:
+        dtype = _FLOAT_INPUTS[qtype]
+        return lambda x: x.to(dtype).float()
+    if qtype in _Q8_0_INPUTS:
+        return _round_q8_0
+    if qtype == Q.F32:
+        return None
+    return _round_q8_k  # K-quants and i-quants
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -27,10 +62,13 @@ class Linear:
         self.name, self.weight, self.observers = name, weights.dense(name), observers
         if self.weight.dim() == 1:  # a one-output projection may be stored 1-D (ffn_gate_inp_shexp)
             self.weight = self.weight[None, :]
+        self.rounding = ggml_input_rounding(weights.qtype(name)) if weights.ggml_numerics else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.observers:
             notify_matmul(self.observers, self.name, x)
+        if self.rounding is not None:
+            x = self.rounding(x)
         return F.linear(x, self.weight)
 
 
@@ -38,6 +76,7 @@ class FusedLinear:
     """Several weights that read the same input, multiplied as one matrix; each is reported by its name."""
 
     def __init__(self, weights: Weights, names: list[str], observers: list[Observer]) -> None:
+        self.separate = [Linear(weights, n, observers) for n in names] if weights.ggml_numerics else None
         parts = [weights.dense(n) for n in names]
         parts = [w[None, :] if w.dim() == 1 else w for w in parts]
         self.names, self.observers = names, observers
@@ -45,6 +84,8 @@ class FusedLinear:
         self.sizes = [w.shape[0] for w in parts]
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.separate is not None:
+            return tuple(lin(x) for lin in self.separate)
         if self.observers:
             for name in self.names:
                 notify_matmul(self.observers, name, x)
@@ -153,6 +194,14 @@ class RoutedExperts:
             self.gate, self.up = weights.experts(self.names[0]), weights.experts(self.names[1])
         self.down = weights.experts(self.names[2])
         self.n_ff = self.down.cols
+        self.round_in = self.round_act = None
+        if weights.ggml_numerics:
+            up = self.gate_up or self.up
+            assert up is not None
+            self.round_in, self.round_act = (
+                ggml_input_rounding(up.qtype),
+                ggml_input_rounding(self.down.qtype),
+            )
         # Resident gate and up are kept as one (n_expert, 2 n_ff, n_embd) tensor: one matmul per expert.
         self.fused: torch.Tensor | None = None
         if self.gate_up is not None and self.gate_up.resident:
@@ -197,12 +246,16 @@ class RoutedExperts:
     def _one_token(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         hit = ids.tolist()
         gate_up, down = self._gate_up(hit), self.down.per_expert(hit)
-        acts = [self._swiglu(gate_up, i, x) for i in range(len(hit))]
+        xin = self.round_in(x) if self.round_in else x
+        acts = [self._swiglu(gate_up, i, xin) for i in range(len(hit))]
         if self.observers:
             self._report(x.expand(len(hit), -1), torch.cat(acts), ids)
-        out = F.linear(acts[0], down[0]) * w[0]
-        for i in range(1, len(hit)):
-            out = out + F.linear(acts[i], down[i]) * w[i]
+        if self.round_act:
+            acts = [self.round_act(a) for a in acts]
+        scales = w.tolist()
+        out = torch.zeros_like(x)
+        for i in range(len(hit)):
+            out = torch.addmm(out, acts[i], down[i].T, alpha=scales[i])
         return out
 
     def _batch(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -213,13 +266,16 @@ class RoutedExperts:
         hit_list, counts_list = hit.tolist(), counts.tolist()
         gate_up, down = self._gate_up(hit_list), self.down.per_expert(hit_list)
         xs = x[token]
+        xin = self.round_in(xs) if self.round_in else xs
         act = torch.empty(xs.shape[0], self.n_ff, dtype=x.dtype, device=x.device)
         start = 0
         for i, n in enumerate(counts_list):
-            act[start : start + n] = self._swiglu(gate_up, i, xs[start : start + n])
+            act[start : start + n] = self._swiglu(gate_up, i, xin[start : start + n])
             start += n
         if self.observers:
             self._report(xs, act, sorted_ids)
+        if self.round_act:
+            act = self.round_act(act)
         ys = torch.empty_like(xs)
         start = 0
         for i, n in enumerate(counts_list):
@@ -266,6 +322,7 @@ class GQAttention:
         self.q_norm = weights.dense(p + "attn_q_norm.weight")
         self.k_norm = weights.dense(p + "attn_k_norm.weight")
         self.rope = Rope(cfg.n_rot, cfg.rope_base, weights.device)
+        self.f16_cache = weights.ggml_numerics  # llama.cpp keeps K and V as fp16 and rounds Q to fp16
 
     def __call__(self, x: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
         c, t = self.cfg, x.shape[0]
@@ -282,6 +339,8 @@ class GQAttention:
         v = v.reshape(t, c.n_head_kv, c.head_dim)
         qk = self.rope(torch.cat([q, k], dim=1), pos0)
         q, k = qk[:, : c.n_head], qk[:, c.n_head :]
+        if self.f16_cache:
+            q, k, v = q.half().float(), k.half().float(), v.half().float()
         keys, values = cache.append(k, v)
         out = attention(q, keys, values, pos0)
         if gate is not None:
