@@ -8,7 +8,9 @@ threads send short chat requests (greedy, ``--max-tokens`` tokens) over HTTP and
 
 1. requests/s and p50/p95 latency at 1 and 8 concurrent clients, live imatrix off and on;
 2. prefill time of the model alone (in this process), without observers and with the live imatrix
-   observer collecting, for a few prompt lengths: the overhead the collection adds to a prefill.
+   observer collecting, for a few prompt lengths: the overhead the collection adds to a prefill;
+3. decode time per token with the observer registered but its gate closed (what serving pays
+   outside prefills).
 """
 
 from __future__ import annotations
@@ -141,6 +143,28 @@ def prefill_overhead(model_path: Path, lengths: list[int], reps: int, out_dir: P
     return rows
 
 
+def decode_overhead(model_path: Path, out_dir: Path, steps: int = 64) -> dict:
+    """ms per decoded token without observers and with the (closed) prefill gate registered."""
+    plain = load_model(model_path)
+    observed = load_model(model_path, observers=[PrefillGate(LiveImatrix(out_dir / "d.gguf", every=0))])
+
+    def per_token(model) -> float:
+        st = model.new_state()
+        model.forward(torch.tensor([1, 2, 3]), st)
+        t = time.perf_counter()
+        for i in range(steps):
+            model.forward(torch.tensor([i + 5]), st, last_only=True)
+        return (time.perf_counter() - t) / steps
+
+    off, on = [], []
+    for _ in range(5):
+        off.append(per_token(plain))
+        on.append(per_token(observed))
+    t_off, t_on = min(off), min(on)
+    return {"off_ms": round(t_off * 1e3, 2), "on_ms": round(t_on * 1e3, 2),
+            "overhead_pct": round((t_on / t_off - 1) * 100, 1)}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", type=Path)
@@ -170,6 +194,7 @@ def main() -> None:
             finally:
                 server.stop()
         prefill = prefill_overhead(model, [16, 64, 256, 1024], args.reps, tmp_dir)
+        decode = decode_overhead(model, tmp_dir)
 
     print(f"forge serve, {model.name}, {args.threads} torch thread(s), max_tokens {args.max_tokens}, "
           f"{os.cpu_count()} CPUs")  # fmt: skip
@@ -183,8 +208,10 @@ def main() -> None:
     print(f"{'tokens':>8} {'off ms':>9} {'on ms':>9} {'overhead':>9}")
     for r in prefill:
         print(f"{r['prompt_tokens']:>8} {r['off_ms']:>9} {r['on_ms']:>9} {r['overhead_pct']:>8}%")
+    print(f"decode, gate closed (observer registered, collecting nothing): {decode['off_ms']} -> "
+          f"{decode['on_ms']} ms/token ({decode['overhead_pct']}%)")  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps({"serving": serving, "prefill": prefill}, indent=1))
+        args.json.write_text(json.dumps({"serving": serving, "prefill": prefill, "decode": decode}, indent=1))
 
 
 if __name__ == "__main__":
