@@ -185,6 +185,7 @@ def demo(
 def _register_subcommands() -> None:
     from forge.imatrix.cli import app as imatrix_app
     from forge.layout.cli import app as layout_app
+    from runtime.serve_cli import serve
 
     app.add_typer(
         imatrix_app,
@@ -197,6 +198,8 @@ def _register_subcommands() -> None:
         name="layout",
         help="Expert-major layouts (ds4 v1/v2): convert, convert back, verify, inspect.",
     )
+
+    app.command("serve")(serve)
 
 
 _register_subcommands()
