@@ -102,7 +102,8 @@ def _shipped() -> list[tuple[str, str]]:
     found = []
     for name in MODELS:
         for f in sorted((FIXTURES / "llamacpp" / name).glob(f"{name}-*.gguf")):
-            found.append((name, f.stem.removeprefix(name + "-")))
+            if not f.stem.endswith("imatrix"):
+                found.append((name, f.stem.removeprefix(name + "-")))
     return found or [("absent", "absent")]
 
 
