@@ -185,6 +185,7 @@ def demo(
 def _register_subcommands() -> None:
     from forge.imatrix.cli import app as imatrix_app
     from forge.layout.cli import app as layout_app
+    from runtime.cli import eval_, run
     from runtime.serve_cli import serve
 
     app.add_typer(
@@ -199,6 +200,8 @@ def _register_subcommands() -> None:
         help="Expert-major layouts (ds4 v1/v2): convert, convert back, verify, inspect.",
     )
 
+    app.command("run")(run)
+    app.command("eval")(eval_)
     app.command("serve")(serve)
 
 
