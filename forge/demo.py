@@ -13,6 +13,8 @@ from rich.console import Console
 from forge.errors import ForgeError
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3moe"
+#: the first 24 kB of the fixtures' held-out validation text (Python sources the model never saw)
+EXAMPLE_TEXT = EXAMPLE.parent / "tiny-qwen3moe-val-excerpt.txt"
 
 
 @dataclass
@@ -35,6 +37,9 @@ def run_demo(model: Path | None, keep: Path | None, console: Console) -> list[St
     from forge.inspect_file import describe
     from forge.layout import convert as convert_layout
     from forge.quant.quantize import quantize
+    from runtime.evaluate import evaluate, perplexity_tokens
+    from runtime.models import load_model
+    from runtime.tokenizer import Tokenizer
 
     model = model or EXAMPLE
     if not (model / "config.json").is_file():
@@ -70,6 +75,15 @@ def run_demo(model: Path | None, keep: Path | None, console: Console) -> list[St
             same = "byte-identical" if back.read_bytes() == q4.read_bytes() else "DIFFERS"
             return em.name, em.stat().st_size, f"expert-major v2, verified; back to canonical: {same}"
 
+        def do_eval() -> tuple[str, int, str]:
+            base = load_model(bf16)
+            tok = Tokenizer.from_metadata(base.weights)
+            ids = perplexity_tokens(tok, EXAMPLE_TEXT.read_text(encoding="utf-8"), 512, 4)
+            ref = evaluate(base, ids, 512, 4)
+            r = evaluate(load_model(q4), ids, 512, 4, reference=base)
+            return q4.name, 0, (f"PPL {r.perplexity:.3f} (bf16 {ref.perplexity:.3f}), mean KLD {r.kld_mean:.4f}, "
+                                f"same top token {r.top1_agreement:.1%}")  # fmt: skip
+
         def do_inspect() -> tuple[str, int, str]:
             info = describe(q4)
             return q4.name, info["file_bytes"], f"{info['architecture']}, {info['bits_per_weight']:.2f} bpw"
@@ -79,6 +93,7 @@ def run_demo(model: Path | None, keep: Path | None, console: Console) -> list[St
             ("quantize HF -> Q4_K_M", do_quantize),
             ("rebuild a boosted variant (--reuse)", do_reuse),
             ("layout -> expert-major v2 and back", do_layout),
+            ("eval Q4_K_M vs bf16 (4 x 512 tokens)", do_eval),
             ("inspect", do_inspect),
         )
         rows = []
