@@ -188,7 +188,7 @@ def apply_priors(plan: list[PlannedTensor], stamps: list[TensorStamp], priors: P
     """Turn tensors whose key a prior holds (with intact bytes) into copies; say why for the rest."""
     for p, stamp in zip(plan, stamps, strict=True):
         prior = priors.by_key.get(stamp.key)
-        if prior is not None and prior.out_type == p.out_type.name and prior.shape == p.shape:
+        if prior is not None and prior.out_type == p.out_type.name and prior.shape == p.spec.shape:
             if verified_bytes(prior) is not None:
                 p.action, p.reason, p.prior = "reuse", f"key match ({prior.file.path.name})", prior
                 continue

@@ -49,7 +49,11 @@ class PlannedTensor:
 
     @property
     def spec(self) -> TensorSpec:
-        return TensorSpec(self.name, self.shape, self.out_type)
+        # llama-quantize writes ggml_n_dims dimensions: trailing ne of 1 (leading numpy dims) dropped
+        shape = self.shape
+        while len(shape) > 1 and shape[0] == 1:
+            shape = shape[1:]
+        return TensorSpec(self.name, shape, self.out_type)
 
 
 def processing_order(names: list[str]) -> list[str]:
