@@ -110,6 +110,32 @@ class Architecture:
     def kv(self, key: str, value: Any, vtype: GGUFValueType = T.UINT32) -> KV:
         return KV(f"{self.gguf_arch}.{key}", value, vtype)
 
+    @property
+    def head_dim(self) -> int:
+        n_head = int(self.hp("num_attention_heads"))
+        return int(self.hp("head_dim", default=int(self.hp("hidden_size")) // n_head))
+
+    def moe_kvs(self, file_type: int, block_count: int, dense_ffn: bool) -> list[KV]:
+        """The KVs the Qwen MoE converters share, in llama.cpp's order (``file_type`` included)."""
+        n_head = int(self.hp("num_attention_heads"))
+        ffn = [self.kv("feed_forward_length", int(self.hp("intermediate_size")))] if dense_ffn else []
+        return [
+            self.kv("block_count", block_count),
+            self.kv("context_length", int(self.hp("max_position_embeddings"))),
+            self.kv("embedding_length", int(self.hp("hidden_size"))),
+            *ffn,
+            self.kv("attention.head_count", n_head),
+            self.kv("attention.head_count_kv", int(self.hp("num_key_value_heads", default=n_head))),
+            self.kv("rope.freq_base", float(self.hp("rope_theta", default=10000.0)), T.FLOAT32),
+            self.kv("attention.layer_norm_rms_epsilon", float(self.hp("rms_norm_eps")), T.FLOAT32),
+            self.kv("expert_count", self.n_experts),
+            self.kv("expert_used_count", int(self.hp("num_experts_per_tok"))),
+            self.kv("attention.key_length", self.head_dim),
+            self.kv("attention.value_length", self.head_dim),
+            KV("general.file_type", file_type, T.UINT32),  # llama.cpp writes it here
+            self.kv("expert_feed_forward_length", int(self.hp("moe_intermediate_size"))),
+        ]
+
     # -- what subclasses provide
     def model_kvs(self, file_type: int) -> list[KV]:
         """Architecture KVs in llama.cpp's order, ``general.file_type`` where llama.cpp puts it."""

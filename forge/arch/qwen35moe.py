@@ -82,26 +82,12 @@ class Qwen35Moe(Architecture):
         return interval
 
     def model_kvs(self, file_type: int) -> list[KV]:
-        n_head = int(self.hp("num_attention_heads"))
-        head_dim = int(self.hp("head_dim", default=int(self.hp("hidden_size")) // n_head))
         rot = float(self.hp("partial_rotary_factor", default=1.0))
         sections = list(self.hp("mrope_section", default=[11, 11, 10]))
         sections += [0] * (4 - len(sections))
         n_v, v_dim = int(self.hp("linear_num_value_heads")), int(self.hp("linear_value_head_dim"))
         kvs = [
-            self.kv("block_count", self.n_layers + self.n_mtp),
-            self.kv("context_length", int(self.hp("max_position_embeddings"))),
-            self.kv("embedding_length", int(self.hp("hidden_size"))),
-            self.kv("attention.head_count", n_head),
-            self.kv("attention.head_count_kv", int(self.hp("num_key_value_heads", default=n_head))),
-            self.kv("rope.freq_base", float(self.hp("rope_theta", default=10000.0)), T.FLOAT32),
-            self.kv("attention.layer_norm_rms_epsilon", float(self.hp("rms_norm_eps")), T.FLOAT32),
-            self.kv("expert_count", self.n_experts),
-            self.kv("expert_used_count", int(self.hp("num_experts_per_tok"))),
-            self.kv("attention.key_length", head_dim),
-            self.kv("attention.value_length", head_dim),
-            KV("general.file_type", file_type, T.UINT32),
-            self.kv("expert_feed_forward_length", int(self.hp("moe_intermediate_size"))),
+            *self.moe_kvs(file_type, self.n_layers + self.n_mtp, dense_ffn=False),
             self.kv("expert_shared_feed_forward_length", int(self.hp("shared_expert_intermediate_size"))),
             self.kv("ssm.conv_kernel", int(self.hp("linear_conv_kernel_dim"))),
             self.kv("ssm.state_size", int(self.hp("linear_key_head_dim"))),
@@ -109,7 +95,7 @@ class Qwen35Moe(Architecture):
             self.kv("ssm.time_step_rank", n_v),
             self.kv("ssm.inner_size", n_v * v_dim),
             self.kv("full_attention_interval", self.full_attention_interval()),
-            self.kv("rope.dimension_count", int(head_dim * rot)),
+            self.kv("rope.dimension_count", int(self.head_dim * rot)),
             KV(f"{self.gguf_arch}.rope.dimension_sections", sections, T.ARRAY, T.INT32),
         ]
         if self.n_mtp:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from forge.arch.base import LAYER_RE, Architecture, OutTensor, raw
 from forge.checkpoint import HFTensor
-from forge.gguf_file import KV, T
+from forge.gguf_file import KV
 
 #: HF per-layer name -> (GGUF name, kept in F32)
 LAYER_TENSORS = {
@@ -30,24 +30,7 @@ class Qwen3Moe(Architecture):
     gguf_arch = "qwen3moe"
 
     def model_kvs(self, file_type: int) -> list[KV]:
-        n_head = int(self.hp("num_attention_heads"))
-        head_dim = int(self.hp("head_dim", default=int(self.hp("hidden_size")) // n_head))
-        return [
-            self.kv("block_count", self.n_layers),
-            self.kv("context_length", int(self.hp("max_position_embeddings"))),
-            self.kv("embedding_length", int(self.hp("hidden_size"))),
-            self.kv("feed_forward_length", int(self.hp("intermediate_size"))),
-            self.kv("attention.head_count", n_head),
-            self.kv("attention.head_count_kv", int(self.hp("num_key_value_heads", default=n_head))),
-            self.kv("rope.freq_base", float(self.hp("rope_theta", default=10000.0)), T.FLOAT32),
-            self.kv("attention.layer_norm_rms_epsilon", float(self.hp("rms_norm_eps")), T.FLOAT32),
-            self.kv("expert_count", self.n_experts),
-            self.kv("expert_used_count", int(self.hp("num_experts_per_tok"))),
-            self.kv("attention.key_length", head_dim),
-            self.kv("attention.value_length", head_dim),
-            KV("general.file_type", file_type, T.UINT32),  # llama.cpp writes it here
-            self.kv("expert_feed_forward_length", int(self.hp("moe_intermediate_size"))),
-        ]
+        return self.moe_kvs(file_type, self.n_layers, dense_ffn=True)
 
     def map_tensor(self, name: str, t: HFTensor) -> list[OutTensor] | None:
         if name in GLOBAL_TENSORS:
