@@ -12,13 +12,16 @@ import warnings
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from forge.errors import ForgeError
+
+if TYPE_CHECKING:
+    from runtime.experts import ExpertCache, LayerExperts
 
 _MISSING = object()
 # Bytes of decoded (float32) routed experts a model may keep resident; the rest are decoded on every use.
@@ -121,6 +124,7 @@ class Weights:
         self.expert_budget = DEFAULT_EXPERT_BUDGET
         # round matmul inputs as ggml's CPU backend does (to compare with llama.cpp's own figures)
         self.ggml_numerics = False
+        self.expert_cache: ExpertCache | None = None
         self._dense: dict[str, torch.Tensor] = {}
         arch = self.get("general.architecture", None)
         if not isinstance(arch, str):
@@ -163,8 +167,16 @@ class Weights:
         return GGMLQuantizationType.F32
 
     def experts(self, name: str) -> ExpertTensor:
-        """A routed-expert tensor; made resident while the expert budget lasts (first come, first served)."""
+        """A routed-expert tensor; made resident while the expert budget lasts (first come, first served).
+
+        With an expert cache (SSD streaming), routed experts are served by the cache instead.
+        """
         self._require(name)
+        cache = self.expert_cache
+        if cache is not None:
+            layer, role = _routed_parts(name)
+            if layer in cache.layers:
+                return cache.tensor(layer, role)
         t = self._experts(name)
         if not t.resident and t.decoded_nbytes <= self.expert_budget:
             self.expert_budget -= t.decoded_nbytes
@@ -187,7 +199,9 @@ class Weights:
 class GGUFWeights(Weights):
     """Weights read from a GGUF file through gguf's memory-mapped reader."""
 
-    def __init__(self, path: str | Path, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, path: str | Path, device: str | torch.device = "cpu", verify_experts: bool = True
+    ) -> None:
         path = Path(path)
         if not path.is_file():
             raise ForgeError(f"{path}: no such file")
@@ -200,8 +214,43 @@ class GGUFWeights(Weights):
         self._tensors = {t.name: t for t in self.reader.tensors}
         self._raw: dict[str, torch.Tensor] = {}
         super().__init__({}, torch.device(device), str(path))
+        self.path = path
+        self.store = self._open_store(verify_experts)
         for t in self._tensors.values():
             check_decodable(GGMLQuantizationType(t.tensor_type))
+        self._routed: dict[str, tuple[int, int]] = {}  # expert-major: canonical name -> (layer, role index)
+        if self.store is not None:
+            for layer, lr in self.store.layers.items():
+                for c in lr.components:
+                    self._routed[lr.canonical_name(c.role)] = (layer, c.role)
+
+    def _open_store(self, verify: bool) -> Any:
+        """The expert-major store (forge.layout.ExpertStore) of a v1/v2 file, validated; None if canonical.
+
+        ``verify``: also check the payload digest (with file reads, so that it leaves no pages mapped).
+        """
+        from forge.layout.source import STORE_TENSOR_NAMES
+
+        names = [n for n in STORE_TENSOR_NAMES if n in self._tensors]
+        if not names:
+            return None
+        from forge.layout import open_expert_store
+        from runtime.experts import verify_store_payload
+
+        store = open_expert_store(self.path, verify_payload=False)
+        if verify:
+            verify_store_payload(store)
+        for n in names:
+            del self._tensors[n]
+        return store
+
+    def expert_layers(self) -> dict[int, LayerExperts]:
+        """Per layer, where the routed experts live in the file (one read each on expert-major files)."""
+        from runtime.experts import canonical_layers, expert_major_layers
+
+        if self.store is not None:
+            return expert_major_layers(self.store)
+        return canonical_layers(self._tensors, int(self.hparam("block_count")))
 
     def _lookup(self, key: str) -> Any:
         if key not in self._meta_cache:
@@ -213,24 +262,50 @@ class GGUFWeights(Weights):
         return list(self._fields)
 
     def has(self, name: str) -> bool:
-        return name in self._tensors
+        return name in self._tensors or name in self._routed
+
+    def _component(self, name: str) -> Any:
+        assert self.store is not None
+        layer, role = self._routed[name]
+        return self.store.layers[layer].components[role]
 
     def qtype(self, name: str) -> GGMLQuantizationType:
         self._require(name)
+        if name in self._routed:
+            return GGMLQuantizationType(self._component(name).ggml_type)
         return GGMLQuantizationType(self._tensors[name].tensor_type)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Torch order (reversed ggml ne)."""
         self._require(name)
+        if name in self._routed:
+            return tuple(int(n) for n in reversed(self._component(name).dims))
         return tuple(int(n) for n in reversed(self._tensors[name].shape))
 
+    def _routed_array(self, name: str) -> np.ndarray:
+        """An expert-major component as a strided (experts, rows, row_bytes) view of the records."""
+        assert self.store is not None
+        layer, _ = self._routed[name]
+        c = self._component(name)
+        records = self.store.layer_records(layer)[:, c.record_offset : c.record_offset + c.expert_bytes]
+        rows = c.dims[1]
+        row_bytes = c.expert_bytes // rows
+        return np.lib.stride_tricks.as_strided(
+            records, (c.dims[2], rows, row_bytes), (records.strides[0], row_bytes, 1), writeable=False
+        )
+
     def raw(self, name: str) -> torch.Tensor:
-        """The tensor's bytes as uint8 (*shape[:-1], row_bytes), zero-copy on CPU."""
+        """The tensor's bytes as uint8 (*shape[:-1], row_bytes), zero-copy on CPU.
+
+        On expert-major files a routed tensor is a strided view: each expert's slice is one record.
+        """
         if name not in self._raw:
             self._require(name)
-            t = self._tensors[name]
             shape = self.shape(name)
-            arr = np.asarray(t.data).view(np.uint8).reshape(*shape[:-1], -1)
+            if name in self._routed:
+                arr = self._routed_array(name)
+            else:
+                arr = np.asarray(self._tensors[name].data).view(np.uint8).reshape(*shape[:-1], -1)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the mmap is read-only; we never write through it
                 raw = torch.from_numpy(arr)
@@ -278,16 +353,54 @@ def load_weights(
     device: str | torch.device = "cpu",
     expert_budget: int = DEFAULT_EXPERT_BUDGET,
     ggml_numerics: bool = False,
+    stream_experts: int | None = None,
+    expert_policy: str = "lru",
+    verify_experts: bool = True,
 ) -> Weights:
     """A GGUF file, or a Hugging Face folder (config.json + safetensors) of a supported architecture.
 
     ``expert_budget``: bytes of decoded routed experts to keep resident (0: decode on every use).
+    ``stream_experts``: stream routed experts from the file through a cache of that many experts
+    (eviction ``expert_policy``: lru or lfu) instead of keeping them mapped.
+    ``verify_experts``: check an expert-major file's payload digest at load.
     """
     path = Path(path)
-    weights: Weights = load_hf_folder(path, device) if path.is_dir() else GGUFWeights(path, device)
+    if path.is_dir():
+        weights: Weights = load_hf_folder(path, device)
+        if stream_experts is not None:
+            raise ForgeError(f"{path}: expert streaming needs a GGUF file, not a Hugging Face folder")
+    else:
+        weights = GGUFWeights(path, device, verify_experts)
     weights.expert_budget = expert_budget
     weights.ggml_numerics = ggml_numerics
+    if stream_experts is not None:
+        assert isinstance(weights, GGUFWeights)
+        weights.expert_cache = open_expert_cache(weights, stream_experts, expert_policy)
     return weights
+
+
+def open_expert_cache(weights: GGUFWeights, capacity: int, policy: str = "lru") -> ExpertCache:
+    """An expert cache of ``capacity`` whole experts over the file's routed experts."""
+    from runtime.experts import ExpertCache
+
+    return ExpertCache(
+        weights.path,
+        weights.expert_layers(),
+        capacity,
+        int(weights.hparam("expert_used_count")),
+        policy,
+        weights.device,
+    )
+
+
+def _routed_parts(name: str) -> tuple[int, str]:
+    """'blk.3.ffn_up_exps.weight' -> (3, 'up'); (-1, '') for any other name."""
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight":
+        role = parts[2].removeprefix("ffn_").removesuffix("_exps")
+        if parts[2] == f"ffn_{role}_exps" and role in ("gate", "up", "down"):
+            return int(parts[1]), role
+    return -1, ""
 
 
 # Hugging Face folders -------------------------------------------------------------------------------------

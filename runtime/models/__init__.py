@@ -33,10 +33,18 @@ def load_model(
     observers: list[Observer] | None = None,
     expert_budget: int = DEFAULT_EXPERT_BUDGET,
     ggml_numerics: bool = False,
+    stream_experts: int | None = None,
+    expert_policy: str = "lru",
+    verify_experts: bool = True,
 ) -> MoeCausalLM:
     """A GGUF file or a Hugging Face folder -> a runnable model on ``device``.
 
     ``expert_budget``: bytes of decoded routed experts kept resident; the rest are decoded per use.
     ``ggml_numerics``: round matmul inputs (and the KV cache) as llama.cpp's CPU backend does.
+    ``stream_experts``: read routed experts from the file into a cache of that many experts
+    (``expert_policy`` lru or lfu) instead of keeping them mapped (see runtime.experts).
     """
-    return build_model(load_weights(path, device, expert_budget, ggml_numerics), observers)
+    weights = load_weights(
+        path, device, expert_budget, ggml_numerics, stream_experts, expert_policy, verify_experts
+    )
+    return build_model(weights, observers)

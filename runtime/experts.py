@@ -1,0 +1,364 @@
+"""Routed experts streamed from the model file into a bounded cache of whole experts.
+
+Every routed expert (one layer's gate, up and down slices of one expert) occupies one *slot* of a
+preallocated uint8 slab. A miss reads the expert with ``os.preadv`` straight into its slot: one read
+on an expert-major file (the record ``gate | up | down`` is contiguous), three on a canonical file
+(one slice of each of the three stacked tensors). Slots are sized for the largest record, so a
+boosted layer (bigger types) shares the slab with the others. Selected experts are decoded from
+their slots per use, exactly as the resident path decodes them from the mapped file, so logits are
+bit-identical.
+
+The capacity floor is one complete routing cycle: layers x experts-per-token + 1 slots, so that a
+token's experts of every layer can be resident at once with one slot to spare.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from forge.errors import ForgeError
+from runtime.weights import ExpertTensor, dequantize
+
+ROLES = ("gate", "up", "down")
+
+
+def routed_name(layer: int, role: str) -> str:
+    return f"blk.{layer}.ffn_{role}_exps.weight"
+
+
+@dataclass(frozen=True)
+class Component:
+    """One role (gate, up or down) of a layer's experts: its type, matrix shape and place in a slot."""
+
+    role: str
+    qtype: GGMLQuantizationType
+    rows: int
+    cols: int
+    expert_bytes: int
+    slot_offset: int  # byte offset of this component inside a slot
+
+
+@dataclass(frozen=True)
+class LayerExperts:
+    """Where one layer's experts live in the file and how a slot holds one of them.
+
+    ``reads``: (file offset of expert 0, bytes between experts, bytes, slot offset) per read; one entry
+    on expert-major files, three (gate, up, down) on canonical ones.
+    """
+
+    layer: int
+    experts: int
+    components: tuple[Component, ...]
+    reads: tuple[tuple[int, int, int, int], ...]
+
+    @property
+    def record_bytes(self) -> int:
+        return sum(c.expert_bytes for c in self.components)
+
+
+def _component(role: str, qtype: GGMLQuantizationType, rows: int, cols: int, offset: int) -> Component:
+    block, size = GGML_QUANT_SIZES[qtype]
+    return Component(role, qtype, rows, cols, rows * (cols // block) * size, offset)
+
+
+def canonical_layers(tensors: dict[str, Any], n_layer: int) -> dict[int, LayerExperts]:
+    """Layers of a canonical file from gguf's ReaderTensors (``data_offset`` is absolute)."""
+    out: dict[int, LayerExperts] = {}
+    for layer in range(n_layer):
+        names = [routed_name(layer, r) for r in ROLES]
+        if not all(n in tensors for n in names):
+            continue
+        comps, reads, offset = [], [], 0
+        for role, name in zip(ROLES, names, strict=True):
+            t = tensors[name]
+            cols, rows, experts = (int(d) for d in t.shape)
+            c = _component(role, GGMLQuantizationType(t.tensor_type), rows, cols, offset)
+            comps.append(c)
+            reads.append((int(t.data_offset), c.expert_bytes, c.expert_bytes, offset))
+            offset += c.expert_bytes
+        out[layer] = LayerExperts(layer, experts, tuple(comps), tuple(reads))
+    return out
+
+
+def expert_major_layers(store: Any) -> dict[int, LayerExperts]:
+    """Layers of an expert-major file (a ``forge.layout.ExpertStore``): one read per expert."""
+    out: dict[int, LayerExperts] = {}
+    for layer, lr in store.layers.items():
+        comps = tuple(
+            _component(
+                ROLES[c.role], GGMLQuantizationType(c.ggml_type), c.dims[1], c.dims[0], c.record_offset
+            )
+            for c in lr.components
+        )
+        base = store.store_start + lr.data_offset
+        out[layer] = LayerExperts(layer, lr.experts, comps, ((base, lr.stride, lr.record_bytes, 0),))
+    return out
+
+
+def verify_store_payload(store: Any, chunk: int = 16 << 20) -> None:
+    """The expert-major payload digest, computed from file reads (not the mmap: no resident pages)."""
+    h = hashlib.sha256()
+    start, end = store.store_start + store.payload_offset, store.store_start + store.store_size
+    fd = os.open(store.path, os.O_RDONLY)
+    try:
+        for pos in range(start, end, chunk):
+            n = min(chunk, end - pos)
+            data = os.pread(fd, n, pos)
+            if len(data) != n:
+                raise ForgeError(f"{store.path}: truncated expert store")
+            h.update(data)
+            os.posix_fadvise(fd, pos, n, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if h.digest() != store.header.payload_sha256:
+        raise ForgeError(f"{store.path}: payload digest mismatch (expert data corrupted)")
+
+
+# eviction policies --------------------------------------------------------------------------------------
+
+
+class EvictionPolicy:
+    """Chooses which filled slot to reuse. Keys are dense integers (layer position x experts + expert)."""
+
+    name = ""
+
+    def __init__(self, capacity: int, n_keys: int) -> None:
+        self.last_use = np.zeros(capacity, np.int64)
+        self.tick = 0
+
+    def access(self, key: int) -> None:
+        """Every lookup of ``key``, hit or miss, before ``use``."""
+
+    def use(self, slot: int, key: int) -> None:
+        self.tick += 1
+        self.last_use[slot] = self.tick
+
+    def victim(self, slot_keys: np.ndarray, pinned: np.ndarray) -> int:
+        raise NotImplementedError
+
+
+class LRUPolicy(EvictionPolicy):
+    name = "lru"
+
+    def victim(self, slot_keys: np.ndarray, pinned: np.ndarray) -> int:
+        return int(np.argmin(np.where(pinned, np.iinfo(np.int64).max, self.last_use)))
+
+
+class FrequencyPolicy(EvictionPolicy):
+    """Least frequently used with aging: counts of every key seen (resident or not) are halved every
+    ``window`` accesses, so that a shift in routing is followed; ties go to the least recently used."""
+
+    name = "lfu"
+
+    def __init__(self, capacity: int, n_keys: int, window: int | None = None) -> None:
+        super().__init__(capacity, n_keys)
+        self.count = np.zeros(n_keys, np.int64)
+        self.window = window or max(8 * capacity, 1024)
+        self.accesses = 0
+
+    def access(self, key: int) -> None:
+        self.count[key] += 1
+        self.accesses += 1
+        if self.accesses % self.window == 0:
+            self.count >>= 1
+
+    def victim(self, slot_keys: np.ndarray, pinned: np.ndarray) -> int:
+        score = self.count[slot_keys] * (self.tick + 1) + self.last_use
+        return int(np.argmin(np.where(pinned, np.iinfo(np.int64).max, score)))
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lfu": FrequencyPolicy}
+
+
+@dataclass
+class CacheStats:
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    reads: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    evictions: int = 0
+    tokens: int = 0  # forward-pass tokens, counted by the model driver when it reports them
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    def to_json(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = dict(self.__dict__)
+        out["hit_rate"] = round(self.hit_rate, 6)
+        out["read_mb_per_s"] = (
+            round(self.bytes_read / self.read_seconds / 1e6, 1) if self.read_seconds else 0.0
+        )
+        return out
+
+
+@dataclass
+class _Pending:
+    ids: list[int]
+    decoded: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+
+class ExpertCache:
+    """A bounded cache of whole routed experts, filled from the file with positional reads."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        layers: dict[int, LayerExperts],
+        capacity: int,
+        experts_used: int,
+        policy: str = "lru",
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self._fd = -1
+        if not layers:
+            raise ForgeError(f"{path}: no routed expert tensors to stream")
+        self.floor = len(layers) * experts_used + 1
+        if capacity < self.floor:
+            raise ForgeError(
+                f"expert cache of {capacity} experts is below the floor of {self.floor} "
+                f"({len(layers)} layers x {experts_used} experts per token + 1)"
+            )
+        if policy not in POLICIES:
+            raise ForgeError(f"unknown expert cache policy {policy!r} (choose from {', '.join(POLICIES)})")
+        self.path, self.layers, self.device = str(path), layers, torch.device(device)
+        self.slot_bytes = max(lay.record_bytes for lay in layers.values())
+        total = sum(lay.experts for lay in layers.values())
+        self.capacity = min(capacity, total)
+        self._key_base: dict[int, int] = {}
+        base = 0
+        for layer in sorted(layers):
+            self._key_base[layer] = base
+            base += layers[layer].experts
+        self.slab = np.empty((self.capacity, self.slot_bytes), np.uint8)
+        self._slab_t = torch.from_numpy(self.slab)
+        self.slot_key = np.full(self.capacity, -1, np.int64)
+        self.slot_of: dict[int, int] = {}
+        self.filled = 0
+        self.policy = POLICIES[policy](self.capacity, total)
+        self.stats = CacheStats()
+        self._pending: dict[int, _Pending] = {}
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    @property
+    def nbytes(self) -> int:
+        return self.slab.nbytes
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+    # slots ----------------------------------------------------------------------------------------------
+    def _read(self, lay: LayerExperts, expert: int, slot: int) -> None:
+        t0 = time.perf_counter()
+        row = self.slab[slot]
+        for start, step, n, dst in lay.reads:
+            buf, pos, done = memoryview(row[dst : dst + n]), start + expert * step, 0
+            while done < n:
+                got = os.preadv(self._fd, [buf[done:]], pos + done)
+                if got <= 0:
+                    raise ForgeError(f"{self.path}: truncated file (layer {lay.layer} expert {expert})")
+                done += got
+                self.stats.reads += 1
+            self.stats.bytes_read += n
+        self.stats.read_seconds += time.perf_counter() - t0
+
+    def slots(self, layer: int, ids: list[int]) -> list[int]:
+        """Slots holding experts ``ids`` of ``layer`` (distinct, at most ``capacity``), reading misses."""
+        lay = self.layers[layer]
+        if len(ids) > self.capacity:
+            raise ForgeError(f"{len(ids)} experts requested at once, the cache holds {self.capacity}")
+        base = self._key_base[layer]
+        pinned = np.zeros(self.capacity, bool)
+        out = []
+        for e in ids:
+            key = base + e
+            self.stats.lookups += 1
+            self.policy.access(key)
+            slot = self.slot_of.get(key)
+            if slot is not None:
+                self.stats.hits += 1
+            else:
+                self.stats.misses += 1
+                if self.filled < self.capacity:
+                    slot = self.filled
+                    self.filled += 1
+                else:
+                    slot = self.policy.victim(self.slot_key, pinned)
+                    del self.slot_of[int(self.slot_key[slot])]
+                    self.stats.evictions += 1
+                self._read(lay, e, slot)
+                self.slot_key[slot] = key
+                self.slot_of[key] = slot
+            pinned[slot] = True
+            self.policy.use(slot, key)
+            out.append(slot)
+        return out
+
+    def decode(self, layer: int, ids: list[int]) -> dict[str, list[torch.Tensor]]:
+        """Float32 (rows, cols) matrices of experts ``ids`` of ``layer``, per role."""
+        lay = self.layers[layer]
+        out: dict[str, list[torch.Tensor]] = {c.role: [] for c in lay.components}
+        for start in range(0, len(ids), self.capacity):
+            chunk = ids[start : start + self.capacity]
+            rows = self._slab_t[self.slots(layer, chunk)]  # gathered copy: the slots may be reused next
+            if self.device.type != "cpu":
+                rows = rows.to(self.device)
+            for c in lay.components:
+                raw = rows[:, c.slot_offset : c.slot_offset + c.expert_bytes].reshape(len(chunk), c.rows, -1)
+                out[c.role].extend(dequantize(raw, c.qtype, c.cols).unbind(0))
+        return out
+
+    def tensor(self, layer: int, role: str) -> StreamedExperts:
+        return StreamedExperts(self, layer, role)
+
+    def role_matrices(self, layer: int, role: str, ids: list[int]) -> list[torch.Tensor]:
+        """One role's matrices; the first role asked for decodes all roles of ``ids`` (one cache lookup
+        per expert), the others take theirs from that decode."""
+        pending = self._pending.get(layer)
+        if pending is None or pending.ids != ids or role not in pending.decoded:
+            pending = _Pending(list(ids), self.decode(layer, ids))
+            self._pending[layer] = pending
+        mats = pending.decoded.pop(role)
+        if not pending.decoded:
+            del self._pending[layer]
+        return mats
+
+
+class StreamedExperts(ExpertTensor):
+    """The ExpertTensor interface of one role of one layer, served by an :class:`ExpertCache`."""
+
+    def __init__(self, cache: ExpertCache, layer: int, role: str) -> None:
+        comp = next(c for c in cache.layers[layer].components if c.role == role)
+        self.cache, self.layer, self.role = cache, layer, role
+        self.raw = torch.empty(0, dtype=torch.uint8)
+        self.qtype, self.cols, self.rows, self.resident = comp.qtype, comp.cols, comp.rows, False
+        self.n_expert = cache.layers[layer].experts
+        self._decoded = None
+
+    def per_expert(self, ids: list[int]) -> list[torch.Tensor]:
+        return self.cache.role_matrices(self.layer, self.role, list(ids))
+
+    def take(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self.per_expert(ids.tolist()))
+
+    def decoded(self) -> torch.Tensor:
+        raise ForgeError("streamed experts are never decoded whole")
+
+    @property
+    def decoded_nbytes(self) -> int:
+        return 1 << 62  # never made resident by the expert budget

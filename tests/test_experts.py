@@ -1,0 +1,150 @@
+"""Runtime on expert-major files and SSD-streamed experts: logits bit-identical to the canonical file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import oracle
+import pytest
+import torch
+from conftest import EXAMPLE
+
+from forge.errors import ForgeError
+from forge.layout import convert
+from runtime.experts import ExpertCache
+from runtime.models import load_model
+from runtime.weights import GGUFWeights
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+LLAMACPP = [
+    ("tiny-qwen3moe", "tiny-qwen3moe-Q4_K_M-imat.gguf"),
+    ("tiny-qwen35moe", "tiny-qwen35moe-IQ2_XXS-imat.gguf"),
+]
+
+
+@pytest.fixture(scope="module")
+def forge_q8(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from forge.quant.quantize import quantize
+
+    out = tmp_path_factory.mktemp("q8") / "tiny-qwen3moe-Q8_0.gguf"
+    quantize(EXAMPLE, out, "q8_0")
+    return out
+
+
+def _llamacpp(model: str, name: str) -> Path:
+    path = oracle.llamacpp_dir(model) / name
+    if not path.exists():
+        pytest.skip(f"{path} is absent")
+    return path
+
+
+def _ids(n: int = 24) -> torch.Tensor:
+    return torch.randint(0, 4096, (n,), generator=torch.Generator().manual_seed(7))
+
+
+def _logits(path: Path, **kw: object) -> torch.Tensor:
+    """A prefill of 24 tokens, then 3 single-token decode steps (both expert paths)."""
+    m = load_model(path, **kw)  # type: ignore[arg-type]
+    state = m.new_state(64)
+    ids = _ids()
+    out = [m.forward(ids[:21], state)]
+    out += [m.forward(ids[i : i + 1], state) for i in range(21, 24)]
+    return torch.cat(out)
+
+
+def _expert_major(src: Path, tmp: Path, version: str) -> Path:
+    dst = tmp / f"{src.stem}-{version}.gguf"
+    convert(src, dst, version)
+    return dst
+
+
+def _check_layouts(src: Path, tmp: Path) -> None:
+    for budget in (0, 1 << 30):  # experts decoded per use, and decoded once and kept
+        want = _logits(src, expert_budget=budget)
+        for version in ("v2", "v1"):
+            got = _logits(_expert_major(src, tmp, version), expert_budget=budget)
+            assert torch.equal(got, want), (version, budget)
+
+
+def test_forge_q8_expert_major_logits_equal_canonical(forge_q8: Path, tmp_path: Path) -> None:
+    _check_layouts(forge_q8, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "name"), LLAMACPP)
+def test_llamacpp_expert_major_logits_equal_canonical(model: str, name: str, tmp_path: Path) -> None:
+    _check_layouts(_llamacpp(model, name), tmp_path)
+
+
+def test_expert_major_reads_one_slice_per_expert(forge_q8: Path, tmp_path: Path) -> None:
+    native = _expert_major(forge_q8, tmp_path, "v2")
+    canon, em = GGUFWeights(forge_q8), GGUFWeights(native)
+    assert not canon.has("ds4.expert_major.v2") and em.store is not None
+    layers = em.expert_layers()
+    assert all(len(lay.reads) == 1 for lay in layers.values())
+    assert all(len(lay.reads) == 3 for lay in canon.expert_layers().values())
+    name = "blk.1.ffn_down_exps.weight"
+    assert em.qtype(name) == canon.qtype(name) and em.shape(name) == canon.shape(name)
+    assert torch.equal(em.raw(name), canon.raw(name))
+
+
+def test_corrupted_expert_major_payload_is_refused(forge_q8: Path, tmp_path: Path) -> None:
+    native = _expert_major(forge_q8, tmp_path, "v2")
+    em = GGUFWeights(native)
+    off = em.expert_layers()[1].reads[0][0]
+    data = bytearray(native.read_bytes())
+    data[off + 17] ^= 0x40
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ForgeError, match="payload digest"):
+        load_model(bad)
+
+
+# streaming ------------------------------------------------------------------------------------------------
+
+
+def _floor(path: Path) -> int:
+    w = GGUFWeights(path)
+    return len(w.expert_layers()) * int(w.hparam("expert_used_count")) + 1
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_streaming_with_floor_cache_equals_resident(forge_q8: Path, tmp_path: Path, policy: str) -> None:
+    resident = _logits(forge_q8, expert_budget=0)
+    native = _expert_major(forge_q8, tmp_path, "v2")
+    for path in (forge_q8, native):
+        got = _logits(path, stream_experts=_floor(path), expert_policy=policy)
+        assert torch.equal(got, resident), path.name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "name"), LLAMACPP)
+def test_llamacpp_streaming_equals_resident(model: str, name: str, tmp_path: Path) -> None:
+    src = _llamacpp(model, name)
+    resident = _logits(src, expert_budget=0)
+    for path in (src, _expert_major(src, tmp_path, "v1")):
+        assert torch.equal(_logits(path, stream_experts=_floor(path)), resident), path.name
+
+
+def test_cache_below_floor_is_refused(forge_q8: Path) -> None:
+    floor = _floor(forge_q8)
+    with pytest.raises(ForgeError, match=f"below the floor of {floor}"):
+        load_model(forge_q8, stream_experts=floor - 1)
+
+
+def test_cache_counts_reads(forge_q8: Path, tmp_path: Path) -> None:
+    native = _expert_major(forge_q8, tmp_path, "v2")
+    for path, reads_per_expert in ((forge_q8, 3), (native, 1)):
+        m = load_model(path, stream_experts=_floor(path) + 5)
+        cache = m.weights.expert_cache
+        assert isinstance(cache, ExpertCache)
+        state = m.new_state(16)
+        ids = _ids(4)
+        for i in range(4):
+            m.forward(ids[i : i + 1], state)
+        s = cache.stats
+        assert s.lookups == 4 * m.n_layer * m.n_expert_used == s.hits + s.misses
+        assert s.misses > 0 and s.reads == reads_per_expert * s.misses
+        record = next(iter(cache.layers.values())).record_bytes
+        assert s.bytes_read == record * s.misses
