@@ -25,6 +25,23 @@ ExpertCacheOpt = Annotated[
         "--expert-cache-mib", help="MiB of decoded routed experts kept resident (0: decode per use)"
     ),
 ]
+PruneMaskOpt = Annotated[
+    Path | None,
+    typer.Option("--prune-mask", help="expert prune mask (ds4 grid: a line per routed layer, 1 = prune)"),
+]
+
+
+def _apply_prune_mask(model: object, mask_file: Path | None) -> None:
+    if mask_file is None:
+        return
+    from forge.prune.mask import apply_mask_to_model, read_mask
+
+    mask = read_mask(mask_file)
+    n = apply_mask_to_model(model, mask)
+    sys.stderr.write(
+        f"expert prune mask active: {n} of {mask.pruned.size} experts masked ({mask.n_layers} layers) "
+        f"from {mask_file}\n"
+    )
 
 
 def _setup(device: str, threads: int | None) -> str:
@@ -60,6 +77,7 @@ def run(
     threads: ThreadsOpt = None,
     expert_cache_mib: ExpertCacheOpt = 1024,
     ggml_numerics: GgmlOpt = False,
+    prune_mask: PruneMaskOpt = None,
 ) -> None:
     """Generate text from a prompt, streamed; prints prefill and decode tokens/s at the end."""
     from runtime.generate import Sampling, generate
@@ -71,6 +89,7 @@ def run(
     m = load_model(
         model, _setup(device, threads), expert_budget=expert_cache_mib << 20, ggml_numerics=ggml_numerics
     )
+    _apply_prune_mask(m, prune_mask)
     tok = Tokenizer.from_metadata(m.weights)
     text = prompt
     if chat:
@@ -113,6 +132,7 @@ def eval_(
     threads: ThreadsOpt = None,
     expert_cache_mib: ExpertCacheOpt = 1024,
     ggml_numerics: GgmlOpt = False,
+    prune_mask: PruneMaskOpt = None,
 ) -> None:
     """Perplexity like llama-perplexity; with a reference also KL divergence, top-1 agreement, RMS Δp."""
     from runtime.evaluate import ReferenceLogits, evaluate, format_report, perplexity_tokens
@@ -132,6 +152,7 @@ def eval_(
     dev = _setup(device, threads)
     budget = expert_cache_mib << 20
     m = load_model(model, dev, expert_budget=budget, ggml_numerics=ggml_numerics)
+    _apply_prune_mask(m, prune_mask)
     ref = load_model(reference, dev, expert_budget=budget, ggml_numerics=ggml_numerics) if reference else None
     ref_logits = ReferenceLogits.load(reference_logits) if reference_logits else None
     tok = Tokenizer.from_metadata(m.weights)

@@ -1,7 +1,9 @@
 """Observer hooks: what imatrix collection, expert profiling and live calibration attach to the runtime.
 
 Models call ``on_matmul_input`` with the float32 input rows of every weight matmul and ``on_routing`` with
-every routing decision. With no observer registered the models do no extra work (no copies, no calls).
+every routing decision. An observer that defines ``on_expert_output(layer, expert_ids, outputs, weights)``
+also gets each routed expert's output (computed separately only for such observers). With no observer
+registered the models do no extra work (no copies, no calls).
 """
 
 from __future__ import annotations
@@ -23,7 +25,16 @@ class Observer:
     def on_routing(
         self, layer: int, experts: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor
     ) -> None:
-        """experts/weights: (n_tokens, k) chosen experts and their weights; logits: (n_tokens, n_expert)."""
+        """experts/weights: (n_tokens, k) chosen experts and their weights; logits: (n_tokens, n_expert).
+
+        With a prune mask the masked experts' logits are the large negative MASKED_SCORE.
+        """
+
+    # Optional, not defined here so that the models skip the extra work unless an observer asks:
+    # def on_expert_output(self, layer: int, expert_ids: torch.Tensor, outputs: torch.Tensor,
+    #                      weights: torch.Tensor) -> None:
+    #     """(n_rows,) expert ids, (n_rows, n_embd) each routed (token, slot)'s expert output before
+    #     route weighting, and (n_rows,) its route weight. The tensors are only valid during the call."""
 
 
 def notify_matmul(
@@ -42,3 +53,19 @@ def notify_routing(
 ) -> None:
     for obs in observers:
         obs.on_routing(layer, experts, weights, logits)
+
+
+def expert_output_observers(observers: list[Observer]) -> list[Observer]:
+    """The observers that define ``on_expert_output``."""
+    return [obs for obs in observers if hasattr(obs, "on_expert_output")]
+
+
+def notify_expert_output(
+    observers: list[Observer],
+    layer: int,
+    expert_ids: torch.Tensor,
+    outputs: torch.Tensor,
+    weights: torch.Tensor,
+) -> None:
+    for obs in observers:
+        obs.on_expert_output(layer, expert_ids, outputs, weights)  # type: ignore[attr-defined]

@@ -6,6 +6,7 @@ and the routed-expert FFN (gathering the selected experts, decoding only those).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,13 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from forge.errors import ForgeError
-from runtime.observers import Observer, notify_matmul, notify_routing
+from runtime.observers import (
+    Observer,
+    expert_output_observers,
+    notify_expert_output,
+    notify_matmul,
+    notify_routing,
+)
 from runtime.weights import ExpertTensor, Weights
 
 # ggml's CPU matmul first converts the activations to the weight type's "vec_dot" type; with
@@ -49,6 +56,10 @@ def ggml_input_rounding(qtype: Q):  # noqa: ANN201 - returns a function or None
     if qtype == Q.F32:
         return None
     return _round_q8_k  # K-quants and i-quants
+
+
+# Router score given to pruned experts: finite (like ds4's -1e30) so softmax over a top-k never sees -inf.
+MASKED_SCORE = -1e30
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -184,6 +195,9 @@ class RoutedExperts:
         p = f"blk.{layer}."
         self.layer, self.n_used, self.observers = layer, n_used, observers
         self.router = Linear(weights, p + "ffn_gate_inp.weight", observers)
+        self.n_expert = self.router.weight.shape[0]
+        self.kept: torch.Tensor | None = None  # surviving expert ids under a prune mask
+        self.kept_router: Linear | None = None
         self.names = (p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", p + "ffn_down_exps.weight")
         self.gate_up: ExpertTensor | None = None
         self.gate: ExpertTensor | None = None
@@ -211,6 +225,31 @@ class RoutedExperts:
             self.gate.release()
             self.up.release()
 
+    def set_mask(self, pruned: torch.Tensor | None) -> None:
+        """pruned: (n_expert,) bool, True = never route to this expert; None removes the mask.
+
+        The router then scores only the surviving experts (the same matmul a physically pruned file does)
+        and gives the others MASKED_SCORE, so each token goes to its best surviving experts.
+        """
+        if pruned is None:
+            self.kept = self.kept_router = None
+            return
+        if pruned.shape != (self.n_expert,) or pruned.dtype != torch.bool:
+            raise ForgeError(f"layer {self.layer}: a prune mask needs {self.n_expert} booleans")
+        if int((~pruned).sum()) < self.n_used:
+            raise ForgeError(f"layer {self.layer}: a prune mask must keep at least {self.n_used} experts")
+        self.kept = torch.nonzero(~pruned.cpu())[:, 0].to(self.router.weight.device)
+        self.kept_router = copy.copy(self.router)
+        self.kept_router.weight = self.router.weight[self.kept].contiguous()
+
+    def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kept_router is None:
+            return self.router(x)
+        part = self.kept_router(x)
+        logits = part.new_full((x.shape[0], self.n_expert), MASKED_SCORE)
+        logits[:, self.kept] = part
+        return logits
+
     def _gate_up(self, hit: list[int]) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         if self.fused is not None:
             return [self.fused[e] for e in hit]
@@ -233,7 +272,7 @@ class RoutedExperts:
         notify_matmul(self.observers, self.names[2], act, ids)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.router(x)
+        logits = self._router_logits(x)
         # softmax over the top-k logits = the top-k softmax probabilities renormalized to sum 1
         top_logits, top_ids = torch.topk(logits, self.n_used, dim=-1)
         top_w = torch.softmax(top_logits, dim=-1)
@@ -252,6 +291,9 @@ class RoutedExperts:
             self._report(x.expand(len(hit), -1), torch.cat(acts), ids)
         if self.round_act:
             acts = [self.round_act(a) for a in acts]
+        if self.observers and (watch := expert_output_observers(self.observers)):
+            outs = torch.cat([F.linear(acts[i], down[i]) for i in range(len(hit))])
+            notify_expert_output(watch, self.layer, ids, outs, w)
         scales = w.tolist()
         out = torch.zeros_like(x)
         for i in range(len(hit)):
@@ -281,6 +323,8 @@ class RoutedExperts:
         for i, n in enumerate(counts_list):
             ys[start : start + n] = F.linear(act[start : start + n], down[i])
             start += n
+        if self.observers and (watch := expert_output_observers(self.observers)):
+            notify_expert_output(watch, self.layer, sorted_ids, ys, w[order])
         ys *= w[order, None]
         return torch.zeros_like(x).index_add_(0, token, ys)
 
@@ -370,6 +414,26 @@ class MoeCausalLM:
         self.vocab_size = self.output.weight.shape[0]
         if not weights.has("token_embd.weight"):
             raise ForgeError(f"{weights.source}: missing tensor token_embd.weight")
+
+    def routed_layers(self) -> list[int]:
+        """Indices of the layers with routed experts, in order (one prune-mask line each)."""
+        return [
+            i
+            for i, b in enumerate(getattr(self, "blocks", []))
+            if isinstance(getattr(b, "moe", None), RoutedExperts)
+        ]
+
+    def set_prune_mask(self, pruned: torch.Tensor | None) -> int:
+        """pruned: (routed layers, n_expert) bool, True = pruned; None removes it. Returns the experts masked."""
+        layers = self.routed_layers()
+        if pruned is not None and tuple(pruned.shape) != (len(layers), self.n_expert):
+            raise ForgeError(
+                f"a prune mask for this model needs {len(layers)} lines of {self.n_expert} experts, "
+                f"got {tuple(pruned.shape)}"
+            )
+        for row, layer in enumerate(layers):
+            self.blocks[layer].moe.set_mask(None if pruned is None else pruned[row])  # type: ignore[attr-defined]
+        return 0 if pruned is None else int(pruned.sum())
 
     def new_state(self, max_tokens: int | None = None) -> State:
         return State(self.n_layer, max_tokens or self.n_ctx_train)
