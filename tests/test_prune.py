@@ -40,6 +40,19 @@ def example_q8(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def loaded(example_bf16: Path):
+    return load_model(example_bf16)
+
+
+@pytest.fixture
+def model(loaded):
+    """The example model, loaded once; each test leaves it unmasked and without observers."""
+    yield loaded
+    loaded.set_prune_mask(None)
+    loaded.observers.clear()
+
+
 def _ids(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 4096, (n,), generator=torch.Generator().manual_seed(seed))
 
@@ -63,8 +76,7 @@ def _logits(model, ids: torch.Tensor, n_decode: int = 3) -> torch.Tensor:
 # ------------------------------------------------------------------------------------- router mask
 
 
-def test_masking_nothing_changes_nothing(example_bf16: Path) -> None:
-    model = load_model(example_bf16)
+def test_masking_nothing_changes_nothing(model) -> None:
     ids = _ids(40)
     base = _logits(model, ids)
     assert apply_mask_to_model(model, PruneMask(np.zeros((N_LAYER, N_EXPERT), dtype=bool))) == 0
@@ -81,9 +93,9 @@ class RoutingRecorder(Observer):
         self.chosen.setdefault(layer, set()).update(experts.reshape(-1).tolist())
 
 
-def test_masked_experts_are_never_routed_to(example_bf16: Path) -> None:
+def test_masked_experts_are_never_routed_to(model) -> None:
     rec = RoutingRecorder()
-    model = load_model(example_bf16, observers=[rec])
+    model.observers.append(rec)
     ids = _ids(48, seed=1)
     base = _logits(model, ids)
     mask = _random_mask(keep=8, seed=1)
@@ -98,7 +110,7 @@ def test_masked_experts_are_never_routed_to(example_bf16: Path) -> None:
 
 @pytest.mark.parametrize("which", ["bf16", "q8_0"])
 def test_masked_model_equals_physically_pruned_file(
-    which: str, example_bf16: Path, example_q8: Path, tmp_path: Path
+    which: str, example_bf16: Path, example_q8: Path, tmp_path: Path, model
 ) -> None:
     src = example_bf16 if which == "bf16" else example_q8
     mask = _random_mask(keep=12, seed=2)
@@ -118,7 +130,7 @@ def test_masked_model_equals_physically_pruned_file(
             assert np.array_equal(small.raw(t).reshape(12, -1), big.raw(t).reshape(N_EXPERT, -1)[kept])
     assert np.array_equal(small.raw("output.weight"), big.raw("output.weight"))
 
-    masked = load_model(src)
+    masked = model if which == "bf16" else load_model(src)
     apply_mask_to_model(masked, mask)
     pruned = load_model(out)
     ids = _ids(44, seed=3)
@@ -250,8 +262,7 @@ def test_mask_text_round_trip_and_format_errors() -> None:
         parse_mask("# nothing\n")
 
 
-def test_wrong_masks_are_refused_naming_the_layer(example_bf16: Path, tmp_path: Path) -> None:
-    model = load_model(example_bf16)
+def test_wrong_masks_are_refused_naming_the_layer(example_bf16: Path, tmp_path: Path, model) -> None:
     rows = format_mask(_random_mask(keep=8)).splitlines()
     cases = {
         "no line for layer 3": rows[:3],
@@ -268,13 +279,15 @@ def test_wrong_masks_are_refused_naming_the_layer(example_bf16: Path, tmp_path: 
     assert list(tmp_path.iterdir()) == []
 
 
-def test_uneven_mask_is_refused_by_apply_and_leaves_nothing(example_bf16: Path, tmp_path: Path) -> None:
+def test_uneven_mask_is_refused_by_apply_and_leaves_nothing(
+    example_bf16: Path, tmp_path: Path, model
+) -> None:
     pruned = _random_mask(keep=8).pruned
     pruned[2, np.flatnonzero(pruned[2])[0]] = False  # layer 2 keeps 9
     with pytest.raises(ForgeError, match=r"layer 1: 8, layer 2: 9.*--prune-mask"):
         apply_mask(example_bf16, PruneMask(pruned), tmp_path / "x.gguf")
     assert list(tmp_path.iterdir()) == []
-    model = load_model(example_bf16)  # the runtime takes it as a mask
+    # the runtime takes it as a mask
     assert apply_mask_to_model(model, PruneMask(pruned)) == N_LAYER * 24 - 1
 
 
