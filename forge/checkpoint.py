@@ -10,7 +10,7 @@ import json
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,12 @@ class HFTensor:
         if self.dtype == "BF16":
             return bf16_bits_to_f32(data)
         return np.asarray(data, dtype=np.float32)
+
+
+@lru_cache(maxsize=256)
+def _shard_map(path: Path) -> np.ndarray:
+    """One read-only mapping per shard, shared by all its tensors."""
+    return np.memmap(path, dtype=np.uint8, mode="r")
 
 
 def read_safetensors_header(path: Path) -> list[HFTensor]:

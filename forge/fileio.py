@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,10 +22,8 @@ def copy_ranges(dst: BinaryIO, ranges: Sequence[tuple[str | Path, int, int]]) ->
             done = 0
             while done < nbytes:
                 n = 0
-                try:
+                with contextlib.suppress(AttributeError, OSError):
                     n = os.copy_file_range(src, fd, min(nbytes - done, 1 << 30), offset + done, pos + done)
-                except (AttributeError, OSError):
-                    pass
                 if n <= 0:  # not supported here: a plain read/write loop with a reusable buffer
                     _copy_plain(src, fd, offset + done, pos + done, nbytes - done)
                     done = nbytes

@@ -258,8 +258,9 @@ class GGUFLayout:
         for t in self.tensors:
             self.offsets.append(pos)
             pos = align_up(pos + t.nbytes, self.alignment)
+        self._packed_kvs = [pack_kv(kv) for kv in self.kvs]
         parts = [struct.pack("<IIQQ", GGUF_MAGIC, GGUF_VERSION, len(self.tensors), len(self.kvs))]
-        parts += [pack_kv(kv) for kv in self.kvs]
+        parts += self._packed_kvs
         parts += [_pack_tensor_info(t, o) for t, o in zip(self.tensors, self.offsets, strict=True)]
         self.header = b"".join(parts)
         self.data_start = align_up(len(self.header), self.alignment)
@@ -267,10 +268,10 @@ class GGUFLayout:
     def kv_offset(self, key: str) -> int:
         """Byte offset (in the file) where ``key``'s entry starts."""
         pos = struct.calcsize("<IIQQ")
-        for kv in self.kvs:
+        for kv, packed in zip(self.kvs, self._packed_kvs, strict=True):
             if kv.key == key:
                 return pos
-            pos += len(pack_kv(kv))
+            pos += len(packed)
         raise KeyError(key)
 
     @property
