@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -44,6 +45,74 @@ def _apply_prune_mask(model: object, mask_file: Path | None) -> None:
     )
 
 
+ResidentOpt = Annotated[
+    bool, typer.Option("--resident", help="keep the whole model in memory (default: AUTO decides)")
+]
+StreamingOpt = Annotated[
+    bool,
+    typer.Option("--ssd-streaming", help="read routed experts from the file on demand into an expert cache"),
+]
+CacheExpertsOpt = Annotated[
+    int | None, typer.Option("--cache-experts", help="expert cache capacity in whole experts (streaming)")
+]
+CacheBytesOpt = Annotated[
+    str | None, typer.Option("--cache-bytes", help="expert cache size, e.g. 4G (streaming)")
+]
+BudgetOpt = Annotated[
+    str | None,
+    typer.Option("--memory-budget", help="memory the planner may use, e.g. 16G (default: available memory)"),
+]
+PolicyOpt = Annotated[str, typer.Option("--cache-policy", help="expert cache eviction: lru or lfu")]
+StatsOpt = Annotated[bool, typer.Option("--stats", help="print expert cache statistics at the end")]
+
+
+@dataclass
+class Residency:
+    """The residency flags of ``forge run`` / ``forge eval``."""
+
+    resident: bool = False
+    ssd_streaming: bool = False
+    cache_experts: int | None = None
+    cache_bytes: str | None = None
+    memory_budget: str | None = None
+    cache_policy: str = "lru"
+
+    def load(self, model: Path, device: str, expert_budget: int, ggml_numerics: bool, context: int | None):  # noqa: ANN201
+        from forge.gguf_file import parse_size
+        from runtime.planner import load_planned_model
+
+        if self.resident and self.ssd_streaming:
+            raise ForgeError("--resident and --ssd-streaming exclude each other")
+        if self.resident and (self.cache_experts is not None or self.cache_bytes is not None):
+            raise ForgeError("--cache-experts/--cache-bytes apply to --ssd-streaming, not --resident")
+        mode = "resident" if self.resident else "streaming" if self.ssd_streaming else "auto"
+        m, plan = load_planned_model(
+            model,
+            device,
+            mode,
+            parse_size(self.memory_budget) if self.memory_budget else None,
+            self.cache_experts,
+            parse_size(self.cache_bytes) if self.cache_bytes else None,
+            self.cache_policy,
+            expert_budget,
+            ggml_numerics,
+            context,
+        )
+        return m, plan
+
+
+def cache_stats(m) -> dict | None:  # noqa: ANN001
+    cache = getattr(m.weights, "expert_cache", None)
+    return None if cache is None else cache.stats.to_json()
+
+
+def print_stats(m) -> None:  # noqa: ANN001
+    from runtime.planner import format_stats
+
+    cache = getattr(m.weights, "expert_cache", None)
+    sys.stderr.write((format_stats(cache) if cache is not None else "expert cache: none (resident)") + "\n")
+
+
 def _setup(device: str, threads: int | None) -> str:
     import torch
 
@@ -78,17 +147,22 @@ def run(
     expert_cache_mib: ExpertCacheOpt = 1024,
     ggml_numerics: GgmlOpt = False,
     prune_mask: PruneMaskOpt = None,
+    resident: ResidentOpt = False,
+    ssd_streaming: StreamingOpt = False,
+    cache_experts: CacheExpertsOpt = None,
+    cache_bytes: CacheBytesOpt = None,
+    memory_budget: BudgetOpt = None,
+    cache_policy: PolicyOpt = "lru",
+    stats: StatsOpt = False,
 ) -> None:
     """Generate text from a prompt, streamed; prints prefill and decode tokens/s at the end."""
     from runtime.generate import Sampling, generate
-    from runtime.models import load_model
     from runtime.tokenizer import Tokenizer
 
     if max_tokens < 0 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
         raise ForgeError("--max-tokens, --temperature and --top-k must be >= 0 and --top-p in (0, 1]")
-    m = load_model(
-        model, _setup(device, threads), expert_budget=expert_cache_mib << 20, ggml_numerics=ggml_numerics
-    )
+    residency = Residency(resident, ssd_streaming, cache_experts, cache_bytes, memory_budget, cache_policy)
+    m, _ = residency.load(model, _setup(device, threads), expert_cache_mib << 20, ggml_numerics, ctx)
     _apply_prune_mask(m, prune_mask)
     tok = Tokenizer.from_metadata(m.weights)
     text = prompt
@@ -109,6 +183,8 @@ def run(
         f"prefill: {res.prompt_tokens} tokens, {res.prefill_tps:.1f} tok/s | "
         f"decode: {len(res.tokens)} tokens, {res.decode_tps:.1f} tok/s | stop: {res.stopped_by}\n"
     )
+    if stats:
+        print_stats(m)
 
 
 def eval_(
@@ -133,6 +209,13 @@ def eval_(
     expert_cache_mib: ExpertCacheOpt = 1024,
     ggml_numerics: GgmlOpt = False,
     prune_mask: PruneMaskOpt = None,
+    resident: ResidentOpt = False,
+    ssd_streaming: StreamingOpt = False,
+    cache_experts: CacheExpertsOpt = None,
+    cache_bytes: CacheBytesOpt = None,
+    memory_budget: BudgetOpt = None,
+    cache_policy: PolicyOpt = "lru",
+    stats: StatsOpt = False,
 ) -> None:
     """Perplexity like llama-perplexity; with a reference also KL divergence, top-1 agreement, RMS Δp."""
     from runtime.evaluate import ReferenceLogits, evaluate, format_report, perplexity_tokens
@@ -151,7 +234,8 @@ def eval_(
         raise ForgeError(f"{text}: no such file")
     dev = _setup(device, threads)
     budget = expert_cache_mib << 20
-    m = load_model(model, dev, expert_budget=budget, ggml_numerics=ggml_numerics)
+    residency = Residency(resident, ssd_streaming, cache_experts, cache_bytes, memory_budget, cache_policy)
+    m, plan = residency.load(model, dev, budget, ggml_numerics, ctx)
     _apply_prune_mask(m, prune_mask)
     ref = load_model(reference, dev, expert_budget=budget, ggml_numerics=ggml_numerics) if reference else None
     ref_logits = ReferenceLogits.load(reference_logits) if reference_logits else None
@@ -172,6 +256,12 @@ def eval_(
 
     res = evaluate(m, ids, ctx, chunks, ref, ref_logits, save_logits, top_k, bos, progress)
     if as_json:
-        sys.stdout.write(json.dumps(res.to_json(), indent=1) + "\n")
+        out = res.to_json()
+        if stats:
+            out["residency"] = None if plan is None else plan.mode
+            out["expert_cache"] = cache_stats(m)
+        sys.stdout.write(json.dumps(out, indent=1) + "\n")
     else:
         sys.stdout.write(format_report(res) + "\n")
+        if stats:
+            print_stats(m)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import oracle
@@ -13,6 +16,7 @@ from forge.errors import ForgeError
 from forge.layout import convert
 from runtime.experts import ExpertCache
 from runtime.models import load_model
+from runtime.planner import RUNTIME_OVERHEAD, plan
 from runtime.weights import GGUFWeights
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
@@ -148,3 +152,77 @@ def test_cache_counts_reads(forge_q8: Path, tmp_path: Path) -> None:
         assert s.misses > 0 and s.reads == reads_per_expert * s.misses
         record = next(iter(cache.layers.values())).record_bytes
         assert s.bytes_read == record * s.misses
+
+
+# planner, CLI, memory ----------------------------------------------------------------------------------
+
+
+def _forge(*args: str) -> subprocess.CompletedProcess[str]:
+    code = "import sys; from forge.cli import main; sys.argv = ['forge', *sys.argv[1:]]; main()"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_auto_picks_resident_then_streaming_under_a_small_budget(forge_q8: Path) -> None:
+    w = GGUFWeights(forge_q8)
+    p = plan(w)
+    assert p.mode == "resident" and "fits in available memory" in p.describe()
+    g = p.geometry
+    assert g is not None
+    fixed = g.resident_bytes + g.kv_bytes + RUNTIME_OVERHEAD + g.scratch_bytes
+    small = plan(w, memory_budget=fixed + (g.floor + 2) * g.slot_bytes)
+    assert small.mode == "streaming" and small.cache_experts == g.floor + 2
+    assert "expert cache: " in small.describe() and "--memory-budget" in small.describe()
+    with pytest.raises(ForgeError, match=f"floor of {g.floor} experts"):
+        plan(w, memory_budget=fixed + (g.floor - 1) * g.slot_bytes)
+
+
+@pytest.mark.slow
+def test_cli_prints_decision_and_stats(forge_q8: Path) -> None:
+    common = ["run", str(forge_q8), "-p", "Hello there", "-n", "3", "--stats"]
+    r = _forge(*common)
+    assert r.returncode == 0, r.stderr
+    assert "residency: resident" in r.stderr and "expert cache: none" in r.stderr
+    r = _forge(*common, "--memory-budget", "420M")
+    assert r.returncode == 0, r.stderr
+    assert "residency: streaming" in r.stderr and "hits" in r.stderr
+    r = _forge(*common, "--ssd-streaming", "--cache-experts", "2")
+    assert r.returncode == 1 and r.stderr.startswith("error: expert cache of 2 experts is below the floor")
+
+
+def _peak_rss_run(path: Path, cache_bytes: int) -> dict[str, int]:
+    code = f"""
+import json, resource, torch
+from runtime.planner import geometry
+from runtime.weights import load_weights, open_expert_cache
+from runtime.models import build_model
+w = load_weights({str(path)!r}, verify_experts=False)
+g = geometry(w, 64)
+w.expert_cache = open_expert_cache(w, max(g.floor, {cache_bytes} // g.slot_bytes))
+m = build_model(w)
+st = m.new_state(64)
+gen = torch.Generator().manual_seed(0)
+for t in torch.randint(0, 512, (12,), generator=gen):
+    m.forward(t[None], st)
+s = w.expert_cache.stats
+print(json.dumps(dict(peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, resident=g.resident_bytes,
+                      kv=g.kv_bytes, scratch=g.scratch_bytes, slab=w.expert_cache.nbytes, misses=s.misses,
+                      file=g.file_bytes)))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_streaming_peak_rss_stays_under_budget(tmp_path: Path) -> None:
+    from runtime.synth import GEOMETRIES, SynthGeometry, synthesize
+
+    geo = SynthGeometry(
+        **{**GEOMETRIES["qwen3.6-35b-a3b"].__dict__, "layers": 2, "experts": 96, "vocab": 512}
+    )
+    src = synthesize(tmp_path / "synth.gguf", geo, "q4_k") and tmp_path / "synth.gguf"
+    budget = 50 << 20
+    r = _peak_rss_run(src, budget)
+    assert r["file"] > 5 * budget and r["misses"] > 0
+    assert r["slab"] <= budget
+    assert r["peak"] <= budget + r["resident"] + r["kv"] + r["scratch"] + RUNTIME_OVERHEAD, r
