@@ -137,6 +137,27 @@ def test_masked_model_equals_physically_pruned_file(
     assert torch.equal(_logits(masked, ids), _logits(pruned, ids))
 
 
+def test_qwen35moe_masked_equals_pruned_and_shared_expert_kept(tmp_path: Path) -> None:
+    import oracle
+
+    from forge.convert import convert_checkpoint
+
+    src, out = tmp_path / "q35.gguf", tmp_path / "q35-pruned.gguf"
+    convert_checkpoint(oracle.model_dir("tiny-qwen35moe"), src, "bf16")
+    mask = _random_mask(keep=10, seed=7)
+    apply_mask(src, mask, out)
+    small, big = open_gguf(out), open_gguf(src)
+    assert small.kv("qwen35moe.expert_count") == 10
+    for name in ("ffn_up_shexp.weight", "ffn_gate_inp_shexp.weight"):
+        assert np.array_equal(small.raw(f"blk.0.{name}"), big.raw(f"blk.0.{name}"))
+    masked = load_model(src)
+    assert masked.routed_layers() == list(range(N_LAYER))
+    apply_mask_to_model(masked, mask)
+    pruned = load_model(out)
+    ids = _ids(70, seed=8)  # > one 64-token delta-rule chunk
+    assert torch.equal(_logits(masked, ids), _logits(pruned, ids))
+
+
 def test_mask_on_a_pruned_file_is_refused(example_bf16: Path, tmp_path: Path) -> None:
     out = tmp_path / "pruned.gguf"
     apply_mask(example_bf16, _random_mask(keep=16), out)
