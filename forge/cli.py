@@ -185,6 +185,7 @@ def demo(
 def _register_subcommands() -> None:
     from forge.imatrix.cli import app as imatrix_app
     from forge.layout.cli import app as layout_app
+    from forge.prune.cli import app as prune_app
     from runtime.cli import eval_, run
     from runtime.serve_cli import serve
 
@@ -200,6 +201,11 @@ def _register_subcommands() -> None:
         help="Expert-major layouts (ds4 v1/v2): convert, convert back, verify, inspect.",
     )
 
+    app.add_typer(
+        prune_app,
+        name="prune",
+        help="Expert pruning: profile routed experts, build a prune mask, write a smaller GGUF.",
+    )
     app.command("run")(run)
     app.command("eval")(eval_)
     app.command("serve")(serve)
