@@ -36,6 +36,9 @@ def run_demo(model: Path | None, keep: Path | None, console: Console) -> list[St
     from forge.convert import convert_checkpoint
     from forge.inspect_file import describe
     from forge.layout import convert as convert_layout
+    from forge.prune.apply import apply_mask
+    from forge.prune.mask import build_mask
+    from forge.prune.profile import collect_profile
     from forge.quant.quantize import quantize
     from runtime.evaluate import evaluate, perplexity_tokens
     from runtime.models import load_model
@@ -84,6 +87,20 @@ def run_demo(model: Path | None, keep: Path | None, console: Console) -> list[St
             return q4.name, 0, (f"PPL {r.perplexity:.3f} (bf16 {ref.perplexity:.3f}), mean KLD {r.kld_mean:.4f}, "
                                 f"same top token {r.top1_agreement:.1%}")  # fmt: skip
 
+        pruned = work / "model-Q4_K_M-pruned75.gguf"
+
+        def do_prune() -> tuple[str, int, str]:
+            rep = collect_profile(q4, EXAMPLE_TEXT, None, ctx=512, chunks=1)
+            mask = build_mask(rep.profile, keep_fraction=0.75, by="weight")
+            applied = apply_mask(q4, mask, pruned)
+            base = load_model(q4)
+            tok = Tokenizer.from_metadata(base.weights)
+            ids = perplexity_tokens(tok, EXAMPLE_TEXT.read_text(encoding="utf-8"), 512, 4)
+            r = evaluate(load_model(pruned), ids, 512, 4, reference=base)
+            saved = 1 - applied.output_bytes / applied.source_bytes
+            return pruned.name, applied.output_bytes, (f"keep 24/32 experts by weight: {saved:.0%} smaller, "
+                                                       f"KLD {r.kld_mean:.4f} vs Q4_K_M")  # fmt: skip
+
         def do_inspect() -> tuple[str, int, str]:
             info = describe(q4)
             return q4.name, info["file_bytes"], f"{info['architecture']}, {info['bits_per_weight']:.2f} bpw"
@@ -94,6 +111,7 @@ def run_demo(model: Path | None, keep: Path | None, console: Console) -> list[St
             ("rebuild a boosted variant (--reuse)", do_reuse),
             ("layout -> expert-major v2 and back", do_layout),
             ("eval Q4_K_M vs bf16 (4 x 512 tokens)", do_eval),
+            ("prune 25% of the experts (profile, mask, apply)", do_prune),
             ("inspect", do_inspect),
         )
         rows = []
