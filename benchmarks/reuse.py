@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--boost-type", default="q4_0")
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--trust-mtime", action="store_true", help="key sources by shard stats, not content")
     a = ap.parse_args()
     work = a.work or Path(tempfile.mkdtemp(prefix="forge-reuse-"))
     ckpt = work / f"random-qwen3moe-{a.layers}L"
@@ -44,10 +45,12 @@ def main() -> None:
     override = [f"blk\\.{layer}\\.ffn_.*_exps={a.boost_type}"]
 
     start = time.perf_counter()
-    quantize(ckpt, base, a.recipe, jobs=a.jobs)
+    quantize(ckpt, base, a.recipe, jobs=a.jobs, trust_mtime=a.trust_mtime)
     t_full = time.perf_counter() - start
     start = time.perf_counter()
-    _, rep = quantize(ckpt, boost, a.recipe, tensor_types=override, reuse=[base], jobs=a.jobs)
+    _, rep = quantize(
+        ckpt, boost, a.recipe, tensor_types=override, reuse=[base], jobs=a.jobs, trust_mtime=a.trust_mtime
+    )
     t_boost = time.perf_counter() - start
 
     encoded = [r for r in rep.tensors if r["action"] == "encoded"]
@@ -59,7 +62,7 @@ def main() -> None:
     t_cp = time.perf_counter() - start
     ideal = 1 / fraction
     print(f"machine: {os.cpu_count()} cores; checkpoint {sum(p.stat().st_size for p in ckpt.glob('*.safetensors')):,} B; "
-          f"recipe {a.recipe}, boost blk.{layer} experts -> {a.boost_type}, --jobs {a.jobs}")  # fmt: skip
+          f"recipe {a.recipe}, boost blk.{layer} experts -> {a.boost_type}, --jobs {a.jobs}, trust-mtime {a.trust_mtime}")  # fmt: skip
     print(f"full build          {t_full:8.1f} s")
     print(f"boost with --reuse  {t_boost:8.1f} s   ({len(encoded)} of {len(rep.tensors)} tensors re-encoded, "
           f"{fraction:.2%} of the bytes)")  # fmt: skip
