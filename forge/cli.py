@@ -188,6 +188,7 @@ def _register_subcommands() -> None:
     from forge.prune.cli import app as prune_app
     from runtime.cli import eval_, run
     from runtime.serve_cli import serve
+    from runtime.synth import synth
 
     app.add_typer(
         imatrix_app,
@@ -209,6 +210,7 @@ def _register_subcommands() -> None:
     app.command("run")(run)
     app.command("eval")(eval_)
     app.command("serve")(serve)
+    app.command("synth")(synth)
 
 
 _register_subcommands()
