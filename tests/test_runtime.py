@@ -276,7 +276,7 @@ def test_cli_run_and_eval(example_bf16: Path, tmp_path: Path) -> None:
         ],
     )
     assert res.exit_code == 0, res.output
-    first = json.loads(res.output)
+    first = json.loads(res.stdout)
     assert first["tokens"] == 3 * 63 and first["perplexity"] > 1 and first["saved_logits_bytes"] > 0
     res = runner.invoke(
         app,
@@ -294,9 +294,11 @@ def test_cli_run_and_eval(example_bf16: Path, tmp_path: Path) -> None:
             "--json",
         ],
     )
-    again = json.loads(res.output)
+    again = json.loads(res.stdout)
     # the same model against its own saved (full-vocabulary) logits: no divergence at all
     assert again["perplexity"] == first["perplexity"] and abs(again["kld_mean"]) < 1e-3
     assert again["top1_agreement"] == 1.0
-    res = runner.invoke(app, ["eval", str(example_bf16), "--text", str(text), "--ctx", "4096"])
+    res = runner.invoke(
+        app, ["eval", str(example_bf16), "--text", str(text), "--ctx", "8192"]
+    )  # > n_ctx_train
     assert res.exit_code != 0 and isinstance(res.exception, ForgeError)
