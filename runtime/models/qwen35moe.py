@@ -206,16 +206,7 @@ class Qwen35MoeModel(MoeCausalLM):
 
     def __init__(self, weights: Weights, observers: list[Observer] | None = None) -> None:
         super().__init__(weights, observers)
-        n_head = int(weights.hparam("attention.head_count"))
-        head_dim = int(weights.hparam("attention.key_length", self.n_embd // n_head))
-        cfg = AttentionConfig(
-            n_head=n_head,
-            n_head_kv=int(weights.hparam("attention.head_count_kv", n_head)),
-            head_dim=head_dim,
-            n_rot=int(weights.hparam("rope.dimension_count", head_dim)),
-            rope_base=float(weights.hparam("rope.freq_base", 10000.0)),
-            eps=self.eps,
-        )
+        cfg = AttentionConfig.from_weights(weights, self.n_embd, self.eps)
         interval = int(weights.hparam("full_attention_interval", 4))
         self.blocks = [
             Qwen35MoeBlock(weights, i, (i + 1) % interval != 0, cfg, self.n_expert_used, self.observers)

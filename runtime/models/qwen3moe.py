@@ -338,6 +338,19 @@ class AttentionConfig:
     rope_base: float
     eps: float
 
+    @classmethod
+    def from_weights(cls, weights: Weights, n_embd: int, eps: float) -> AttentionConfig:
+        n_head = int(weights.hparam("attention.head_count"))
+        head_dim = int(weights.hparam("attention.key_length", n_embd // n_head))
+        return cls(
+            n_head=n_head,
+            n_head_kv=int(weights.hparam("attention.head_count_kv", n_head)),
+            head_dim=head_dim,
+            n_rot=int(weights.hparam("rope.dimension_count", head_dim)),
+            rope_base=float(weights.hparam("rope.freq_base", 10000.0)),
+            eps=eps,
+        )
+
 
 class GQAttention:
     """Attention with q/k RMSNorm; ``gated``: q_proj also yields a per-head output gate (Qwen3.5/Next)."""
@@ -479,16 +492,7 @@ class Qwen3MoeModel(MoeCausalLM):
 
     def __init__(self, weights: Weights, observers: list[Observer] | None = None) -> None:
         super().__init__(weights, observers)
-        n_head = int(weights.hparam("attention.head_count"))
-        head_dim = int(weights.hparam("attention.key_length", self.n_embd // n_head))
-        cfg = AttentionConfig(
-            n_head=n_head,
-            n_head_kv=int(weights.hparam("attention.head_count_kv", n_head)),
-            head_dim=head_dim,
-            n_rot=int(weights.hparam("rope.dimension_count", head_dim)),
-            rope_base=float(weights.hparam("rope.freq_base", 10000.0)),
-            eps=self.eps,
-        )
+        cfg = AttentionConfig.from_weights(weights, self.n_embd, self.eps)
         self.blocks = [
             Qwen3MoeBlock(weights, i, cfg, self.n_expert_used, self.observers) for i in range(self.n_layer)
         ]
