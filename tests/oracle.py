@@ -48,7 +48,6 @@ def manifest_tensor(model: str, name: str, tensor: str) -> dict:
 @cache
 def hf_tensors(model: str) -> dict:
     """All HF tensors of a fixture as float32 numpy arrays (they are small)."""
-    from safetensors.numpy import load_file  # noqa: F401
     from safetensors.torch import load_file as load_torch
 
     out = {}
