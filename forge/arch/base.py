@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import numpy as np
 from gguf import GGUFValueType
 
-from forge.checkpoint import Checkpoint, HFTensor
+from forge.checkpoint import Checkpoint, HFTensor, bf16_bits_to_f32
 from forge.errors import ForgeError
 from forge.gguf_file import KV, T
 
@@ -28,7 +28,7 @@ class SourceArray:
 
     def float32(self) -> np.ndarray:
         if self.dtype == "BF16":
-            return (self.data.astype(np.uint32) << 16).view(np.float32)
+            return bf16_bits_to_f32(self.data)
         return self.data.astype(np.float32, copy=False)
 
 
