@@ -177,26 +177,6 @@ class CollectReport:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def tokenize_like_llama_imatrix(model_path: str | os.PathLike[str], text: str) -> list[int]:
-    """Token ids as llama-imatrix gets them: the whole text at once, special-token parsing off, no BOS.
-
-    Uses the Hugging Face folder's ``tokenizer.json`` (its special tokens encoded as plain text, which
-    gives llama.cpp's ids for the fixture models).
-    """
-    path = Path(model_path)
-    tok_file = path / "tokenizer.json" if path.is_dir() else None
-    if tok_file is None or not tok_file.is_file():
-        raise ForgeError(
-            f"{model_path}: imatrix collection needs the model's tokenizer; give the Hugging Face folder "
-            "(tokenizing from GGUF metadata is not wired yet)"
-        )
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(tok_file))
-    tok.encode_special_tokens = True
-    return tok.encode(text, add_special_tokens=False).ids
-
-
 def collect(
     model_path: str | os.PathLike[str],
     text_path: str | os.PathLike[str],
@@ -218,6 +198,7 @@ def collect(
     from forge.atomic import check_output_path
     from forge.imatrix.formats import format_for_path, write_imatrix
     from runtime.models import load_model
+    from runtime.tokenizer import Tokenizer
 
     check_output_path(out)
     if fmt not in (None, "gguf", "dat"):
@@ -227,12 +208,16 @@ def collect(
     text_file = Path(text_path)
     if not text_file.is_file():
         raise ForgeError(f"{text_file}: no such file")
-    ids = tokenize_like_llama_imatrix(model_path, text_file.read_text(encoding="utf-8", errors="replace"))
+    acc = ImatrixAccumulator(process_output=process_output)
+    model = load_model(model_path, device=device, observers=[acc])
+    # as llama-imatrix reads it: the whole text at once, special-token parsing off, no BOS
+    tok = Tokenizer.from_metadata(model.weights)
+    ids = tok.encode(
+        text_file.read_text(encoding="utf-8", errors="replace"), parse_special=False, add_bos=False
+    )
     if len(ids) < 2 * ctx:
         raise ForgeError(f"{text_file}: {len(ids)} tokens; need at least {2 * ctx} for a context of {ctx}")
     n_chunks = len(ids) // ctx if chunks is None or chunks < 0 else min(chunks, len(ids) // ctx)
-    acc = ImatrixAccumulator(process_output=process_output)
-    model = load_model(model_path, device=device, observers=[acc])
     tokens = torch.tensor(ids[: n_chunks * ctx], dtype=torch.long).reshape(n_chunks, ctx)
     target_fmt = fmt or format_for_path(out)
     first = ctx // 2
