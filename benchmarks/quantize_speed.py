@@ -44,7 +44,7 @@ def random_imatrix(model: Path, out: Path) -> Path:
 
 def time_build(model: Path, out: Path, qtype: str, jobs: int, imatrix: Path | None) -> float:
     start = time.perf_counter()
-    quantize(model, out, "q8_0", tensor_types=[f".*={qtype}"], jobs=jobs, imatrix=imatrix)
+    quantize(model, out, "q8_0", tensor_types=[f"^blk\\..*={qtype}"], jobs=jobs, imatrix=imatrix)
     return time.perf_counter() - start
 
 

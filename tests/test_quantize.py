@@ -128,6 +128,8 @@ def test_every_preset_parses() -> None:
 def test_refusals(tmp_path: Path) -> None:
     with pytest.raises(ForgeError, match="needs an importance matrix"):
         quantize(EXAMPLE, tmp_path / "x.gguf", "iq2_xxs")
+    with pytest.raises(ForgeError, match="tensor output.weight needs an importance matrix"):
+        quantize(EXAMPLE, tmp_path / "x.gguf", "q8_0", tensor_types=["output=iq2_xxs"])
     q8 = tmp_path / "q8.gguf"
     quantize(EXAMPLE, q8, "q8_0")
     with pytest.raises(ForgeError, match="already quantized"):

@@ -133,11 +133,9 @@ def make_plan(
         type_name, reason = recipe.type_for(name, env_for, overrides)
         qtype, note = with_fallback(get_type(type_name).ggml_type, t.shape[-1])
         importance = _importance(imatrix, t, qtype)
-        if (
-            qtype in NEEDS_IMATRIX
-            and importance is None
-            and name not in ("token_embd.weight", "output.weight")
-        ):
+        exempt = name in ("token_embd.weight", "output.weight")  # llama-quantize's exemption
+        must = getattr(get_type(qtype), "requires_importance", False)  # the encoder cannot run without
+        if importance is None and (must or (qtype in NEEDS_IMATRIX and not exempt)):
             raise ForgeError(
                 f"tensor {name} needs an importance matrix for {qtype.name}"
                 + (" (the imatrix has no entry for it)" if imatrix is not None else " (pass --imatrix FILE)")
