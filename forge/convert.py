@@ -16,7 +16,7 @@ from forge.arch.tokenizer import tokenizer_kvs
 from forge.checkpoint import Checkpoint
 from forge.errors import ForgeError
 from forge.fileio import copy_ranges
-from forge.gguf_file import KV, T, TensorSpec, write_gguf, write_gguf_split
+from forge.gguf_file import KV, T, TensorSpec, TensorWriter, write_gguf, write_gguf_split
 from forge.progress import byte_progress
 
 OUTTYPES = {
@@ -96,7 +96,7 @@ _STORED = {
 }
 
 
-def byte_copy(t: OutTensor, gtype: GGMLQuantizationType):  # noqa: ANN201  (a TensorWriter or None)
+def byte_copy(t: OutTensor, gtype: GGMLQuantizationType) -> TensorWriter | None:
     """When the output bytes are the stored source bytes, a writer that copies them file to file."""
     if not t.verbatim or any(_STORED.get(s.dtype) != gtype for s in t.sources):
         return None

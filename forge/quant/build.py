@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from gguf import GGML_QUANT_VERSION, LlamaFileType
@@ -199,8 +200,10 @@ def apply_priors(plan: list[PlannedTensor], stamps: list[TensorStamp], priors: P
             p.reason = "not quantized; " + p.reason
 
 
-def _digest_patcher(digests: list[str]):  # noqa: ANN202
-    def finalize(f, layout: GGUFLayout) -> None:  # noqa: ANN001
+def _digest_patcher(digests: list[str]) -> Callable[[BinaryIO, GGUFLayout], None]:
+    """Writes the output digests into their placeholder (fixed-size) KV once all data is written."""
+
+    def finalize(f: BinaryIO, layout: GGUFLayout) -> None:
         kv = next(k for k in layout.kvs if k.key == DIGESTS)
         start = layout.kv_offset(DIGESTS) + 8 + len(DIGESTS.encode()) + 4 + 4 + 8
         for j, d in enumerate(digests):
@@ -218,7 +221,7 @@ def build(
     out: Path | None,
     jobs: int = 1,
     progress: bool = False,
-    log=None,  # noqa: ANN001  (callable(str) or None)
+    log: Callable[[str], None] | None = None,
     stamps: list[TensorStamp] | None = None,
 ) -> BuildReport:
     """Encode/copy every planned tensor and write ``out`` (``None``: dry run, nothing written)."""

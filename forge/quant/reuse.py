@@ -29,7 +29,7 @@ import xxhash
 
 from forge.errors import ForgeError
 from forge.fileio import copy_ranges
-from forge.gguf_file import KV, GGUFFile, T, open_gguf
+from forge.gguf_file import KV, GGUFFile, T, TensorWriter, open_gguf
 
 #: ds4's FNV-1a basis: one decimal digit short of the canonical 14695981039346656037 (kept for
 #: compatibility with ds4's keys; see ../shared/notes/ds4-reference.md section 1.4)
@@ -223,7 +223,7 @@ def verified_bytes(prior: PriorTensor) -> np.ndarray | None:
     return data if content_digest([data]) == prior.digest else None
 
 
-def copy_from_prior(prior: PriorTensor):  # noqa: ANN201  (returns a TensorWriter)
+def copy_from_prior(prior: PriorTensor) -> TensorWriter:
     """A writer that streams the prior tensor's bytes in the kernel where possible."""
     info = prior.file.tensors[prior.name]
     return lambda f: copy_ranges(f, [(prior.file.path, info.offset, info.nbytes)])
