@@ -221,9 +221,14 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 def main() -> None:
+    run_app(app)
+
+
+def run_app(typer_app: typer.Typer) -> None:
+    """Run a typer app the forge way: ForgeError -> one ``error:`` line and exit 1, SIGTERM unwinds."""
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        app(standalone_mode=False)
+        typer_app(standalone_mode=False)
     except ForgeError as e:
         sys.stderr.write(f"error: {e}\n")
         sys.exit(1)

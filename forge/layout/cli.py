@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import enum
 import json
-import sys
 from pathlib import Path
 
 import typer
-
-from forge.errors import ForgeError
 
 app = typer.Typer(
     help="Expert-major layouts (ds4 v1/v2): convert, convert back, verify, inspect.",
@@ -101,12 +98,10 @@ def inspect(
 
 
 def main() -> None:
-    """Stand-alone entry (``python -m forge.layout.cli``): ForgeError -> one line, exit 1."""
-    try:
-        app()
-    except ForgeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    """Stand-alone entry (``python -m forge.layout.cli``)."""
+    from forge.cli import run_app
+
+    run_app(app)
 
 
 if __name__ == "__main__":

@@ -119,12 +119,10 @@ def apply(
 
 
 def main() -> None:
-    """Stand-alone entry (``python -m forge.prune.cli``): ForgeError -> one line, exit 1."""
-    try:
-        app()
-    except ForgeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    """Stand-alone entry (``python -m forge.prune.cli``)."""
+    from forge.cli import run_app
+
+    run_app(app)
 
 
 if __name__ == "__main__":
