@@ -70,7 +70,7 @@ def _component(role: str, qtype: GGMLQuantizationType, rows: int, cols: int, off
 
 
 def canonical_layers(tensors: dict[str, Any], n_layer: int) -> dict[int, LayerExperts]:
-    """Layers of a canonical file from gguf's ReaderTensors (``data_offset`` is absolute)."""
+    """Layers of a canonical file from its tensor directory (forge.gguf_file.TensorInfo)."""
     out: dict[int, LayerExperts] = {}
     for layer in range(n_layer):
         names = [routed_name(layer, r) for r in ROLES]
@@ -79,10 +79,10 @@ def canonical_layers(tensors: dict[str, Any], n_layer: int) -> dict[int, LayerEx
         comps, reads, offset = [], [], 0
         for role, name in zip(ROLES, names, strict=True):
             t = tensors[name]
-            cols, rows, experts = (int(d) for d in t.shape)
-            c = _component(role, GGMLQuantizationType(t.tensor_type), rows, cols, offset)
+            experts, rows, cols = t.shape
+            c = _component(role, t.ggml_type, rows, cols, offset)
             comps.append(c)
-            reads.append((int(t.data_offset), c.expert_bytes, c.expert_bytes, offset))
+            reads.append((t.offset, c.expert_bytes, c.expert_bytes, offset))
             offset += c.expert_bytes
         out[layer] = LayerExperts(layer, experts, tuple(comps), tuple(reads))
     return out

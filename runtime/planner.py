@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from forge.errors import ForgeError
 
 # Python, torch and its libraries, allocator slack and activations of a decode step (measured: ~230 MB
@@ -93,9 +95,9 @@ def geometry(weights: Any, context: int = DEFAULT_CONTEXT) -> Geometry:
         if name in routed_names:
             continue
         if name == "token_embd.weight" and not tied:
-            resident += int(t.n_bytes)  # rows decoded per lookup
+            resident += t.nbytes  # rows decoded per lookup
         else:
-            resident += int(t.n_elements) * 4
+            resident += int(np.prod(t.shape)) * 4
     n_layer = int(weights.hparam("block_count"))
     n_head = int(weights.hparam("attention.head_count", 1))
     n_kv = int(weights.hparam("attention.head_count_kv", n_head))

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from forge.errors import ForgeError
+from forge.gguf_file import open_gguf
 
 if TYPE_CHECKING:
     from runtime.experts import ExpertCache, LayerExperts
@@ -196,7 +197,7 @@ class Weights:
 
 
 class GGUFWeights(Weights):
-    """Weights read from a GGUF file through gguf's memory-mapped reader."""
+    """Weights read from a GGUF file (forge's header parser; tensor data stays memory-mapped)."""
 
     def __init__(
         self, path: str | Path, device: str | torch.device = "cpu", verify_experts: bool = True
@@ -204,19 +205,14 @@ class GGUFWeights(Weights):
         path = Path(path)
         if not path.is_file():
             raise ForgeError(f"{path}: no such file")
-        try:
-            self.reader = GGUFReader(path)
-        except Exception as exc:  # the reader raises ValueError/struct errors/... on a bad or truncated file
-            raise ForgeError(f"{path}: not a readable GGUF file ({exc})") from exc
-        self._fields = self.reader.fields
-        self._meta_cache: dict[str, Any] = {}
-        self._tensors = {t.name: t for t in self.reader.tensors}
+        self.file = open_gguf(path)
+        self._tensors = dict(self.file.tensors)
         self._raw: dict[str, torch.Tensor] = {}
         super().__init__({}, torch.device(device), str(path))
         self.path = path
         self.store = self._open_store(verify_experts)
         for t in self._tensors.values():
-            check_decodable(GGMLQuantizationType(t.tensor_type))
+            check_decodable(t.ggml_type)
         self._routed: dict[str, tuple[int, int]] = {}  # expert-major: canonical name -> (layer, role index)
         if self.store is not None:
             for layer, lr in self.store.layers.items():
@@ -252,13 +248,11 @@ class GGUFWeights(Weights):
         return canonical_layers(self._tensors, int(self.hparam("block_count")))
 
     def _lookup(self, key: str) -> Any:
-        if key not in self._meta_cache:
-            field = self._fields.get(key)
-            self._meta_cache[key] = _MISSING if field is None else field.contents()
-        return self._meta_cache[key]
+        kv = self.file.kvs.get(key)
+        return _MISSING if kv is None else kv.value
 
     def keys(self) -> list[str]:
-        return list(self._fields)
+        return list(self.file.kvs)
 
     def has(self, name: str) -> bool:
         return name in self._tensors or name in self._routed
@@ -272,14 +266,14 @@ class GGUFWeights(Weights):
         self._require(name)
         if name in self._routed:
             return GGMLQuantizationType(self._component(name).ggml_type)
-        return GGMLQuantizationType(self._tensors[name].tensor_type)
+        return self._tensors[name].ggml_type
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Torch order (reversed ggml ne)."""
         self._require(name)
         if name in self._routed:
             return tuple(int(n) for n in reversed(self._component(name).dims))
-        return tuple(int(n) for n in reversed(self._tensors[name].shape))
+        return self._tensors[name].shape
 
     def _routed_array(self, name: str) -> np.ndarray:
         """An expert-major component as a strided (experts, rows, row_bytes) view of the records."""
@@ -304,7 +298,7 @@ class GGUFWeights(Weights):
             if name in self._routed:
                 arr = self._routed_array(name)
             else:
-                arr = np.asarray(self._tensors[name].data).view(np.uint8).reshape(*shape[:-1], -1)
+                arr = self.file.raw(name).reshape(*shape[:-1], -1)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the mmap is read-only; we never write through it
                 raw = torch.from_numpy(arr)
