@@ -228,13 +228,13 @@ def pack_kv(kv: KV) -> bytes:
     return head + np.asarray(items, dtype=_NUMPY_ITEM[kv.item_type]).tobytes()
 
 
-def _pack_tensor_info(spec: TensorSpec, offset: int) -> bytes:
-    ne = tuple(reversed(spec.shape)) or (1,)
+def pack_tensor_info(name: str, ne: Sequence[int], ggml_type: int, offset: int) -> bytes:
+    """One tensor directory entry; ``ne`` in GGUF order (fastest dimension first)."""
+    ne = tuple(ne) or (1,)
     return (
-        _pack_scalar(spec.name, T.STRING)
-        + struct.pack("<I", len(ne))
-        + struct.pack(f"<{len(ne)}Q", *ne)
-        + struct.pack("<IQ", int(spec.ggml_type), offset)
+        _pack_scalar(name, T.STRING)
+        + struct.pack(f"<I{len(ne)}Q", len(ne), *ne)
+        + struct.pack("<IQ", int(ggml_type), offset)
     )
 
 
@@ -261,7 +261,10 @@ class GGUFLayout:
         self._packed_kvs = [pack_kv(kv) for kv in self.kvs]
         parts = [struct.pack("<IIQQ", GGUF_MAGIC, GGUF_VERSION, len(self.tensors), len(self.kvs))]
         parts += self._packed_kvs
-        parts += [_pack_tensor_info(t, o) for t, o in zip(self.tensors, self.offsets, strict=True)]
+        parts += [
+            pack_tensor_info(t.name, reversed(t.shape), t.ggml_type, o)
+            for t, o in zip(self.tensors, self.offsets, strict=True)
+        ]
         self.header = b"".join(parts)
         self.data_start = align_up(len(self.header), self.alignment)
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from forge.errors import ForgeError
+from forge.gguf_file import align_up, pack_tensor_info
 from forge.layout import store_v1, store_v2
 from forge.layout.convert import convert
-from forge.layout.gguf_raw import align_up, encode_header, encode_tensor_info, open_gguf, packed_offsets
+from forge.layout.gguf_raw import encode_header, open_gguf, packed_offsets
 from forge.layout.reader import open_expert_store
 from forge.layout.verify import verify_files
 from tests.test_layout import mixed_qwen3moe
@@ -82,7 +83,7 @@ def _both_canonical_and_store(path: Path, version: int, src: Path) -> None:
     offsets = packed_offsets([len(p[3]) for p in parts], alignment)
     head = encode_header(len(parts), n_kv) + kv
     head += b"".join(
-        encode_tensor_info(name, d, ty, o) for (name, d, ty, _), o in zip(parts, offsets, strict=True)
+        pack_tensor_info(name, d, ty, o) for (name, d, ty, _), o in zip(parts, offsets, strict=True)
     )
     out = bytearray(head + bytes(align_up(len(head), alignment) - len(head)))
     base = len(out)

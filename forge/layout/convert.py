@@ -10,15 +10,9 @@ from pathlib import Path
 
 from forge.atomic import atomic_output
 from forge.errors import ForgeError
+from forge.gguf_file import align_up, pack_tensor_info
 from forge.layout import store_v1, store_v2
-from forge.layout.gguf_raw import (
-    RawGGUF,
-    align_up,
-    encode_header,
-    encode_tensor_info,
-    open_gguf,
-    packed_offsets,
-)
+from forge.layout.gguf_raw import RawGGUF, encode_header, open_gguf, packed_offsets
 from forge.layout.reader import GGML_TYPE_I8, parse_native
 from forge.layout.records import PAGE, LayerRecords, components_from_source
 from forge.layout.source import (
@@ -90,7 +84,7 @@ def plan_native(plan: SourcePlan, version: int) -> NativePlan:
     kept = list(plan.kept)
     offsets = packed_offsets([t.nbytes for t in kept] + [store_size], raw.alignment)
     entries = [(t.name, t.dims, t.ggml_type) for t in kept] + [(tensor_name, (store_size,), GGML_TYPE_I8)]
-    dir_bytes = sum(len(encode_tensor_info(n, d, ty, 0)) for n, d, ty in entries)
+    dir_bytes = sum(len(pack_tensor_info(n, d, ty, 0)) for n, d, ty in entries)
     data_start = align_up(24 + len(raw.kv_block) + dir_bytes, raw.alignment)
     if version == 1:
         offsets[-1] = file_aligned_offset(data_start, offsets[-1], raw.alignment, PAGE)
@@ -119,7 +113,7 @@ def to_expert_major(
             out.write(raw.kv_block)
             out.write(
                 b"".join(
-                    encode_tensor_info(n, d, ty, o) for (n, d, ty), o in zip(entries, offsets, strict=True)
+                    pack_tensor_info(n, d, ty, o) for (n, d, ty), o in zip(entries, offsets, strict=True)
                 )
             )
             src_fd = os.open(raw.path, os.O_RDONLY)
@@ -206,7 +200,7 @@ def to_canonical(
                 sizes.append(c.expert_bytes * lr.experts)
         offsets = packed_offsets(sizes, raw.alignment)
         directory = b"".join(
-            encode_tensor_info(n, d, ty, o) for (n, d, ty), o in zip(infos, offsets, strict=True)
+            pack_tensor_info(n, d, ty, o) for (n, d, ty), o in zip(infos, offsets, strict=True)
         )
         data_start = align_up(24 + len(raw.kv_block) + len(directory), raw.alignment)
         out_size = store.header.source_size

@@ -17,6 +17,7 @@ from pathlib import Path
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from forge.errors import ForgeError
+from forge.gguf_file import align_up
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -37,10 +38,6 @@ _SCALAR_FORMATS = {
     12: "<d",
 }
 _STRING, _ARRAY = 8, 9
-
-
-def align_up(n: int, alignment: int) -> int:
-    return (n + alignment - 1) // alignment * alignment
 
 
 def type_geometry(ggml_type: int) -> tuple[int, int]:
@@ -234,16 +231,6 @@ def _parse(path: Path, mm: mmap.mmap | bytes, size: int) -> RawGGUF:
 
 def encode_header(n_tensors: int, n_kv: int) -> bytes:
     return GGUF_MAGIC + struct.pack("<IQQ", 3, n_tensors, n_kv)
-
-
-def encode_tensor_info(name: str, dims: tuple[int, ...], ggml_type: int, offset: int) -> bytes:
-    raw = name.encode("utf-8")
-    return (
-        struct.pack("<Q", len(raw))
-        + raw
-        + struct.pack(f"<I{len(dims)}Q", len(dims), *dims)
-        + struct.pack("<IQ", ggml_type, offset)
-    )
 
 
 def packed_offsets(sizes: list[int], alignment: int) -> list[int]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from forge.errors import ForgeError
-from forge.layout.gguf_raw import RawGGUF, RawTensor, align_up, packed_offsets
+from forge.gguf_file import align_up
+from forge.layout.gguf_raw import RawGGUF, RawTensor, packed_offsets
 
 FAMILY_DEEPSEEK4 = 1
 FAMILY_GLM_DSA = 2

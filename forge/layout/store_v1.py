@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from forge.errors import ForgeError
-from forge.layout.gguf_raw import align_up, tensor_nbytes
+from forge.gguf_file import align_up
+from forge.layout.gguf_raw import tensor_nbytes
 from forge.layout.records import PAGE, Component, LayerRecords, check_component, check_ffn_shape
 from forge.layout.source import FAMILY_NAMES, FAMILY_QWEN3MOE, FAMILY_QWEN35MOE
 

@@ -11,7 +11,8 @@ import struct
 from dataclasses import dataclass, replace
 
 from forge.errors import ForgeError
-from forge.layout.gguf_raw import align_up, type_geometry
+from forge.gguf_file import align_up
+from forge.layout.gguf_raw import type_geometry
 from forge.layout.records import PAGE, Component, LayerRecords, check_component, check_ffn_shape
 from forge.layout.source import FAMILY_GLM_DSA, FAMILY_NAMES
 
