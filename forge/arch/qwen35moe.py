@@ -16,20 +16,17 @@ from __future__ import annotations
 import numpy as np
 
 from forge.arch.base import LAYER_RE, Architecture, OutTensor, raw, transformed
+from forge.arch.qwen3moe import PROJECTIONS
 from forge.checkpoint import HFTensor
 from forge.errors import ForgeError
 from forge.gguf_file import KV, T
 
 PLAIN = {
-    "mlp.gate.weight": ("ffn_gate_inp.weight", True),
+    **PROJECTIONS,
     "mlp.shared_expert.down_proj.weight": ("ffn_down_shexp.weight", False),
     "mlp.shared_expert.gate_proj.weight": ("ffn_gate_shexp.weight", False),
     "mlp.shared_expert.up_proj.weight": ("ffn_up_shexp.weight", False),
     "mlp.shared_expert_gate.weight": ("ffn_gate_inp_shexp.weight", True),
-    "self_attn.q_proj.weight": ("attn_q.weight", False),
-    "self_attn.k_proj.weight": ("attn_k.weight", False),
-    "self_attn.v_proj.weight": ("attn_v.weight", False),
-    "self_attn.o_proj.weight": ("attn_output.weight", False),
     "linear_attn.norm.weight": ("ssm_norm.weight", True),
 }
 NORMS_PLUS_ONE = {

@@ -6,17 +6,20 @@ from forge.arch.base import LAYER_RE, Architecture, OutTensor, raw
 from forge.checkpoint import HFTensor
 from forge.gguf_file import KV
 
-#: HF per-layer name -> (GGUF name, kept in F32)
-LAYER_TENSORS = {
-    "input_layernorm.weight": ("attn_norm.weight", True),
-    "post_attention_layernorm.weight": ("ffn_norm.weight", True),
+#: HF per-layer name -> (GGUF name, kept in F32): attention projections and the router, shared by the Qwen MoEs
+PROJECTIONS = {
     "self_attn.q_proj.weight": ("attn_q.weight", False),
     "self_attn.k_proj.weight": ("attn_k.weight", False),
     "self_attn.v_proj.weight": ("attn_v.weight", False),
     "self_attn.o_proj.weight": ("attn_output.weight", False),
+    "mlp.gate.weight": ("ffn_gate_inp.weight", True),
+}
+LAYER_TENSORS = {
+    **PROJECTIONS,
+    "input_layernorm.weight": ("attn_norm.weight", True),
+    "post_attention_layernorm.weight": ("ffn_norm.weight", True),
     "self_attn.q_norm.weight": ("attn_q_norm.weight", True),
     "self_attn.k_norm.weight": ("attn_k_norm.weight", True),
-    "mlp.gate.weight": ("ffn_gate_inp.weight", True),
 }
 GLOBAL_TENSORS = {
     "lm_head.weight": ("output.weight", False),
