@@ -254,46 +254,14 @@ def test_cli_run_and_eval(example_bf16: Path, tmp_path: Path) -> None:
     res = runner.invoke(app, ["run", str(example_bf16), "-p", "import os\n", "-n", "8", "--threads", "1"])
     assert res.exit_code == 0, res.output
     assert "decode: 8 tokens" in res.output or "stop: stop-token" in res.output
-    text = tmp_path / "t.txt"
-    text.write_text((Path(__file__).resolve().parents[1] / "runtime" / "weights.py").read_text())
+    text = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3moe-val-excerpt.txt"
     saved = tmp_path / "ref.npz"
-    res = runner.invoke(
-        app,
-        [
-            "eval",
-            str(example_bf16),
-            "--text",
-            str(text),
-            "--ctx",
-            "128",
-            "--chunks",
-            "3",
-            "--save-logits",
-            str(saved),
-            "--top-k",
-            "4096",
-            "--json",
-        ],
-    )
+    eval_args = ["eval", str(example_bf16), "--text", str(text), "--ctx", "128", "--chunks", "3", "--json"]
+    res = runner.invoke(app, [*eval_args, "--save-logits", str(saved), "--top-k", "4096"])
     assert res.exit_code == 0, res.output
     first = json.loads(res.stdout)
     assert first["tokens"] == 3 * 63 and first["perplexity"] > 1 and first["saved_logits_bytes"] > 0
-    res = runner.invoke(
-        app,
-        [
-            "eval",
-            str(example_bf16),
-            "--text",
-            str(text),
-            "--ctx",
-            "128",
-            "--chunks",
-            "3",
-            "--reference-logits",
-            str(saved),
-            "--json",
-        ],
-    )
+    res = runner.invoke(app, [*eval_args, "--reference-logits", str(saved)])
     again = json.loads(res.stdout)
     # the same model against its own saved (full-vocabulary) logits: no divergence at all
     assert again["perplexity"] == first["perplexity"] and abs(again["kld_mean"]) < 1e-3
