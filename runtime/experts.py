@@ -10,13 +10,31 @@ bit-identical.
 
 The capacity floor is one complete routing cycle: layers x experts-per-token + 1 slots, so that a
 token's experts of every layer can be resident at once with one slot to spare.
+
+A prefill chunk may route a layer to more distinct experts than the cache holds. Such a request is
+served lazily, in groups of experts-per-token experts: a group is looked up (pinned while its slots are
+copied out), decoded, and dropped when the next group is asked for, so a prefill never holds more than
+one group's decoded experts and never needs more slots than a decode step. The model asks for gate and
+up of every expert first, then for down: when the layer's experts do not all fit, the down pass reads
+the early groups again (counted as lookups and misses like any other).
+
+A :class:`runtime.prefetch.Prefetcher` may read experts into the cache from a background thread; the
+cache's lock orders that thread's slot bookkeeping with the model's lookups. A slot being read is never
+handed out until its read completes, a prefetched slot is reserved for the layer it was predicted for
+until that layer has been served, and a prefetch never evicts a slot the model has pinned or an expert
+of the layer being served.
+
+Slabs live in host memory by default; with ``slab_device`` (default: the cache's device when it is not
+the CPU) they are a torch tensor on that device, filled through a small pinned host staging buffer.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,6 +206,12 @@ class CacheStats:
     read_seconds: float = 0.0
     evictions: int = 0
     tokens: int = 0  # forward-pass tokens, counted by the model driver when it reports them
+    peak_decoded: int = 0  # most experts decoded by one request (prefill groups included)
+    wait_seconds: float = 0.0  # the model waiting for a prefetch read in flight
+    prefetch_issued: int = 0  # experts read by the prefetcher (also in reads / bytes_read)
+    prefetch_used: int = 0  # ... later hit by the model before being evicted
+    prefetch_wasted: int = 0  # ... evicted unused (issued - used - wasted: still cached, unused)
+    prefetch_seconds: float = 0.0  # read time spent in the background
 
     @property
     def hit_rate(self) -> float:
@@ -208,6 +232,35 @@ class _Pending:
     decoded: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
 
+@dataclass
+class _Group:
+    """The decoded roles of one group of a layer's grouped (prefill) request."""
+
+    ids: tuple[int, ...]
+    index: int
+    decoded: dict[str, list[torch.Tensor]]
+
+
+class GroupedExperts(Sequence[torch.Tensor]):
+    """One role's matrices of a layer's experts ``ids``, decoded a group at a time on access."""
+
+    def __init__(self, cache: ExpertCache, layer: int, role: str, ids: tuple[int, ...]) -> None:
+        self.cache, self.layer, self.role, self.ids = cache, layer, role, ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> torch.Tensor:  # type: ignore[override]
+        if not -len(self.ids) <= i < len(self.ids):
+            raise IndexError(i)
+        i %= len(self.ids)
+        size = self.cache.group_size
+        return self.cache.group_matrices(self.layer, self.role, self.ids, i // size)[i % size]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (self[i] for i in range(len(self.ids)))
+
+
 class ExpertCache:
     """A bounded cache of whole routed experts, filled from the file with positional reads."""
 
@@ -219,6 +272,7 @@ class ExpertCache:
         experts_used: int,
         policy: str = "lru",
         device: str | torch.device = "cpu",
+        slab_device: str | torch.device | None = None,
     ) -> None:
         self._fd = -1
         if not layers:
@@ -232,6 +286,7 @@ class ExpertCache:
         if policy not in POLICIES:
             raise ForgeError(f"unknown expert cache policy {policy!r} (choose from {', '.join(POLICIES)})")
         self.path, self.layers, self.device = str(path), layers, torch.device(device)
+        self.group_size = experts_used
         self.slot_bytes = max(lay.record_bytes for lay in layers.values())
         total = sum(lay.experts for lay in layers.values())
         self.capacity = min(capacity, total)
@@ -240,19 +295,42 @@ class ExpertCache:
         for layer in sorted(layers):
             self._key_base[layer] = base
             base += layers[layer].experts
-        self.slab = np.empty((self.capacity, self.slot_bytes), np.uint8)
-        self._slab_t = torch.from_numpy(self.slab)
+        if slab_device is None and self.device.type != "cpu":
+            slab_device = self.device
+        self.slab_device = None if slab_device is None else torch.device(slab_device)
+        if self.slab_device is None:
+            self.slab = np.empty((self.capacity, self.slot_bytes), np.uint8)
+            self._slab_t = torch.from_numpy(self.slab)
+        else:  # reads land in a host staging row (one per reading thread), then are copied over
+            self._slab_t = torch.empty(
+                (self.capacity, self.slot_bytes), dtype=torch.uint8, device=self.slab_device
+            )
+            pin = self.slab_device.type == "cuda"
+            self._stage = {
+                name: torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=pin)
+                for name in ("model", "prefetch")
+            }
         self.slot_key = np.full(self.capacity, -1, np.int64)
         self.slot_of: dict[int, int] = {}
         self.filled = 0
         self.policy = POLICIES[policy](self.capacity, total)
         self.stats = CacheStats()
         self._pending: dict[int, _Pending] = {}
+        self._groups: dict[int, _Group] = {}
+        # prefetch bookkeeping, guarded by _lock (see runtime.prefetch)
+        self._lock = threading.Lock()
+        self._read_done = threading.Condition(self._lock)
+        self.pinned = np.zeros(self.capacity, bool)  # slots of the request being served
+        self.loading = np.zeros(self.capacity, bool)  # slots the prefetcher is reading
+        self.reserved_for = np.full(self.capacity, -1, np.int64)  # layer a prefetched slot waits for
+        self.prefetched = np.zeros(self.capacity, bool)  # prefetched, not yet hit
+        self.serving = -1  # the layer of the last request served
+        self.protected_keys = np.empty(0, np.int64)  # keys the prefetcher must not evict
         self._fd = os.open(self.path, os.O_RDONLY)
 
     @property
     def nbytes(self) -> int:
-        return self.slab.nbytes
+        return self._slab_t.nbytes
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -262,10 +340,13 @@ class ExpertCache:
     def __del__(self) -> None:
         self.close()
 
+    def key(self, layer: int, expert: int) -> int:
+        return self._key_base[layer] + expert
+
     # slots ----------------------------------------------------------------------------------------------
-    def _read(self, lay: LayerExperts, expert: int, slot: int) -> None:
-        t0 = time.perf_counter()
-        row = self.slab[slot]
+    def _pread(self, lay: LayerExperts, expert: int, row: np.ndarray) -> int:
+        """Read the record of ``expert`` into ``row`` (uint8, slot_bytes); returns the reads made."""
+        reads = 0
         for start, step, n, dst in lay.reads:
             buf, pos, done = memoryview(row[dst : dst + n]), start + expert * step, 0
             while done < n:
@@ -273,17 +354,54 @@ class ExpertCache:
                 if got <= 0:
                     raise ForgeError(f"{self.path}: truncated file (layer {lay.layer} expert {expert})")
                 done += got
-                self.stats.reads += 1
-            self.stats.bytes_read += n
+                reads += 1
+        return reads
+
+    def _fill(self, lay: LayerExperts, expert: int, slot: int, reader: str) -> int:
+        if self.slab_device is None:
+            return self._pread(lay, expert, self.slab[slot])
+        stage = self._stage[reader]
+        reads = self._pread(lay, expert, stage.numpy())
+        self._slab_t[slot].copy_(stage)
+        return reads
+
+    def _read(self, lay: LayerExperts, expert: int, slot: int) -> None:
+        t0 = time.perf_counter()
+        self.stats.reads += self._fill(lay, expert, slot, "model")
+        self.stats.bytes_read += lay.record_bytes
         self.stats.read_seconds += time.perf_counter() - t0
 
+    def _victim(self) -> int:
+        """A slot for a miss of the model: never pinned or being read; reserved (prefetched for a coming
+        layer) only when nothing else is left."""
+        while True:
+            busy = self.pinned | self.loading
+            slot = self.policy.victim(self.slot_key, busy | (self.reserved_for >= 0))
+            if not busy[slot] and self.reserved_for[slot] < 0:
+                return slot
+            slot = self.policy.victim(self.slot_key, busy)
+            if not busy[slot]:
+                return slot
+            self._read_done.wait()  # every free slot is being read by the prefetcher
+
+    def _evict(self, slot: int) -> None:
+        del self.slot_of[int(self.slot_key[slot])]
+        self.stats.evictions += 1
+        if self.prefetched[slot]:
+            self.stats.prefetch_wasted += 1
+            self.prefetched[slot] = False
+        self.reserved_for[slot] = -1
+
     def slots(self, layer: int, ids: list[int]) -> list[int]:
-        """Slots holding experts ``ids`` of ``layer`` (distinct, at most ``capacity``), reading misses."""
+        """Slots holding experts ``ids`` of ``layer`` (distinct, at most ``capacity``), reading misses.
+
+        The slots stay pinned until :meth:`release`; :meth:`rows` does both under the lock.
+        """
         lay = self.layers[layer]
         if len(ids) > self.capacity:
             raise ForgeError(f"{len(ids)} experts requested at once, the cache holds {self.capacity}")
         base = self._key_base[layer]
-        pinned = np.zeros(self.capacity, bool)
+        self.serving = layer
         out = []
         for e in ids:
             key = base + e
@@ -292,43 +410,70 @@ class ExpertCache:
             slot = self.slot_of.get(key)
             if slot is not None:
                 self.stats.hits += 1
+                if self.loading[slot]:
+                    t0 = time.perf_counter()
+                    while self.loading[slot]:
+                        self._read_done.wait()
+                    self.stats.wait_seconds += time.perf_counter() - t0
+                if self.prefetched[slot]:
+                    self.stats.prefetch_used += 1
+                    self.prefetched[slot] = False
             else:
                 self.stats.misses += 1
                 if self.filled < self.capacity:
                     slot = self.filled
                     self.filled += 1
                 else:
-                    slot = self.policy.victim(self.slot_key, pinned)
-                    del self.slot_of[int(self.slot_key[slot])]
-                    self.stats.evictions += 1
+                    slot = self._victim()
+                    self._evict(slot)
                 self._read(lay, e, slot)
                 self.slot_key[slot] = key
                 self.slot_of[key] = slot
-            pinned[slot] = True
+            self.pinned[slot] = True
             self.policy.use(slot, key)
             out.append(slot)
+        # this layer's prefetched experts have had their chance
+        self.reserved_for[(self.reserved_for >= 0) & (self.reserved_for <= layer)] = -1
         return out
 
-    def decode(self, layer: int, ids: list[int]) -> dict[str, list[torch.Tensor]]:
-        """Float32 (rows, cols) matrices of experts ``ids`` of ``layer``, per role."""
+    def release(self) -> None:
+        self.pinned[:] = False
+
+    def rows(self, layer: int, ids: list[int]) -> torch.Tensor:
+        """(len(ids), slot_bytes) uint8 copies of the experts' records, on the cache's device."""
+        with self._lock:
+            try:
+                rows = self._slab_t[self.slots(layer, ids)]  # a gathered copy: the slots may be reused next
+            finally:
+                self.release()
+        return rows if rows.device == self.device else rows.to(self.device)
+
+    def decode(
+        self, layer: int, ids: list[int], roles: tuple[str, ...] = ROLES
+    ) -> dict[str, list[torch.Tensor]]:
+        """Float32 (rows, cols) matrices of experts ``ids`` of ``layer`` (at most ``capacity``), per role."""
         lay = self.layers[layer]
-        out: dict[str, list[torch.Tensor]] = {c.role: [] for c in lay.components}
-        for start in range(0, len(ids), self.capacity):
-            chunk = ids[start : start + self.capacity]
-            rows = self._slab_t[self.slots(layer, chunk)]  # gathered copy: the slots may be reused next
-            if self.device.type != "cpu":
-                rows = rows.to(self.device)
-            for c in lay.components:
-                raw = rows[:, c.slot_offset : c.slot_offset + c.expert_bytes].reshape(len(chunk), c.rows, -1)
-                out[c.role].extend(dequantize(raw, c.qtype, c.cols).unbind(0))
+        rows = self.rows(layer, ids)
+        self.stats.peak_decoded = max(self.stats.peak_decoded, len(ids))
+        out: dict[str, list[torch.Tensor]] = {}
+        for c in lay.components:
+            if c.role in roles:
+                raw = rows[:, c.slot_offset : c.slot_offset + c.expert_bytes].reshape(len(ids), c.rows, -1)
+                out[c.role] = list(dequantize(raw, c.qtype, c.cols).unbind(0))
         return out
 
     def tensor(self, layer: int, role: str) -> StreamedExperts:
         return StreamedExperts(self, layer, role)
 
-    def role_matrices(self, layer: int, role: str, ids: list[int]) -> list[torch.Tensor]:
-        """One role's matrices; the first role asked for decodes all roles of ``ids`` (one cache lookup
-        per expert), the others take theirs from that decode."""
+    def role_matrices(self, layer: int, role: str, ids: list[int]) -> Sequence[torch.Tensor]:
+        """One role's matrices of experts ``ids``.
+
+        Up to one group (a decode step): the first role asked for decodes all roles of ``ids`` (one cache
+        lookup per expert), the others take theirs from that decode. More (a prefill): a lazy sequence
+        that decodes a group at a time (:class:`GroupedExperts`).
+        """
+        if len(ids) > self.group_size:
+            return GroupedExperts(self, layer, role, tuple(ids))
         pending = self._pending.get(layer)
         if pending is None or pending.ids != ids or role not in pending.decoded:
             pending = _Pending(list(ids), self.decode(layer, ids))
@@ -337,6 +482,69 @@ class ExpertCache:
         if not pending.decoded:
             del self._pending[layer]
         return mats
+
+    def group_matrices(self, layer: int, role: str, ids: tuple[int, ...], index: int) -> list[torch.Tensor]:
+        """``role``'s matrices of group ``index`` of a grouped request; gate and up are decoded together
+        (the model uses them together), down alone (it comes in a second pass)."""
+        g = self._groups.get(layer)
+        if g is None or g.ids != ids or g.index != index or role not in g.decoded:
+            self._groups.pop(layer, None)  # drop the previous group before decoding the next
+            chunk = list(ids[index * self.group_size : (index + 1) * self.group_size])
+            roles = ("down",) if role == "down" else ("gate", "up")
+            g = _Group(ids, index, self.decode(layer, chunk, roles))
+            self._groups[layer] = g
+        return g.decoded[role]
+
+    # prefetch -------------------------------------------------------------------------------------------
+    def protect(self, layer: int, ids: list[int]) -> None:
+        """Experts of ``layer`` the model is about to use: the prefetcher leaves them alone."""
+        keys = np.asarray(ids, np.int64) + self._key_base[layer]
+        with self._lock:
+            self.protected_keys = keys
+
+    def prefetch_one(self, layer: int, expert: int, issued_at: int) -> bool:
+        """Read expert ``expert`` of ``layer`` ahead of use (prefetcher thread). Returns False when the
+        request is stale (the model has moved past ``issued_at`` + 1) or no slot may be taken."""
+        lay = self.layers.get(layer)
+        if lay is None:
+            return False
+        key = self._key_base[layer] + expert
+        with self._lock:
+            if not issued_at - 1 <= self.serving <= issued_at or key in self.slot_of:
+                return key in self.slot_of
+            if self.filled < self.capacity:
+                slot = self.filled
+                self.filled += 1
+            else:
+                busy = (
+                    self.pinned
+                    | self.loading
+                    | (self.reserved_for >= 0)
+                    | np.isin(self.slot_key, self.protected_keys)
+                )
+                slot = self.policy.victim(self.slot_key, busy)
+                if busy[slot]:
+                    return False
+                self._evict(slot)
+            self.slot_key[slot] = key
+            self.slot_of[key] = slot
+            self.loading[slot] = True
+            self.reserved_for[slot] = layer
+            self.prefetched[slot] = True
+            self.policy.use(slot, key)
+        t0 = time.perf_counter()
+        try:
+            reads = self._fill(lay, expert, slot, "prefetch")
+        finally:
+            with self._lock:
+                self.loading[slot] = False
+                self._read_done.notify_all()
+        with self._lock:
+            self.stats.reads += reads
+            self.stats.bytes_read += lay.record_bytes
+            self.stats.prefetch_issued += 1
+            self.stats.prefetch_seconds += time.perf_counter() - t0
+        return True
 
 
 class StreamedExperts(ExpertTensor):
@@ -351,10 +559,10 @@ class StreamedExperts(ExpertTensor):
         self._decoded = None
 
     def per_expert(self, ids: list[int]) -> list[torch.Tensor]:
-        return self.cache.role_matrices(self.layer, self.role, list(ids))
+        return self.cache.role_matrices(self.layer, self.role, list(ids))  # type: ignore[return-value]
 
     def take(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.stack(self.per_expert(ids.tolist()))
+        return torch.stack(list(self.per_expert(ids.tolist())))
 
     def decoded(self) -> torch.Tensor:
         raise ForgeError("streamed experts are never decoded whole")

@@ -15,7 +15,8 @@ from conftest import EXAMPLE
 from forge.errors import ForgeError
 from forge.layout import convert
 from runtime.experts import ExpertCache
-from runtime.models import load_model
+from runtime.models import MoeCausalLM, load_model
+from runtime.observers import Observer
 from runtime.planner import RUNTIME_OVERHEAD, plan
 from runtime.weights import GGUFWeights
 
@@ -152,6 +153,52 @@ def test_cache_counts_reads(forge_q8: Path, tmp_path: Path) -> None:
         assert s.misses > 0 and s.reads == reads_per_expert * s.misses
         record = next(iter(cache.layers.values())).record_bytes
         assert s.bytes_read == record * s.misses
+
+
+def _small_synth(tmp: Path, layers: int = 2, experts: int = 64, used: int = 4) -> Path:
+    """A synthesized model whose layers have many more experts than the cache floor."""
+    from runtime.synth import SynthGeometry, synthesize
+
+    geo = SynthGeometry(layers, experts, used, hidden=256, expert_ff=256, heads=4, kv_heads=2, head_dim=64,
+                        vocab=512)  # fmt: skip
+    path = tmp / f"synth-{layers}x{experts}.gguf"
+    synthesize(path, geo, "q4_k")
+    return path
+
+
+class _Routing(Observer):
+    def __init__(self) -> None:
+        self.distinct: dict[int, int] = {}
+
+    def on_routing(
+        self, layer: int, experts: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor
+    ) -> None:
+        if experts.shape[0] > 1:
+            self.distinct[layer] = int(experts.unique().numel())
+
+
+@pytest.mark.parametrize("layout", ["canonical", "v2"])
+def test_prefill_with_floor_cache_equals_resident(tmp_path: Path, layout: str) -> None:
+    src = _small_synth(tmp_path)
+    path = src if layout == "canonical" else _expert_major(src, tmp_path, "v2")
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(3))
+
+    def logits(**kw: object) -> tuple[torch.Tensor, MoeCausalLM]:
+        m = load_model(path, verify_experts=False, **kw)  # type: ignore[arg-type]
+        st = m.new_state(64)
+        out = torch.cat([m.forward(ids[:36], st), *(m.forward(ids[i : i + 1], st) for i in range(36, 40))])
+        return out, m
+
+    want, _ = logits(expert_budget=0)
+    floor, routing = _floor(path), _Routing()
+    got, m = logits(stream_experts=floor, observers=[routing])
+    assert torch.equal(got, want)
+    cache = m.weights.expert_cache
+    assert isinstance(cache, ExpertCache) and cache.capacity == floor
+    # the prefill routed each layer to more experts than the cache holds, yet no request decoded more
+    # than one group (experts per token) at once
+    assert min(routing.distinct.values()) > floor
+    assert cache.stats.peak_decoded == m.n_expert_used
 
 
 # planner, CLI, memory ----------------------------------------------------------------------------------
