@@ -14,6 +14,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from forge.quant import numerics as nx
+from forge.quant.kernels import accelerated
 from forge.quant.numerics import F32
 from forge.quant.types import BlockCodec
 
@@ -259,17 +260,17 @@ class _KQuant(BlockCodec):
 
 class Q4_K(_KQuant):
     ggml_type = T.Q4_K
-    _encode_chunk = staticmethod(encode_q4_k)
+    _encode_chunk = staticmethod(accelerated("kquants.q4_k", encode_q4_k))
 
 
 class Q5_K(_KQuant):
     ggml_type = T.Q5_K
-    _encode_chunk = staticmethod(encode_q5_k)
+    _encode_chunk = staticmethod(accelerated("kquants.q5_k", encode_q5_k))
 
 
 class Q6_K(_KQuant):
     ggml_type = T.Q6_K
-    _encode_chunk = staticmethod(encode_q6_k)
+    _encode_chunk = staticmethod(accelerated("kquants.q6_k", encode_q6_k))
 
 
 class Q2_K(_KQuant):

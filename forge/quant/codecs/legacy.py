@@ -13,6 +13,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from forge.quant import numerics as nx
+from forge.quant.kernels import accelerated
 from forge.quant.numerics import F32
 from forge.quant.types import BlockCodec
 
@@ -134,7 +135,7 @@ class _Legacy(BlockCodec):
 class Q8_0(_Legacy):
     ggml_type = T.Q8_0
     uses_imatrix = False
-    _encode_chunk = staticmethod(encode_q8_0)
+    _encode_chunk = staticmethod(accelerated("q8.q8_0", encode_q8_0))
 
 
 class Q4_0(_Legacy):

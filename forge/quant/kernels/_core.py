@@ -1,0 +1,112 @@
+"""Scalar float32 primitives for the compiled (numba) encoder kernels, bit-exact with ggml's C.
+
+Every kernel is compiled with :data:`JIT`: no fastmath (so LLVM neither reorders nor fuses float32
+operations), the GIL released (the row-chunk thread pool runs kernels in parallel) and numpy's error
+model (float division by zero gives inf/nan as in C instead of raising). Float constants must be
+``np.float32`` values, or numba computes in float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+JIT = {"cache": True, "nogil": True, "error_model": "numpy"}
+
+F32 = np.float32
+GROUP_MAX_EPS = F32(1e-15)
+_MAGIC = F32(12582912.0)  # 1.5 * 2**23
+
+
+@intrinsic
+def f32_bits(typingctx, x):  # noqa: ANN001, ANN201
+    """The bit pattern of a float32 as int32 (C ``memcpy(&i, &f, 4)``)."""
+    if not isinstance(x, types.Float) or x.bitwidth != 32:
+        return None
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
+def bits_f32(typingctx, x):  # noqa: ANN001, ANN201
+    """The float32 whose bit pattern is the int32 ``x``."""
+    if not isinstance(x, types.Integer) or x.bitwidth != 32:
+        return None
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(x), codegen
+
+
+@njit(inline="always", **JIT)
+def nearest_int(f: float) -> int:
+    """ggml ``nearest_int``: round half to even through the 1.5*2**23 trick (wraps like ggml beyond 2**22)."""
+    v = F32(f) + _MAGIC
+    return (f32_bits(v) & 0x007FFFFF) - 0x00400000
+
+
+@njit(inline="always", **JIT)
+def fp16_bits(f: float) -> int:
+    """float32 -> IEEE half bits, round to nearest even, overflow to inf (numpy's ``astype(float16)``)."""
+    x = np.int64(f32_bits(F32(f))) & 0xFFFFFFFF
+    sign = (x >> 16) & 0x8000
+    a = x & 0x7FFFFFFF
+    if a >= 0x7F800000:  # inf / nan
+        if a == 0x7F800000:
+            return sign | 0x7C00
+        return sign | 0x7C00 | 0x200 | ((a >> 13) & 0x3FF)
+    if a >= 0x477FF000:  # >= 65520: rounds to inf
+        return sign | 0x7C00
+    e = a >> 23
+    if e < 113:  # below 2**-14: a half subnormal (or zero)
+        if e < 102:  # below 2**-25: rounds to zero
+            return sign
+        m = (a & 0x7FFFFF) | 0x800000
+        shift = 126 - e
+        k = m >> shift
+        rem = m & ((1 << shift) - 1)
+        half = 1 << (shift - 1)
+        if rem > half or (rem == half and (k & 1)):
+            k += 1
+        return sign | k
+    h = ((e - 112) << 10) | ((a >> 13) & 0x3FF)
+    rem = a & 0x1FFF
+    if rem > 0x1000 or (rem == 0x1000 and (h & 1)):
+        h += 1
+    return sign | h
+
+
+@njit(inline="always", **JIT)
+def fp16_to_f32(h: int) -> float:
+    """IEEE half bits -> float32 (exact)."""
+    sign = (h & 0x8000) << 16
+    e = (h >> 10) & 0x1F
+    m = h & 0x3FF
+    if e == 0:
+        v = F32(m) * F32(5.960464477539063e-08)  # m * 2**-24, exact
+        return -v if sign else v
+    if e == 31:
+        bits = sign | 0x7F800000 | (m << 13)
+    else:
+        bits = sign | ((e + 112) << 23) | (m << 13)
+    return bits_f32(np.int32(np.int64(bits) - (np.int64(1) << 32) if bits >= 0x80000000 else bits))
+
+
+@njit(inline="always", **JIT)
+def fp16_round(f: float) -> float:
+    """GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(f))."""
+    return fp16_to_f32(fp16_bits(f))
+
+
+@njit(inline="always", **JIT)
+def put_fp16(out: np.ndarray, pos: int, f: float) -> None:
+    """Store fp16(f) little-endian at out[pos], out[pos+1]."""
+    h = fp16_bits(f)
+    out[pos] = h & 0xFF
+    out[pos + 1] = (h >> 8) & 0xFF

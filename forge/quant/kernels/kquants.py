@@ -1,0 +1,409 @@
+"""Compiled K-quant encoders (Q4_K, Q5_K, Q6_K): ggml's C loops, one super-block at a time.
+
+Same float32 operations in the same order as ``forge/quant/codecs/kquants.py`` (which is the
+reference and the fallback), so the bytes are identical.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from forge.quant.kernels._core import F32, GROUP_MAX_EPS, JIT, fp16_round, nearest_int, put_fp16
+
+QK = 256
+_LIMIT = F32(4194303.0)
+
+
+@njit(inline="always", **JIT)
+def _clamp(v: int, lo: int, hi: int) -> int:
+    return lo if v < lo else (hi if v > hi else v)
+
+
+@njit(**JIT)
+def make_qkx(
+    x: np.ndarray,
+    w: np.ndarray,
+    n: int,
+    nmax: int,
+    rmin: float,
+    rdelta: float,
+    nstep: int,
+    use_mad: bool,
+    guarded: bool,
+    L: np.ndarray,
+    laux: np.ndarray,
+) -> tuple[float, float]:
+    """ggml ``make_qkx2_quants`` (guarded=False) / ``make_qkx3_quants`` (guarded=True, weights given).
+
+    Returns (scale, the_min); the levels go to L[:n]. The guarded rounding of the search steps is
+    numerics.make_qkx3_quants_t's: ``v > 0 ? nearest_int(MIN(v, nmax)) : 0``.
+    """
+    fnmax = F32(nmax)
+    mn = x[0]
+    mx = x[0]
+    sum_w = w[0]
+    sum_x = sum_w * x[0]
+    for i in range(1, n):
+        if x[i] < mn:
+            mn = x[i]
+        if x[i] > mx:
+            mx = x[i]
+        sum_w += w[i]
+        sum_x += w[i] * x[i]
+    if mn > F32(0):
+        mn = F32(0)
+    if mx == mn:
+        for i in range(n):
+            L[i] = 0
+        return F32(0), -mn
+    iscale = fnmax / (mx - mn)
+    scale = F32(1) / iscale
+    best = F32(0)
+    for i in range(n):
+        li = _clamp(nearest_int(iscale * (x[i] - mn)), 0, nmax)
+        L[i] = li
+        diff = scale * F32(li) + mn - x[i]
+        diff = abs(diff) if use_mad else diff * diff
+        best += w[i] * diff
+    for step in range(nstep + 1):
+        iscale = (F32(rmin) + F32(rdelta) * F32(step) + fnmax) / (mx - mn)
+        sum_l = F32(0)
+        sum_l2 = F32(0)
+        sum_xl = F32(0)
+        for i in range(n):
+            v = iscale * (x[i] - mn)
+            if guarded:
+                li = nearest_int(v if v < fnmax else fnmax) if v > F32(0) else 0
+            else:
+                li = _clamp(nearest_int(v), 0, nmax)
+            laux[i] = li
+            fl = F32(li)
+            wl = w[i] * fl
+            sum_l += wl
+            sum_l2 += wl * fl
+            sum_xl += wl * x[i]
+        det = sum_w * sum_l2 - sum_l * sum_l
+        if det > F32(0):
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+            if this_min > F32(0):
+                this_min = F32(0)
+                this_scale = sum_xl / sum_l2
+            cur = F32(0)
+            for i in range(n):
+                diff = this_scale * F32(laux[i]) + this_min - x[i]
+                diff = abs(diff) if use_mad else diff * diff
+                cur += w[i] * diff
+            if cur < best:
+                for i in range(n):
+                    L[i] = laux[i]
+                best = cur
+                scale = this_scale
+                mn = this_min
+    return scale, -mn
+
+
+@njit(**JIT)
+def make_qp(x: np.ndarray, n: int, nmax: int, w: np.ndarray, L: np.ndarray) -> float:
+    """ggml ``make_qp_quants``; L (uint8 storage, as ggml) gets the levels."""
+    fnmax = F32(nmax)
+    mx = F32(0)
+    for i in range(n):
+        if x[i] > mx:
+            mx = x[i]
+    if mx < GROUP_MAX_EPS:
+        for i in range(n):
+            L[i] = 0
+        return F32(0)
+    iscale = fnmax / mx
+    scale = F32(1) / iscale
+    best = F32(0)
+    for i in range(n):
+        lv = F32(nearest_int(iscale * x[i]) & 0xFF)
+        diff = x[i] - scale * lv
+        best += w[i] * diff * diff
+    for step in range(-4, 5):
+        if step == 0:
+            continue
+        iscale_is = (F32(0.1) * F32(step) + fnmax) / mx
+        scale_is = F32(1) / iscale_is
+        mse = F32(0)
+        for i in range(n):
+            li = nearest_int(iscale_is * x[i])
+            if li > nmax:
+                li = nmax
+            diff = x[i] - scale_is * F32(li)
+            mse += w[i] * diff * diff
+        if mse < best:
+            best = mse
+            iscale = iscale_is
+    sumlx = F32(0)
+    suml2 = F32(0)
+    for i in range(n):
+        li = nearest_int(iscale * x[i])
+        if li > nmax:
+            li = nmax
+        L[i] = li & 0xFF
+        fl = F32(li)
+        sumlx += w[i] * x[i] * fl
+        suml2 += w[i] * fl * fl
+    for _ in range(5):
+        changed = False
+        for i in range(n):
+            fl = F32(L[i])
+            slx = sumlx - w[i] * x[i] * fl
+            sl2 = suml2 - w[i] * fl * fl
+            if slx > F32(0) and sl2 > F32(0):
+                new_l = nearest_int(x[i] * sl2 / slx)
+                if new_l > nmax:
+                    new_l = nmax
+                if new_l != L[i]:
+                    fn = F32(new_l)
+                    slx += w[i] * x[i] * fn
+                    sl2 += w[i] * fn * fn
+                    if slx * slx * suml2 > sumlx * sumlx * sl2:
+                        L[i] = new_l & 0xFF
+                        sumlx = slx
+                        suml2 = sl2
+                        changed = True
+        if not changed:
+            break
+    return sumlx / suml2 if suml2 > F32(0) else F32(0)
+
+
+@njit(**JIT)
+def make_qx(x: np.ndarray, n: int, nmax: int, w: np.ndarray, L: np.ndarray) -> float:
+    """ggml ``make_qx_quants(n, nmax, x, L, rmse_type=1, w)``; L gets l + nmax."""
+    fnmax = F32(nmax)
+    amax = F32(0)
+    mx = F32(0)
+    for i in range(n):
+        ax = abs(x[i])
+        if ax > amax:
+            amax = ax
+            mx = x[i]
+    if amax < GROUP_MAX_EPS:
+        for i in range(n):
+            L[i] = 0
+        return F32(0)
+    iscale = -fnmax / mx
+    sumlx = F32(0)
+    suml2 = F32(0)
+    for i in range(n):
+        li = _clamp(nearest_int(iscale * x[i]), -nmax, nmax - 1)
+        L[i] = li + nmax
+        fl = F32(li)
+        sumlx += w[i] * x[i] * fl
+        suml2 += w[i] * fl * fl
+    scale = sumlx / suml2 if suml2 != F32(0) else F32(0)
+    best = scale * sumlx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        iscale = -(fnmax + F32(0.1) * F32(step)) / mx
+        sumlx = F32(0)
+        suml2 = F32(0)
+        for i in range(n):
+            fl = F32(_clamp(nearest_int(iscale * x[i]), -nmax, nmax - 1))
+            sumlx += w[i] * x[i] * fl
+            suml2 += w[i] * fl * fl
+        if suml2 > F32(0) and sumlx * sumlx > best * suml2:
+            for i in range(n):
+                L[i] = _clamp(nearest_int(iscale * x[i]), -nmax, nmax - 1) + nmax
+            scale = sumlx / suml2
+            best = scale * sumlx
+    return scale
+
+
+@njit(inline="always", **JIT)
+def _u8_min(v: float, cap: int) -> int:
+    li = nearest_int(v) & 0xFF
+    return cap if li > cap else li
+
+
+@njit(**JIT)
+def encode_q45k(rows: np.ndarray, imp: np.ndarray, nmax: int, out: np.ndarray) -> None:
+    """Q4_K (nmax 15) / Q5_K (nmax 31) rows; ``imp`` empty means no importance weights."""
+    n_rows, n_per_row = rows.shape
+    nb = n_per_row // QK
+    has_imp = imp.size > 0
+    bsize = out.shape[1] // nb
+    L = np.empty(QK, np.uint8)
+    laux = np.empty(32, np.uint8)
+    w = np.empty(32, np.float32)
+    scales = np.empty(8, np.float32)
+    mins = np.empty(8, np.float32)
+    sw = np.empty(8, np.float32)
+    ls = np.empty(8, np.uint8)
+    lm = np.empty(8, np.uint8)
+    for r in range(n_rows):
+        for b in range(nb):
+            x = rows[r, b * QK : (b + 1) * QK]
+            y = out[r, b * bsize : (b + 1) * bsize]
+            if not has_imp:
+                max_scale = F32(0)
+                max_min = F32(0)
+                for j in range(8):
+                    xs = x[32 * j : 32 * j + 32]
+                    sum_x2 = F32(0)
+                    for i in range(32):
+                        sum_x2 += xs[i] * xs[i]
+                    av_x = np.sqrt(sum_x2 / F32(32))
+                    for i in range(32):
+                        w[i] = av_x + abs(xs[i])
+                    if nmax == 15:
+                        s, m = make_qkx(
+                            xs, w, 32, 15, F32(-1.0), F32(0.1), 20, False, False, L[32 * j :], laux
+                        )
+                    else:
+                        s, m = make_qkx(
+                            xs, w, 32, 31, F32(-0.5), F32(0.1), 15, False, False, L[32 * j :], laux
+                        )
+                    scales[j] = s
+                    mins[j] = m
+                    if s > max_scale:
+                        max_scale = s
+                    if m > max_min:
+                        max_min = m
+                inv_scale = F32(63) / max_scale if max_scale > F32(0) else F32(0)
+                inv_min = F32(63) / max_min if max_min > F32(0) else F32(0)
+                for j in range(8):
+                    ls[j] = _u8_min(inv_scale * scales[j], 63)
+                    lm[j] = _u8_min(inv_min * mins[j], 63)
+                d_val = max_scale / F32(63)
+                m_val = max_min / F32(63)
+            else:
+                sum_x2 = F32(0)
+                for i in range(QK):
+                    sum_x2 += x[i] * x[i]
+                sigma2 = F32(2) * sum_x2 / F32(QK)
+                for j in range(8):
+                    xs = x[32 * j : 32 * j + 32]
+                    qw = imp[b * QK + 32 * j : b * QK + 32 * j + 32]
+                    sumw = F32(0)
+                    for i in range(32):
+                        w[i] = qw[i] * np.sqrt(sigma2 + xs[i] * xs[i])
+                        sumw += w[i]
+                    sw[j] = sumw
+                    s, m = make_qkx(xs, w, 32, nmax, F32(-0.9), F32(0.05), 36, False, True, L[32 * j :], laux)
+                    scales[j] = s
+                    mins[j] = m
+                d_val = make_qp(scales, 8, 63, sw, ls)
+                m_val = make_qp(mins, 8, 63, sw, lm)
+                for j in range(8):
+                    if ls[j] > 63:
+                        ls[j] = 63
+                    if lm[j] > 63:
+                        lm[j] = 63
+            put_fp16(y, 0, d_val)
+            put_fp16(y, 2, m_val)
+            for j in range(4):
+                y[4 + j] = ls[j] | ((ls[j + 4] >> 4) << 6)
+                y[8 + j] = lm[j] | ((lm[j + 4] >> 4) << 6)
+                y[12 + j] = (ls[j + 4] & 0xF) | ((lm[j + 4] & 0xF) << 4)
+            d16 = fp16_round(d_val)
+            m16 = fp16_round(m_val)
+            for j in range(8):
+                d = d16 * F32(ls[j])
+                if d == F32(0):
+                    continue
+                dm = m16 * F32(lm[j])
+                for i in range(32):
+                    L[32 * j + i] = _clamp(nearest_int((x[32 * j + i] + dm) / d), 0, nmax)
+            if nmax == 15:
+                for c in range(4):
+                    for i in range(32):
+                        y[16 + 32 * c + i] = L[64 * c + i] | (L[64 * c + 32 + i] << 4)
+            else:
+                for i in range(32):
+                    h = 0
+                    for c in range(4):
+                        h |= (L[64 * c + i] >> 4) << (2 * c)
+                        h |= (L[64 * c + 32 + i] >> 4) << (2 * c + 1)
+                    y[16 + i] = h
+                for c in range(4):
+                    for i in range(32):
+                        y[48 + 32 * c + i] = (L[64 * c + i] & 0xF) | ((L[64 * c + 32 + i] & 0xF) << 4)
+
+
+@njit(**JIT)
+def encode_q6k(rows: np.ndarray, imp: np.ndarray, out: np.ndarray) -> None:
+    """Q6_K rows; ``imp`` empty means weights x²."""
+    n_rows, n_per_row = rows.shape
+    nb = n_per_row // QK
+    has_imp = imp.size > 0
+    L = np.empty(QK, np.uint8)
+    w = np.empty(16, np.float32)
+    scales = np.empty(16, np.float32)
+    sc = np.empty(16, np.int32)
+    for r in range(n_rows):
+        for b in range(nb):
+            x = rows[r, b * QK : (b + 1) * QK]
+            y = out[r, b * 210 : (b + 1) * 210]
+            max_scale = F32(0)
+            max_abs = F32(0)
+            for j in range(16):
+                xs = x[16 * j : 16 * j + 16]
+                for i in range(16):
+                    w[i] = imp[b * QK + 16 * j + i] if has_imp else xs[i] * xs[i]
+                s = make_qx(xs, 16, 32, w, L[16 * j :])
+                scales[j] = s
+                if abs(s) > max_abs:
+                    max_abs = abs(s)
+                    max_scale = s
+            if max_abs < GROUP_MAX_EPS:
+                y[:] = 0
+                continue
+            iscale = F32(-128) / max_scale
+            d_val = F32(1) / iscale
+            put_fp16(y, 208, d_val)
+            d16 = fp16_round(d_val)
+            for j in range(16):
+                li = nearest_int(iscale * scales[j])
+                sc[j] = 127 if li > 127 else li
+                y[192 + j] = sc[j] & 0xFF
+            for j in range(16):
+                d = d16 * F32(sc[j])
+                if d == F32(0):
+                    continue
+                for i in range(16):
+                    L[16 * j + i] = _clamp(nearest_int(x[16 * j + i] / d), -32, 31) + 32
+            for h in range(2):
+                for i in range(32):
+                    q0 = L[128 * h + i]
+                    q1 = L[128 * h + 32 + i]
+                    q2 = L[128 * h + 64 + i]
+                    q3 = L[128 * h + 96 + i]
+                    y[64 * h + i] = (q0 & 0xF) | ((q2 & 0xF) << 4)
+                    y[64 * h + 32 + i] = (q1 & 0xF) | ((q3 & 0xF) << 4)
+                    y[128 + 32 * h + i] = (q0 >> 4) | ((q1 >> 4) << 2) | ((q2 >> 4) << 4) | ((q3 >> 4) << 6)
+
+
+# ---------------------------------------------------------------- entry points: (rows, importance) -> bytes
+
+
+def _importance(importance: np.ndarray | None) -> np.ndarray:
+    return np.empty(0, np.float32) if importance is None else np.ascontiguousarray(importance, np.float32)
+
+
+def _run45(rows: np.ndarray, importance: np.ndarray | None, nmax: int, type_size: int) -> np.ndarray:
+    rows = np.ascontiguousarray(rows, np.float32)
+    out = np.empty((rows.shape[0], rows.shape[1] // QK * type_size), np.uint8)
+    encode_q45k(rows, _importance(importance), nmax, out)
+    return out
+
+
+def q4_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
+    return _run45(rows, importance, 15, 144)
+
+
+def q5_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
+    return _run45(rows, importance, 31, 176)
+
+
+def q6_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
+    rows = np.ascontiguousarray(rows, np.float32)
+    out = np.empty((rows.shape[0], rows.shape[1] // QK * 210), np.uint8)
+    encode_q6k(rows, _importance(importance), out)
+    return out
