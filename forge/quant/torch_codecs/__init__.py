@@ -1,0 +1,87 @@
+"""Encoders on any torch device (CUDA in practice) giving the same bytes as the numpy codecs.
+
+``encode_on_device("q4_k", rows, importance, "cuda")`` quantizes float32 rows (n_rows, n_per_row)
+on the device in chunks of whole rows and returns uint8 (n_rows, row_bytes), byte for byte what
+``get_type("q4_k").encode(rows, importance)`` returns. Types without a torch encoder are refused
+(``supported_on_device`` says which ones have one); the caller falls back to the CPU path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from forge.errors import ForgeError
+
+#: Elements of source weights encoded per device step (bounds device memory: roughly 40x this in
+#: bytes for the K-quants, 100x for IQ2_XXS).
+CHUNK_ELEMS = {"cuda": 1 << 24, "cpu": 1 << 18}
+_CHUNK_SCALE = {"IQ2_XXS": 4}
+_SUPPORTED = ("Q4_K", "Q5_K", "IQ2_XXS")
+
+
+def supported_on_device(qtype: str) -> bool:
+    """Whether ``qtype`` (a ggml type name, any case) has a torch encoder."""
+    return qtype.upper() in _SUPPORTED
+
+
+def _encoder(name: str) -> Callable:
+    from forge.quant.torch_codecs import iq2, kquants
+
+    return {"Q4_K": kquants.encode_q4_k, "Q5_K": kquants.encode_q5_k, "IQ2_XXS": iq2.encode_iq2_xxs}[name]
+
+
+def _device(device: str):  # noqa: ANN202
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ForgeError(f"unknown torch device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ForgeError(f"device {device!r} asked for, but torch sees no CUDA device")
+    return dev
+
+
+def encode_on_device(
+    qtype: str,
+    rows: np.ndarray,
+    importance: np.ndarray | None,
+    device: str,
+    chunk_elems: int | None = None,
+) -> np.ndarray:
+    """float32 rows (n_rows, n_per_row) -> uint8 (n_rows, row_bytes), encoded on ``device``.
+
+    Validation and importance handling are those of the CPU codec (``QuantType.encode``).
+    """
+    import torch
+
+    from forge.quant.numerics import check_rows
+    from forge.quant.types import get_type
+
+    qt = get_type(qtype)
+    name = qt.name()
+    if name not in _SUPPORTED:
+        raise ForgeError(f"{name} has no device encoder; device encoders exist for {', '.join(_SUPPORTED)}")
+    dev = _device(device)
+    rows, importance = check_rows(name, rows, qt.block_size, importance)
+    if importance is None and getattr(qt, "requires_importance", False):
+        raise ForgeError(f"{name} needs importance weights (an imatrix); none were given")
+    n_rows, n_per_row = rows.shape
+    out = np.empty((n_rows, qt.row_bytes(n_per_row)), np.uint8)
+    if n_rows == 0 or n_per_row == 0:
+        return out
+    encode = _encoder(name)
+    if chunk_elems is None:
+        chunk_elems = CHUNK_ELEMS.get(dev.type, CHUNK_ELEMS["cuda"]) // _CHUNK_SCALE.get(name, 1)
+    step = max(1, chunk_elems // n_per_row)
+    imp = None if importance is None else torch.from_numpy(importance).to(dev)
+    with torch.inference_mode():
+        for s in range(0, n_rows, step):
+            chunk = torch.from_numpy(rows[s : s + step]).to(dev, non_blocking=True)
+            out[s : s + step] = encode(chunk, imp).cpu().numpy()
+    return out
+
+
+__all__ = ["CHUNK_ELEMS", "encode_on_device", "supported_on_device"]
