@@ -19,6 +19,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from forge.quant.iq2_grid import CODE_WEIGHTS, Codebook, codebook
+from forge.quant.kernels import accelerated
 from forge.quant.numerics import fp16_bits, nearest_int
 from forge.quant.types import BlockCodec
 
@@ -279,7 +280,9 @@ class IQ2_XXS(_IQ2):
     """2.0625 bpw: 256-point codebook, 7 sign bits per 8 (even parity), 4-bit scale per 32."""
 
     ggml_type = T.IQ2_XXS
-    _encode_chunk = staticmethod(block_encoder(lambda x, qw: _encode_chunk(T.IQ2_XXS, x, qw)))
+    _encode_chunk = staticmethod(
+        accelerated("iq2.iq2_xxs", block_encoder(lambda x, qw: _encode_chunk(T.IQ2_XXS, x, qw)))
+    )
 
 
 class IQ2_XS(_IQ2):
