@@ -66,25 +66,26 @@ def best_neighbour(cb: DeviceCodebook, codes: torch.Tensor, terms: torch.Tensor)
     """
     q = codes.shape[0]
     dev = codes.device
-    counts = cb.nb_count[codes]
+    take = torch.index_select  # 1-D gathers (much cheaper than advanced indexing on CPU)
+    counts = take(cb.nb_count, 0, codes)
     qid = torch.repeat_interleave(torch.arange(q, device=dev), counts)
     first = torch.cumsum(counts, 0) - counts
     pair = torch.arange(qid.shape[0], device=dev)
-    entry = cb.nb_start[codes][qid] + (pair - first[qid])
+    entry = take(take(cb.nb_start, 0, codes), 0, qid) + (pair - take(first, 0, qid))
     table = terms.reshape(-1)
     base = qid * 24
-    score = table[base + cb.nb_cols[0][entry]]
+    score = take(table, 0, base + take(cb.nb_cols[0], 0, entry))
     for i in range(1, 8):
-        score = score + table[base + cb.nb_cols[i][entry]]
+        score = score + take(table, 0, base + take(cb.nb_cols[i], 0, entry))
     inf = torch.full((q,), float("inf"), dtype=torch.float32, device=dev)
     low = inf.scatter_reduce(0, qid, score, reduce="amin", include_self=True)
     n_pairs = qid.shape[0]
-    cand = torch.where(score == low[qid], pair, torch.full_like(pair, n_pairs))
+    cand = torch.where(score == take(low, 0, qid), pair, torch.full_like(pair, n_pairs))
     pick = torch.full((q,), n_pairs, dtype=torch.int64, device=dev).scatter_reduce(
         0, qid, cand, reduce="amin", include_self=True
     )
     pick = torch.where(pick == n_pairs, first, pick)  # no finite score: ggml keeps the first entry
-    return cb.nb_flat[entry[pick]]
+    return take(cb.nb_flat, 0, take(entry, 0, pick))
 
 
 def snap(

@@ -1,0 +1,167 @@
+"""Device encoders (forge/quant/torch_codecs): the same bytes as the numpy codecs, on CPU torch and CUDA."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+
+from forge.errors import ForgeError
+from forge.quant.torch_codecs import encode_on_device, supported_on_device
+from forge.quant.types import get_type
+from tests import oracle
+
+MODEL = "tiny-qwen3moe"
+CASES = [("Q4_K", False), ("Q4_K", True), ("Q5_K", False), ("Q5_K", True), ("IQ2_XXS", True)]
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available"),
+        ],
+    ),
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread():
+    """torch's CPU thread pool spins badly on a loaded 2-core box; these inputs are small anyway."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _edge_rows(n_per_row: int, seed: int) -> np.ndarray:
+    """One row per awkward case, stacked: every row is encoded independently of the others."""
+    rng = np.random.default_rng(seed)
+    n = n_per_row
+
+    def normal(scale: float) -> np.ndarray:
+        return (rng.standard_normal(n) * scale).astype(np.float32)
+
+    spike = np.zeros(n, np.float32)
+    spike[rng.integers(n)] = 3.5
+    signed_zeros = np.where(rng.random(n) < 0.5, np.float32(-0.0), np.float32(0.0)).astype(np.float32)
+    signed_zeros[::37] = normal(1.0)[::37]
+    half_zero = normal(1.0)
+    half_zero[: n // 2] = 0  # a block of zeros next to a normal one
+    rows = [
+        np.zeros(n, np.float32),
+        np.full(n, 0.75, np.float32),
+        np.full(n, -2.0, np.float32),
+        spike,
+        signed_zeros,
+        half_zero,
+        normal(1e15),  # huge: squares and their block sums stay finite
+        normal(1e-18),  # tiny: squares are float32 subnormals
+        normal(1e-30),  # tiny: squares underflow to zero
+        normal(2e-6),  # super-block scales in fp16's subnormal range
+        np.abs(normal(1.0)) + 0.5,  # all positive: min > 0
+        -np.abs(normal(1.0)) - 0.5,  # all negative
+        rng.integers(-2, 3, n).astype(np.float32),  # few distinct values: ties everywhere
+        rng.integers(-1, 2, n).astype(np.float32) * np.float32(0.125),
+        rng.standard_t(2, n).astype(np.float32),  # heavy tails
+        (normal(1.0) * np.repeat(rng.uniform(1e-3, 30, n // 32), 32)).astype(np.float32),
+        normal(0.02),
+    ]
+    return np.stack(rows).astype(np.float32)
+
+
+def _importance(n_per_row: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    imp = rng.uniform(0, 3, n_per_row).astype(np.float32) ** 2
+    imp[rng.random(n_per_row) < 0.1] = 0  # columns never activated
+    return imp
+
+
+def _assert_same(qtype: str, rows: np.ndarray, importance: np.ndarray | None, device: str, **kw) -> None:
+    want = get_type(qtype).encode(rows, importance)
+    got = encode_on_device(qtype, rows, importance, device, **kw)
+    assert got.dtype == np.uint8 and got.shape == want.shape
+    if not np.array_equal(got, want):
+        tsz = get_type(qtype).type_size
+        bad = np.flatnonzero((got.reshape(-1, tsz) != want.reshape(-1, tsz)).any(axis=1))
+        pytest.fail(f"{qtype} on {device}: {len(bad)} blocks differ from the CPU codec, first {bad[:8]}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("qtype", "with_importance"), CASES, ids=[f"{q}-{'imat' if i else 'plain'}" for q, i in CASES]
+)
+def test_same_bytes_as_numpy_on_edge_rows(device: str, qtype: str, with_importance: bool) -> None:
+    n = 512
+    rows = _edge_rows(n, seed=7)
+    _assert_same(qtype, rows, _importance(n, 3) if with_importance else None, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("qtype", "with_importance"), CASES, ids=[f"{q}-{'imat' if i else 'plain'}" for q, i in CASES]
+)
+def test_same_bytes_as_numpy_across_chunks(device: str, qtype: str, with_importance: bool) -> None:
+    """Random rows of mixed scales, cut into several device chunks (one row less than a chunk's worth)."""
+    rng = np.random.default_rng(11)
+    n = 768
+    rows = (rng.standard_normal((9, n)) * rng.uniform(1e-3, 10, (9, 1))).astype(np.float32)
+    importance = _importance(n, 5) if with_importance else None
+    _assert_same(qtype, rows, importance, device, chunk_elems=2 * n)
+
+
+def _fixture_cases() -> list:
+    wanted = [
+        ("Q4_K_M", "blk.0.attn_k.weight", "Q4_K"),
+        ("Q4_K_M-imat", "blk.0.attn_k.weight", "Q4_K"),
+        ("Q5_K_M", "blk.0.attn_k.weight", "Q5_K"),
+        ("IQ2_XXS-imat", "blk.0.attn_k.weight", "IQ2_XXS"),
+    ]
+    present = set(oracle.manifest_names(MODEL))
+    cases = [
+        pytest.param(man, tensor, qtype, id=f"{man}:{tensor}")
+        for man, tensor, qtype in wanted
+        if man in present
+    ]
+    return cases or [pytest.param(None, None, None, marks=pytest.mark.skip(reason="fixtures absent"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("manifest", "tensor", "qtype"), _fixture_cases())
+def test_fixture_tensor_matches_llamacpp(device: str, manifest: str, tensor: str, qtype: str) -> None:
+    """A real tensor with the fixture's importance: device bytes hash to llama-quantize's tensor."""
+    entry = oracle.manifest_tensor(MODEL, manifest, tensor)
+    assert entry["type"] == qtype
+    rows = oracle.qwen3moe_tensor(tensor)
+    importance = oracle.llamacpp_importance(MODEL)[tensor][0] if manifest.endswith("-imat") else None
+    got = encode_on_device(qtype, rows, importance, device)
+    assert got.nbytes == entry["nbytes"]
+    assert hashlib.sha256(got.tobytes()).hexdigest() == entry["sha256"]
+    assert np.array_equal(got, get_type(qtype).encode(rows, importance))
+
+
+def test_supported_types_and_refusals() -> None:
+    assert supported_on_device("q4_k") and supported_on_device("IQ2_XXS") and supported_on_device("Q5_K")
+    assert not supported_on_device("Q6_K")
+    rows = np.ones((2, 256), np.float32)
+    with pytest.raises(ForgeError, match="no device encoder"):
+        encode_on_device("Q6_K", rows, None, "cpu")
+    with pytest.raises(ForgeError, match="needs importance"):
+        encode_on_device("IQ2_XXS", rows, None, "cpu")
+    with pytest.raises(ForgeError, match="NaN"):
+        encode_on_device("Q4_K", np.full((1, 256), np.nan, np.float32), None, "cpu")
+    with pytest.raises(ForgeError, match="multiple of the block size"):
+        encode_on_device("Q4_K", np.ones((1, 100), np.float32), None, "cpu")
+    with pytest.raises(ForgeError, match="device"):
+        encode_on_device("Q4_K", rows, None, "no-such-device")
+    empty = encode_on_device("Q4_K", np.zeros((0, 512), np.float32), None, "cpu")
+    assert empty.shape == (0, get_type("Q4_K").row_bytes(512))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_cuda_missing_is_a_forge_error() -> None:
+    with pytest.raises(ForgeError, match="no CUDA device"):
+        encode_on_device("Q4_K", np.ones((1, 256), np.float32), None, "cuda")
