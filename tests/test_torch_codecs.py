@@ -80,6 +80,12 @@ def _importance(n_per_row: int, seed: int) -> np.ndarray:
     return imp
 
 
+@pytest.fixture(autouse=True)
+def _numpy_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference is the numpy codec (not the numba kernels, which are tested against it elsewhere)."""
+    monkeypatch.setenv("FORGE_NO_NUMBA", "1")
+
+
 def _assert_same(qtype: str, rows: np.ndarray, importance: np.ndarray | None, device: str, **kw) -> None:
     want = get_type(qtype).encode(rows, importance)
     got = encode_on_device(qtype, rows, importance, device, **kw)
@@ -90,6 +96,7 @@ def _assert_same(qtype: str, rows: np.ndarray, importance: np.ndarray | None, de
         pytest.fail(f"{qtype} on {device}: {len(bad)} blocks differ from the CPU codec, first {bad[:8]}")
 
 
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")  # the numpy codec on the 1e15 row
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     ("qtype", "with_importance"), CASES, ids=[f"{q}-{'imat' if i else 'plain'}" for q, i in CASES]
@@ -111,6 +118,53 @@ def test_same_bytes_as_numpy_across_chunks(device: str, qtype: str, with_importa
     rows = (rng.standard_normal((9, n)) * rng.uniform(1e-3, 10, (9, 1))).astype(np.float32)
     importance = _importance(n, 5) if with_importance else None
     _assert_same(qtype, rows, importance, device, chunk_elems=2 * n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
+def test_same_bytes_as_numpy_on_gaussian_matrix(device: str, qtype: str) -> None:
+    """Enough blocks (1024 super-blocks) that a rare one-ulp difference would show."""
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((64, 4096), dtype=np.float32)
+    _assert_same(qtype, rows, None, device)
+    _assert_same(qtype, rows, rng.uniform(0.1, 2, 4096).astype(np.float32), device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_primitives_match_numpy(device: str) -> None:
+    """Each primitive, on a million values spread over 2**-58..2**58, bit for bit against numpy."""
+    from forge.quant import numerics as nx
+    from forge.quant.torch_codecs import ops
+
+    rng = np.random.default_rng(2)
+    n = 1 << 20
+    a = (rng.standard_normal(n) * np.exp(rng.uniform(-40, 40, n))).astype(np.float32)
+    b = (rng.standard_normal(n) * np.exp(rng.uniform(-40, 40, n))).astype(np.float32)
+    a[:6] = [0.0, -0.0, np.inf, -np.inf, np.nan, 5e6]
+    ta, tb = torch.from_numpy(a).to(device), torch.from_numpy(b).to(device)
+
+    def same(mine: torch.Tensor, want: np.ndarray) -> None:
+        got = mine.cpu().numpy()
+        assert got.dtype == want.dtype
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+    with np.errstate(all="ignore"):
+        same(ops.sqrt(ta.abs()), np.sqrt(np.abs(a)))
+        same(ops.div(ta, tb), a / b)
+        same(ops.div(ta, 63.0), a / np.float32(63))
+        same(ops.div(63.0, tb), np.float32(63) / b)
+        same(ops.nearest_int(ta / 1e3), nx.nearest_int(a / np.float32(1e3)))
+        same(ops.nearest_int(ta), nx.nearest_int(a))
+        # levels: compared as values (numpy itself gives -0.0 or +0.0 there depending on the whole array)
+        clipped = ops.nearest_int_clip(ta * 1e-3, 0, 15).cpu().numpy()
+        assert np.array_equal(clipped, nx.nearest_int_clip(a * np.float32(1e-3), 0, 15))
+        same(ops.fp16_bytes(ta).reshape(-1), nx.fp16_bits(a).view(np.uint8))
+        same(ops.np_maximum(ta, 0.0), np.maximum(a, np.float32(0)))
+        same(ops.np_minimum(ta, 0.0), np.minimum(a, np.float32(0)))
+        terms = (a[: 32 * 4096] * np.float32(1e-20)).reshape(32, 4096)
+        t_terms = torch.from_numpy(terms).to(device)
+        same(ops.seq_sum(t_terms), nx.seq_sum(terms))
+        same(ops.seq_sum(t_terms, start_zero=False), nx.seq_sum(terms, start_zero=False))
 
 
 def _fixture_cases() -> list:

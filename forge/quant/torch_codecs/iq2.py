@@ -189,7 +189,7 @@ def _search(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """iq2._search for IQ2_XXS on every sub-block: points (NG, M), scale (M,) and live (M,)."""
     m = xval.shape[1]
-    waux = torch.sqrt(weight)
+    waux = ops.sqrt(weight)
     zero = ops.scalar(0.0, xval)
     scale = make_qp_quants(4, xval, weight)
     top = scale * 3.0
@@ -227,7 +227,7 @@ def encode_iq2_xxs(rows: torch.Tensor, importance: torch.Tensor) -> torch.Tensor
     del x_sb
     xb = ops.to_t(rows.reshape(-1, SUB))  # (32, M), M = N*8
     qw = ops.to_t(importance.reshape(-1, SUB)).repeat(1, n_rows)
-    weight = qw * torch.sqrt(torch.repeat_interleave(sigma2, QK_K // SUB)[None, :] + xb * xb)
+    weight = qw * ops.sqrt(torch.repeat_interleave(sigma2, QK_K // SUB)[None, :] + xb * xb)
     del qw
     xval, signs = _signs(xb, weight)
     del xb

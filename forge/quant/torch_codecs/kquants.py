@@ -43,7 +43,7 @@ def encode_q45k_blocks(
     nb = x_t.shape[1] // 8
     if importance is None:
         sum_x2 = ops.seq_sum(x_t * x_t)
-        av_x = torch.sqrt(ops.div(sum_x2, 32.0))
+        av_x = ops.sqrt(ops.div(sum_x2, 32.0))
         w_t = av_x + x_t.abs()
         if nmax == 15:
             scales, mins, levels = ops.make_qkx_t(x_t, w_t, 15, -1.0, 0.1, 20, False, guarded=False)
@@ -66,7 +66,7 @@ def encode_q45k_blocks(
         del x_sb
         sig_t = torch.repeat_interleave(sigma2, 8)[None, :]
         imp_t = ops.to_t(importance.reshape(-1, 32)).repeat(1, n_rows)
-        w_t = imp_t * torch.sqrt(sig_t + x_t * x_t)
+        w_t = imp_t * ops.sqrt(sig_t + x_t * x_t)
         del imp_t
         sw = ops.seq_sum(w_t)
         scales, mins, levels = ops.make_qkx_t(x_t, w_t, nmax, -0.9, 0.05, 36, False, guarded=True)
