@@ -74,8 +74,13 @@ def run_case(
     qt = get_type(name)
     w = imp if flag == "imat" else None
 
+    import torch
+
     encode_on_device(qt.name(), x[:16], w, device, chunk_elems)  # warm-up
     _sync(device)
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -87,6 +92,7 @@ def run_case(
         "imatrix": w is not None,
         "device_s": times,
         "device_mb_s": x.nbytes / 1e6 / min(times),
+        "device_peak_mib": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None,
     }
     paths = [("numba" if kernels_enabled() else "numpy", cpu_rows, False)]
     if numpy_rows and paths[0][0] != "numpy":

@@ -14,10 +14,12 @@ import numpy as np
 
 from forge.errors import ForgeError
 
-#: Elements of source weights encoded per device step (bounds device memory: roughly 40x this in
-#: bytes for the K-quants, 100x for IQ2_XXS).
-CHUNK_ELEMS = {"cuda": 1 << 24, "cpu": 1 << 18}
-_CHUNK_SCALE = {"IQ2_XXS": 4}
+#: Elements of source weights encoded per device step at most (bigger steps amortize the kernel
+#: launches: on an H200, IQ2_XXS runs 1.6x faster with 2**25 than with 2**22).
+CHUNK_ELEMS = {"cuda": 1 << 25, "cpu": 1 << 18}
+#: Peak device bytes per element of a step (measured on an H200, with headroom); a CUDA step is cut
+#: so that it fits in half the free device memory.
+_BYTES_PER_ELEM = {"Q4_K": 64, "Q5_K": 64, "IQ2_XXS": 256}
 _SUPPORTED = ("Q4_K", "Q5_K", "IQ2_XXS")
 
 
@@ -42,6 +44,16 @@ def _device(device: str):  # noqa: ANN202
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ForgeError(f"device {device!r} asked for, but torch sees no CUDA device")
     return dev
+
+
+def _default_chunk(name: str, dev) -> int:  # noqa: ANN001
+    import torch
+
+    chunk = CHUNK_ELEMS.get(dev.type, CHUNK_ELEMS["cuda"])
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        chunk = min(chunk, max(1 << 16, free // 2 // _BYTES_PER_ELEM[name]))
+    return chunk
 
 
 def encode_on_device(
@@ -74,7 +86,7 @@ def encode_on_device(
         return out
     encode = _encoder(name)
     if chunk_elems is None:
-        chunk_elems = CHUNK_ELEMS.get(dev.type, CHUNK_ELEMS["cuda"]) // _CHUNK_SCALE.get(name, 1)
+        chunk_elems = _default_chunk(name, dev)
     step = max(1, chunk_elems // n_per_row)
     imp = None if importance is None else torch.from_numpy(importance).to(dev)
     with torch.inference_mode():
