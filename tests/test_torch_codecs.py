@@ -156,7 +156,7 @@ def test_float32_primitives_match_numpy(device: str) -> None:
         same(ops.div(ta, tb), a / b)
         same(ops.div(ta, 63.0), a / np.float32(63))
         same(ops.div(63.0, tb), np.float32(63) / b)
-        same(ops.nearest_int(ta / 1e3), nx.nearest_int(a / np.float32(1e3)))
+        same(ops.nearest_int(ops.div(ta, 1e3)), nx.nearest_int(a / np.float32(1e3)))
         same(ops.nearest_int(ta), nx.nearest_int(a))
         # levels: compared as values (numpy itself gives -0.0 or +0.0 there depending on the whole array)
         clipped = ops.nearest_int_clip(ta * 1e-3, 0, 15).cpu().numpy()
