@@ -173,47 +173,66 @@ def make_qp(x: np.ndarray, n: int, nmax: int, w: np.ndarray, L: np.ndarray) -> f
 
 
 @njit(**JIT)
-def make_qx(x: np.ndarray, n: int, nmax: int, w: np.ndarray, L: np.ndarray) -> float:
-    """ggml ``make_qx_quants(n, nmax, x, L, rmse_type=1, w)``; L gets l + nmax."""
+def make_qx_lanes(
+    xt: np.ndarray, wt: np.ndarray, n: int, nl: int, nmax: int, scale_out: np.ndarray, Lt: np.ndarray
+) -> None:
+    """ggml ``make_qx_quants(n, nmax, x, L, rmse_type=1, w)`` for NL sub-blocks at once, position-major
+    (see :func:`make_qkx_lanes`, also for n and nl); Lt gets l + nmax."""
     fnmax = F32(nmax)
-    amax = F32(0)
-    mx = F32(0)
+    mx = np.zeros(nl, np.float32)
+    amax = np.zeros(nl, np.float32)
+    iscale = np.empty(nl, np.float32)
+    best_iscale = np.empty(nl, np.float32)
+    sumlx = np.zeros(nl, np.float32)
+    suml2 = np.zeros(nl, np.float32)
+    scale = np.empty(nl, np.float32)
+    best = np.empty(nl, np.float32)
+    wx = np.empty((n, nl), np.float32)
     for i in range(n):
-        ax = abs(x[i])
-        if ax > amax:
-            amax = ax
-            mx = x[i]
-    if amax < GROUP_MAX_EPS:
-        for i in range(n):
-            L[i] = 0
-        return F32(0)
-    iscale = -fnmax / mx
-    sumlx = F32(0)
-    suml2 = F32(0)
+        for j in range(nl):
+            ax = abs(xt[i, j])
+            if ax > amax[j]:
+                amax[j] = ax
+                mx[j] = xt[i, j]
+            wx[i, j] = wt[i, j] * xt[i, j]
+    for j in range(nl):
+        iscale[j] = -fnmax / mx[j]
+        best_iscale[j] = iscale[j]
     for i in range(n):
-        li = _clamp(nearest_int(iscale * x[i]), -nmax, nmax - 1)
-        L[i] = li + nmax
-        fl = F32(li)
-        sumlx += w[i] * x[i] * fl
-        suml2 += w[i] * fl * fl
-    scale = sumlx / suml2 if suml2 != F32(0) else F32(0)
-    best = scale * sumlx
+        for j in range(nl):
+            fl = F32(_clamp(nearest_int(iscale[j] * xt[i, j]), -nmax, nmax - 1))
+            sumlx[j] += wx[i, j] * fl
+            suml2[j] += wt[i, j] * fl * fl
+    for j in range(nl):
+        scale[j] = sumlx[j] / suml2[j] if suml2[j] != F32(0) else F32(0)
+        best[j] = scale[j] * sumlx[j]
     for step in range(-9, 10):
         if step == 0:
             continue
-        iscale = -(fnmax + F32(0.1) * F32(step)) / mx
-        sumlx = F32(0)
-        suml2 = F32(0)
+        for j in range(nl):
+            iscale[j] = -(fnmax + F32(0.1) * F32(step)) / mx[j]
+            sumlx[j] = F32(0)
+            suml2[j] = F32(0)
         for i in range(n):
-            fl = F32(_clamp(nearest_int(iscale * x[i]), -nmax, nmax - 1))
-            sumlx += w[i] * x[i] * fl
-            suml2 += w[i] * fl * fl
-        if suml2 > F32(0) and sumlx * sumlx > best * suml2:
+            for j in range(nl):
+                fl = F32(_clamp(nearest_int(iscale[j] * xt[i, j]), -nmax, nmax - 1))
+                sumlx[j] += wx[i, j] * fl
+                suml2[j] += wt[i, j] * fl * fl
+        for j in range(nl):
+            if suml2[j] > F32(0) and sumlx[j] * sumlx[j] > best[j] * suml2[j]:
+                scale[j] = sumlx[j] / suml2[j]
+                best[j] = scale[j] * sumlx[j]
+                best_iscale[j] = iscale[j]
+    for i in range(n):
+        for j in range(nl):
+            Lt[i, j] = _clamp(nearest_int(best_iscale[j] * xt[i, j]), -nmax, nmax - 1) + nmax
+    for j in range(nl):
+        if amax[j] < GROUP_MAX_EPS:  # all zero
+            scale_out[j] = F32(0)
             for i in range(n):
-                L[i] = _clamp(nearest_int(iscale * x[i]), -nmax, nmax - 1) + nmax
-            scale = sumlx / suml2
-            best = scale * sumlx
-    return scale
+                Lt[i, j] = 0
+        else:
+            scale_out[j] = scale[j]
 
 
 @njit(inline="always", **JIT)
@@ -334,27 +353,34 @@ def encode_q6k(rows: np.ndarray, imp: np.ndarray, out: np.ndarray) -> None:
     nb = n_per_row // QK
     has_imp = imp.size > 0
     L = np.empty(QK, np.uint8)
-    w = np.empty(16, np.float32)
+    xt = np.empty((16, 16), np.float32)  # xt[i, j] = x[16j + i]
+    wt = np.empty((16, 16), np.float32)
+    lt = np.empty((16, 16), np.uint8)
     scales = np.empty(16, np.float32)
     sc = np.empty(16, np.int32)
     for r in range(n_rows):
         for b in range(nb):
             x = rows[r, b * QK : (b + 1) * QK]
             y = out[r, b * 210 : (b + 1) * 210]
+            for j in range(16):
+                for i in range(16):
+                    v = x[16 * j + i]
+                    xt[i, j] = v
+                    wt[i, j] = imp[b * QK + 16 * j + i] if has_imp else v * v
+            make_qx_lanes(xt, wt, 16, 16, 32, scales, lt)
             max_scale = F32(0)
             max_abs = F32(0)
             for j in range(16):
-                xs = x[16 * j : 16 * j + 16]
-                for i in range(16):
-                    w[i] = imp[b * QK + 16 * j + i] if has_imp else xs[i] * xs[i]
-                s = make_qx(xs, 16, 32, w, L[16 * j :])
-                scales[j] = s
+                s = scales[j]
                 if abs(s) > max_abs:
                     max_abs = abs(s)
                     max_scale = s
             if max_abs < GROUP_MAX_EPS:
                 y[:] = 0
                 continue
+            for j in range(16):
+                for i in range(16):
+                    L[16 * j + i] = lt[i, j]
             iscale = F32(-128) / max_scale
             d_val = F32(1) / iscale
             put_fp16(y, 208, d_val)
