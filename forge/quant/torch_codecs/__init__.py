@@ -17,9 +17,8 @@ from forge.errors import ForgeError
 #: Elements of source weights encoded per device step at most (bigger steps amortize the kernel
 #: launches: on an H200, IQ2_XXS runs 1.6x faster with 2**25 than with 2**22).
 CHUNK_ELEMS = {"cuda": 1 << 25, "cpu": 1 << 18}
-#: Peak device bytes per element of a step (measured on an H200: 49 for Q4_K, 234 for IQ2_XXS; with
-#: headroom here); a CUDA step is cut
-#: so that it fits in half the free device memory.
+#: Peak device bytes per element of a step, with headroom (measured on an H200: 49 for Q4_K, 234 for
+#: IQ2_XXS); a CUDA step is cut so that it fits in half the free device memory.
 _BYTES_PER_ELEM = {"Q4_K": 64, "Q5_K": 64, "IQ2_XXS": 320}
 _SUPPORTED = ("Q4_K", "Q5_K", "IQ2_XXS")
 
