@@ -289,7 +289,9 @@ class IQ2_XS(_IQ2):
     """2.3125 bpw: 512-point codebook, 7 sign bits per 8 (even parity), 4-bit scale per 16."""
 
     ggml_type = T.IQ2_XS
-    _encode_chunk = staticmethod(block_encoder(lambda x, qw: _encode_chunk(T.IQ2_XS, x, qw)))
+    _encode_chunk = staticmethod(
+        accelerated("iq2.iq2_xs", block_encoder(lambda x, qw: _encode_chunk(T.IQ2_XS, x, qw)))
+    )
 
 
 class IQ2_S(_IQ2):
@@ -301,4 +303,6 @@ class IQ2_S(_IQ2):
 
     ggml_type = T.IQ2_S
     requires_importance = False
-    _encode_chunk = staticmethod(block_encoder(lambda x, qw: _encode_chunk(T.IQ2_S, x, qw)))
+    _encode_chunk = staticmethod(
+        accelerated("iq2.iq2_s", block_encoder(lambda x, qw: _encode_chunk(T.IQ2_S, x, qw)))
+    )
