@@ -64,6 +64,12 @@ BudgetOpt = Annotated[
 ]
 PolicyOpt = Annotated[str, typer.Option("--cache-policy", help="expert cache eviction: lru or lfu")]
 StatsOpt = Annotated[bool, typer.Option("--stats", help="print expert cache statistics at the end")]
+PrefetchOpt = Annotated[
+    bool,
+    typer.Option(
+        "--prefetch", help="read the next layer's predicted experts ahead, in the background (streaming)"
+    ),
+]
 
 
 @dataclass
@@ -76,6 +82,7 @@ class Residency:
     cache_bytes: str | None = None
     memory_budget: str | None = None
     cache_policy: str = "lru"
+    prefetch: bool = False
 
     def load(self, model: Path, device: str, expert_budget: int, ggml_numerics: bool, context: int | None):  # noqa: ANN201
         from forge.gguf_file import parse_size
@@ -98,6 +105,11 @@ class Residency:
             ggml_numerics,
             context,
         )
+        if self.prefetch:
+            from runtime.prefetch import attach_prefetcher
+
+            if attach_prefetcher(m) is None:
+                sys.stderr.write("--prefetch: ignored, the model is resident (no expert cache)\n")
         return m, plan
 
 
@@ -154,6 +166,7 @@ def run(
     memory_budget: BudgetOpt = None,
     cache_policy: PolicyOpt = "lru",
     stats: StatsOpt = False,
+    prefetch: PrefetchOpt = False,
 ) -> None:
     """Generate text from a prompt, streamed; prints prefill and decode tokens/s at the end."""
     from runtime.generate import Sampling, generate
@@ -161,7 +174,9 @@ def run(
 
     if max_tokens < 0 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
         raise ForgeError("--max-tokens, --temperature and --top-k must be >= 0 and --top-p in (0, 1]")
-    residency = Residency(resident, ssd_streaming, cache_experts, cache_bytes, memory_budget, cache_policy)
+    residency = Residency(
+        resident, ssd_streaming, cache_experts, cache_bytes, memory_budget, cache_policy, prefetch
+    )
     m, _ = residency.load(model, _setup(device, threads), expert_cache_mib << 20, ggml_numerics, ctx)
     _apply_prune_mask(m, prune_mask)
     tok = Tokenizer.from_metadata(m.weights)
@@ -216,6 +231,7 @@ def eval_(
     memory_budget: BudgetOpt = None,
     cache_policy: PolicyOpt = "lru",
     stats: StatsOpt = False,
+    prefetch: PrefetchOpt = False,
 ) -> None:
     """Perplexity like llama-perplexity; with a reference also KL divergence, top-1 agreement, RMS Δp."""
     from runtime.evaluate import ReferenceLogits, evaluate, format_report, perplexity_tokens
@@ -234,7 +250,9 @@ def eval_(
         raise ForgeError(f"{text}: no such file")
     dev = _setup(device, threads)
     budget = expert_cache_mib << 20
-    residency = Residency(resident, ssd_streaming, cache_experts, cache_bytes, memory_budget, cache_policy)
+    residency = Residency(
+        resident, ssd_streaming, cache_experts, cache_bytes, memory_budget, cache_policy, prefetch
+    )
     m, plan = residency.load(model, dev, budget, ggml_numerics, ctx)
     _apply_prune_mask(m, prune_mask)
     ref = load_model(reference, dev, expert_budget=budget, ggml_numerics=ggml_numerics) if reference else None

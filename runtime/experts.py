@@ -273,8 +273,12 @@ class ExpertCache:
         policy: str = "lru",
         device: str | torch.device = "cpu",
         slab_device: str | torch.device | None = None,
+        drop_pages: bool = False,
     ) -> None:
+        """``drop_pages``: evict every range read from the OS page cache again (benchmarks: each miss then
+        costs a device read, as on a machine whose RAM cannot cache the file)."""
         self._fd = -1
+        self.drop_pages = drop_pages
         if not layers:
             raise ForgeError(f"{path}: no routed expert tensors to stream")
         self.floor = len(layers) * experts_used + 1
@@ -355,6 +359,8 @@ class ExpertCache:
                     raise ForgeError(f"{self.path}: truncated file (layer {lay.layer} expert {expert})")
                 done += got
                 reads += 1
+            if self.drop_pages:
+                os.posix_fadvise(self._fd, start + expert * step, n, os.POSIX_FADV_DONTNEED)
         return reads
 
     def _fill(self, lay: LayerExperts, expert: int, slot: int, reader: str) -> int:

@@ -210,4 +210,10 @@ def format_stats(cache: Any) -> str:
         f"expert cache: {s.lookups} lookups, {s.hits} hits ({s.hit_rate:.1%}), {s.misses} misses, "
         f"{s.reads} reads, {s.bytes_read / 1e6:,.1f} MB read in {s.read_seconds:.3f} s, "
         f"{s.evictions} evictions, {cache.capacity} slots of {cache.slot_bytes:,} bytes"
+        + (
+            f"; prefetch: {s.prefetch_issued} read ahead, {s.prefetch_used} used, {s.prefetch_wasted} wasted, "
+            f"{s.wait_seconds:.3f} s waited"
+            if s.prefetch_issued
+            else ""
+        )
     )

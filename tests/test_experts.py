@@ -232,6 +232,9 @@ def test_cli_prints_decision_and_stats(forge_q8: Path) -> None:
     r = _forge(*common, "--memory-budget", "420M")
     assert r.returncode == 0, r.stderr
     assert "residency: streaming" in r.stderr and "hits" in r.stderr
+    r = _forge(*common, "--ssd-streaming", "--cache-experts", str(_floor(forge_q8)), "--prefetch")
+    assert r.returncode == 0, r.stderr
+    assert "residency: streaming" in r.stderr and "prefetch: " in r.stderr
     r = _forge(*common, "--ssd-streaming", "--cache-experts", "2")
     assert r.returncode == 1 and r.stderr.startswith("error: expert cache of 2 experts is below the floor")
 
