@@ -28,6 +28,8 @@ KERNELS = {
     "kquants.q4_k": (kquants.encode_q4_k, True, False),
     "kquants.q5_k": (kquants.encode_q5_k, True, False),
     "kquants.q6_k": (kquants.encode_q6_k, True, False),
+    "kquants.q2_k": (kquants.encode_q2_k, True, False),
+    "kquants.q3_k": (kquants.encode_q3_k, True, False),
     "iq2.iq2_xxs": (iq2.IQ2_XXS._encode_chunk.fallback, True, True),
     "iq2.iq2_xs": (iq2.IQ2_XS._encode_chunk.fallback, True, True),
     "iq2.iq2_s": (iq2.IQ2_S._encode_chunk.fallback, True, False),
@@ -86,7 +88,7 @@ def test_kernel_matches_numpy_reference(name: str, scale: float, weighted: bool)
         assert not len(bad), f"{name} scale {scale} rows {bad.tolist()} of {n_rows}x{n_per_row} differ"
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q3_K", "Q4_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S"])
 def test_codecs_dispatch_to_kernels_unless_disabled(type_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     qtype = get_type(type_name)
     x = _rows(40, 512, 1.0, 3)
@@ -132,7 +134,7 @@ def _ggml_quantize_chunk():  # noqa: ANN202
     return _ggml_quantize_chunk()
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_kernel_matches_libggml_at_extreme_magnitudes(type_name: str, weighted: bool) -> None:
     quantize_chunk = _ggml_quantize_chunk()

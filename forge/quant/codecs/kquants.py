@@ -275,9 +275,9 @@ class Q6_K(_KQuant):
 
 class Q2_K(_KQuant):
     ggml_type = T.Q2_K
-    _encode_chunk = staticmethod(encode_q2_k)
+    _encode_chunk = staticmethod(accelerated("kquants.q2_k", encode_q2_k))
 
 
 class Q3_K(_KQuant):
     ggml_type = T.Q3_K
-    _encode_chunk = staticmethod(encode_q3_k)
+    _encode_chunk = staticmethod(accelerated("kquants.q3_k", encode_q3_k))

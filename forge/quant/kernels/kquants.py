@@ -1,4 +1,4 @@
-"""Compiled K-quant encoders (Q4_K, Q5_K, Q6_K): ggml's C loops, one super-block at a time.
+"""Compiled K-quant encoders (Q2_K..Q6_K): ggml's C loops, one super-block at a time.
 
 Same float32 operations in the same order as ``forge/quant/codecs/kquants.py`` (which is the
 reference and the fallback), so the bytes are identical.
@@ -406,6 +406,223 @@ def encode_q6k(rows: np.ndarray, imp: np.ndarray, out: np.ndarray) -> None:
                     y[128 + 32 * h + i] = (q0 >> 4) | ((q1 >> 4) << 2) | ((q2 >> 4) << 4) | ((q3 >> 4) << 6)
 
 
+@njit(**JIT)
+def make_q3(x: np.ndarray, n: int, nmax: int, L: np.ndarray) -> float:
+    """ggml ``make_q3_quants(n, nmax, x, L, do_rmse=true)`` (weights x²); L gets l + nmax."""
+    amax = F32(0)
+    mx = F32(0)
+    for i in range(n):
+        ax = abs(x[i])
+        if ax > amax:
+            amax = ax
+            mx = x[i]
+    if amax < GROUP_MAX_EPS:
+        for i in range(n):
+            L[i] = 0
+        return F32(0)
+    iscale = F32(-nmax) / mx
+    lv = np.empty(16, np.int64)
+    sumlx = F32(0)
+    suml2 = F32(0)
+    for i in range(n):
+        li = _clamp(nearest_int(iscale * x[i]), -nmax, nmax - 1)
+        lv[i] = li
+        w = x[i] * x[i]
+        sumlx += w * x[i] * F32(li)
+        suml2 += w * F32(li) * F32(li)
+    for _ in range(5):
+        changed = False
+        for i in range(n):
+            w = x[i] * x[i]
+            fl = F32(lv[i])
+            slx = sumlx - w * x[i] * fl
+            if slx > F32(0):
+                sl2 = suml2 - w * fl * fl
+                new_l = _clamp(nearest_int(x[i] * sl2 / slx), -nmax, nmax - 1)
+                if new_l != lv[i]:
+                    fn = F32(new_l)
+                    slx += w * x[i] * fn
+                    sl2 += w * fn * fn
+                    if sl2 > F32(0) and slx * slx * suml2 > sumlx * sumlx * sl2:
+                        lv[i] = new_l
+                        sumlx = slx
+                        suml2 = sl2
+                        changed = True
+        if not changed:
+            break
+    for i in range(n):
+        L[i] = lv[i] + nmax
+    return sumlx / suml2 if suml2 > F32(0) else F32(0)
+
+
+@njit(**JIT)
+def _pack_2bit_128(L: np.ndarray, y: np.ndarray, off: int) -> None:
+    """256 2-bit values -> 64 bytes: per 128-chunk, byte l = v[l] | v[l+32]<<2 | v[l+64]<<4 | v[l+96]<<6."""
+    for h in range(2):
+        for i in range(32):
+            v = 0
+            for k in range(4):
+                v |= (L[128 * h + 32 * k + i] & 3) << (2 * k)
+            y[off + 32 * h + i] = v
+
+
+@njit(**JIT)
+def encode_q2k(rows: np.ndarray, imp: np.ndarray, out: np.ndarray) -> None:
+    """Q2_K rows; ``imp`` empty means no importance weights."""
+    n_rows, n_per_row = rows.shape
+    nb = n_per_row // QK
+    has_imp = imp.size > 0
+    L = np.empty(QK, np.uint8)
+    laux = np.empty(16, np.uint8)
+    w = np.empty(16, np.float32)
+    scales = np.empty(16, np.float32)
+    mins = np.empty(16, np.float32)
+    sw = np.empty(16, np.float32)
+    ls = np.empty(16, np.uint8)
+    lm = np.empty(16, np.uint8)
+    for r in range(n_rows):
+        for b in range(nb):
+            x = rows[r, b * QK : (b + 1) * QK]
+            y = out[r, b * 84 : (b + 1) * 84]
+            if not has_imp:
+                max_scale = F32(0)
+                max_min = F32(0)
+                for j in range(16):
+                    xs = x[16 * j : 16 * j + 16]
+                    for i in range(16):
+                        w[i] = abs(xs[i])
+                    s, m = make_qkx(xs, w, 16, 3, F32(-0.5), F32(0.1), 15, True, False, L[16 * j :], laux)
+                    scales[j] = s
+                    mins[j] = m
+                    if s > max_scale:
+                        max_scale = s
+                    if m > max_min:
+                        max_min = m
+                inv_scale = F32(15) / max_scale if max_scale > F32(0) else F32(0)
+                inv_min = F32(15) / max_min if max_min > F32(0) else F32(0)
+                for j in range(16):
+                    y[j] = (nearest_int(inv_scale * scales[j]) | (nearest_int(inv_min * mins[j]) << 4)) & 0xFF
+                d_val = max_scale / F32(15)
+                m_val = max_min / F32(15)
+            else:
+                total = F32(0)
+                for i in range(QK):
+                    total += x[i] * x[i]
+                sigma2 = total / F32(QK)
+                for j in range(16):
+                    xs = x[16 * j : 16 * j + 16]
+                    sumw = F32(0)
+                    for i in range(16):
+                        w[i] = imp[b * QK + 16 * j + i] * np.sqrt(sigma2 + xs[i] * xs[i])
+                        sumw += w[i]
+                    sw[j] = sumw
+                    s, m = make_qkx(xs, w, 16, 3, F32(-0.9), F32(0.05), 36, False, True, L[16 * j :], laux)
+                    scales[j] = s
+                    mins[j] = m
+                d_val = make_qp(scales, 16, 15, sw, ls)
+                m_val = make_qp(mins, 16, 15, sw, lm)
+                for j in range(16):
+                    y[j] = (ls[j] | (lm[j] << 4)) & 0xFF
+            put_fp16(y, 80, d_val)
+            put_fp16(y, 82, m_val)
+            d16 = fp16_round(d_val)
+            m16 = fp16_round(m_val)
+            for j in range(16):
+                d = d16 * F32(y[j] & 0xF)
+                if d == F32(0):
+                    continue
+                dm = m16 * F32(y[j] >> 4)
+                for i in range(16):
+                    L[16 * j + i] = _clamp(nearest_int((x[16 * j + i] + dm) / d), 0, 3)
+            _pack_2bit_128(L, y, 16)
+
+
+@njit(**JIT)
+def encode_q3k(rows: np.ndarray, imp: np.ndarray, out: np.ndarray) -> None:
+    """Q3_K rows; ``imp`` empty means no importance weights."""
+    n_rows, n_per_row = rows.shape
+    nb = n_per_row // QK
+    has_imp = imp.size > 0
+    L = np.empty(QK, np.uint8)
+    xt = np.empty((16, 16), np.float32)
+    wt = np.empty((16, 16), np.float32)
+    lt = np.empty((16, 16), np.uint8)
+    scales = np.empty(16, np.float32)
+    st = np.empty((16, 1), np.float32)
+    swt = np.empty((16, 1), np.float32)
+    lst = np.empty((16, 1), np.uint8)
+    d_out = np.empty(1, np.float32)
+    ls = np.empty(16, np.int64)
+    for r in range(n_rows):
+        for b in range(nb):
+            x = rows[r, b * QK : (b + 1) * QK]
+            y = out[r, b * 110 : (b + 1) * 110]
+            if not has_imp:
+                amax = F32(0)
+                max_scale = F32(0)
+                for j in range(16):
+                    s = make_q3(x[16 * j : 16 * j + 16], 16, 4, L[16 * j :])
+                    scales[j] = s
+                    if abs(s) > amax:
+                        amax = abs(s)
+                        max_scale = s
+                if max_scale != F32(0):
+                    iscale = F32(-32) / max_scale
+                    for j in range(16):
+                        li = ((nearest_int(iscale * scales[j]) + 128) & 0xFF) - 128  # through int8_t
+                        ls[j] = _clamp(li, -32, 31) + 32
+                    d_val = F32(1) / iscale
+                else:
+                    ls[:] = 0
+                    d_val = F32(0)
+            else:
+                total = F32(0)
+                for i in range(QK):
+                    total += x[i] * x[i]
+                sigma2 = F32(2) * total / F32(QK)
+                for j in range(16):
+                    for i in range(16):
+                        v = x[16 * j + i]
+                        xt[i, j] = v
+                        wt[i, j] = imp[b * QK + 16 * j + i] * np.sqrt(sigma2 + v * v)
+                for j in range(16):
+                    sumw = F32(0)
+                    for i in range(16):
+                        sumw += wt[i, j]
+                    swt[j, 0] = sumw
+                make_qx_lanes(xt, wt, 16, 16, 4, scales, lt)
+                for j in range(16):
+                    st[j, 0] = scales[j]
+                    for i in range(16):
+                        L[16 * j + i] = lt[i, j]
+                make_qx_lanes(st, swt, 16, 1, 32, d_out, lst)
+                d_val = d_out[0]
+                for j in range(16):
+                    ls[j] = lst[j, 0]
+            put_fp16(y, 108, d_val)
+            for j in range(8):
+                y[96 + j] = (ls[j] & 0xF) | ((ls[j + 8] & 0xF) << 4)
+            for m in range(4):
+                v = 0
+                for k in range(4):
+                    v |= (ls[4 * k + m] >> 4) << (2 * k)
+                y[104 + m] = v
+            d16 = fp16_round(d_val)
+            for j in range(16):
+                d = d16 * F32(ls[j] - 32)
+                if d == F32(0):
+                    continue
+                for i in range(16):
+                    L[16 * j + i] = _clamp(nearest_int(x[16 * j + i] / d), -4, 3) + 4
+            for m in range(32):
+                h = 0
+                for k in range(8):
+                    if L[32 * k + m] > 3:
+                        h |= 1 << k
+                y[m] = h
+            _pack_2bit_128(L, y, 32)
+
+
 # ---------------------------------------------------------------- entry points: (rows, importance) -> bytes
 
 
@@ -432,4 +649,18 @@ def q6_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
     rows = np.ascontiguousarray(rows, np.float32)
     out = np.empty((rows.shape[0], rows.shape[1] // QK * 210), np.uint8)
     encode_q6k(rows, _importance(importance), out)
+    return out
+
+
+def q2_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
+    rows = np.ascontiguousarray(rows, np.float32)
+    out = np.empty((rows.shape[0], rows.shape[1] // QK * 84), np.uint8)
+    encode_q2k(rows, _importance(importance), out)
+    return out
+
+
+def q3_k(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
+    rows = np.ascontiguousarray(rows, np.float32)
+    out = np.empty((rows.shape[0], rows.shape[1] // QK * 110), np.uint8)
+    encode_q3k(rows, _importance(importance), out)
     return out
