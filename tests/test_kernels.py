@@ -13,7 +13,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from forge.quant import numerics as nx
-from forge.quant.codecs import iq2, kquants, legacy
+from forge.quant.codecs import iq2, iq3, kquants, legacy
 from forge.quant.types import get_type
 
 pytest.importorskip("numba")
@@ -33,6 +33,8 @@ KERNELS = {
     "iq2.iq2_xxs": (iq2.IQ2_XXS._encode_chunk.fallback, True, True),
     "iq2.iq2_xs": (iq2.IQ2_XS._encode_chunk.fallback, True, True),
     "iq2.iq2_s": (iq2.IQ2_S._encode_chunk.fallback, True, False),
+    "iq3.iq3_xxs": (iq3._encode_iq3_xxs, True, False),
+    "iq3.iq3_s": (iq3._encode_iq3_s, True, False),
 }
 SCALES = [1.0, 3e3, 1e-3, 1e-6, 1e10, 1e-30]
 
@@ -88,7 +90,9 @@ def test_kernel_matches_numpy_reference(name: str, scale: float, weighted: bool)
         assert not len(bad), f"{name} scale {scale} rows {bad.tolist()} of {n_rows}x{n_per_row} differ"
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q3_K", "Q4_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S"])
+@pytest.mark.parametrize(
+    "type_name", ["Q8_0", "Q3_K", "Q4_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"]
+)
 def test_codecs_dispatch_to_kernels_unless_disabled(type_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     qtype = get_type(type_name)
     x = _rows(40, 512, 1.0, 3)

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType
 
 from forge.quant.codecs.iq4 import RowChunkedCodec, _importance_position_major, _position_major, _seq_dot
 from forge.quant.iq3_grid import IQ3Grid, iq3s_grid, iq3xxs_grid
+from forge.quant.kernels import accelerated
 from forge.quant.numerics import fp16_bits, nearest_int
 
 _KMAXQ = 8
@@ -264,9 +265,9 @@ def _encode_iq3_s(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray
 class IQ3_XXS(RowChunkedCodec):
     ggml_type = GGMLQuantizationType.IQ3_XXS
     needs_imatrix = True
-    _encode_chunk = staticmethod(_encode_iq3_xxs)
+    _encode_chunk = staticmethod(accelerated("iq3.iq3_xxs", _encode_iq3_xxs))
 
 
 class IQ3_S(RowChunkedCodec):
     ggml_type = GGMLQuantizationType.IQ3_S
-    _encode_chunk = staticmethod(_encode_iq3_s)
+    _encode_chunk = staticmethod(accelerated("iq3.iq3_s", _encode_iq3_s))
