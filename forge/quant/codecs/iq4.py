@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from forge.quant.kernels import accelerated
 from forge.quant.numerics import fp16_bits, nearest_int, seq_sum
 from forge.quant.types import BlockCodec
 
@@ -183,9 +184,9 @@ class RowChunkedCodec(BlockCodec):
 
 class IQ4_NL(RowChunkedCodec):
     ggml_type = GGMLQuantizationType.IQ4_NL
-    _encode_chunk = staticmethod(_encode_iq4_nl)
+    _encode_chunk = staticmethod(accelerated("iq4.iq4_nl", _encode_iq4_nl))
 
 
 class IQ4_XS(RowChunkedCodec):
     ggml_type = GGMLQuantizationType.IQ4_XS
-    _encode_chunk = staticmethod(_encode_iq4_xs)
+    _encode_chunk = staticmethod(accelerated("iq4.iq4_xs", _encode_iq4_xs))
