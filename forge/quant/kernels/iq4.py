@@ -15,26 +15,25 @@ from forge.quant.kernels._core import F32, GROUP_MAX_EPS, JIT, nearest_int, put_
 _LEVELS = IQ4_LEVELS.astype(np.float32)
 
 
+# The levels are integers, so the bracketing pair of levels of x depends only on floor(x): _UPPER[f + 128]
+# is the index of the first level above floor f (for -127 <= f <= 112, the range reached below).
+_UPPER = np.searchsorted(_LEVELS, np.arange(-128, 114, dtype=np.float32), side="right").astype(np.int64)
+
+
 @njit(inline="always", **JIT)
-def _best_index(levels: np.ndarray, x: float) -> int:
-    """ggml ``best_index_int8(16, kvalues_iq4nl, x)``: the nearest level, the upper one on ties."""
+def _best_index(levels: np.ndarray, upper: np.ndarray, x: float) -> int:
+    """ggml ``best_index_int8(16, kvalues_iq4nl, x)``: the nearest level, the upper one on ties
+    (NaN gives 15, as ggml's binary search does)."""
     if x <= levels[0]:
         return 0
-    if x >= levels[15]:
+    if not x < levels[15]:
         return 15
-    ml = 0
-    mu = 15
-    while mu - ml > 1:
-        mav = (ml + mu) // 2
-        if x < levels[mav]:
-            mu = mav
-        else:
-            ml = mav
-    return mu - 1 if x - levels[mu - 1] < levels[mu] - x else mu
+    mu = upper[np.int64(np.floor(x)) + 128]
+    return mu - np.int64(x - levels[mu - 1] < levels[mu] - x)  # branch-free: the pick is a coin toss
 
 
 @njit(**JIT)
-def _block_scale(x: np.ndarray, w: np.ndarray, levels: np.ndarray) -> float:
+def _block_scale(x: np.ndarray, w: np.ndarray, levels: np.ndarray, upper: np.ndarray) -> float:
     """The best scale of a 32-value block (0 when all |x| < GROUP_MAX_EPS)."""
     amax = F32(0)
     vmax = F32(0)
@@ -50,7 +49,7 @@ def _block_scale(x: np.ndarray, w: np.ndarray, levels: np.ndarray) -> float:
     sumqx = F32(0)
     sumq2 = F32(0)
     for i in range(32):
-        q = levels[_best_index(levels, inv * x[i])]
+        q = levels[_best_index(levels, upper, inv * x[i])]
         wq = w[i] * q
         sumqx += wq * x[i]
         sumq2 += wq * q
@@ -61,7 +60,7 @@ def _block_scale(x: np.ndarray, w: np.ndarray, levels: np.ndarray) -> float:
         sumqx = F32(0)
         sumq2 = F32(0)
         for i in range(32):
-            q = levels[_best_index(levels, inv * x[i])]
+            q = levels[_best_index(levels, upper, inv * x[i])]
             wq = w[i] * q
             sumqx += wq * x[i]
             sumq2 += wq * q
@@ -72,7 +71,9 @@ def _block_scale(x: np.ndarray, w: np.ndarray, levels: np.ndarray) -> float:
 
 
 @njit(**JIT)
-def encode_iq4(rows: np.ndarray, imp: np.ndarray, xs: bool, levels: np.ndarray, out: np.ndarray) -> None:
+def encode_iq4(
+    rows: np.ndarray, imp: np.ndarray, xs: bool, levels: np.ndarray, upper: np.ndarray, out: np.ndarray
+) -> None:
     """IQ4_NL (xs False: 32-value blocks of 18 bytes) / IQ4_XS (xs True: 256-value blocks of 136)."""
     n_rows, n_per_row = rows.shape
     sb = 256 if xs else 32
@@ -92,18 +93,18 @@ def encode_iq4(rows: np.ndarray, imp: np.ndarray, xs: bool, levels: np.ndarray, 
             for i in range(sb):
                 w[i] = imp[b * sb + i] * np.sqrt(sigma2 + x[i] * x[i]) if has_imp else x[i] * x[i]
             if not xs:
-                d = _block_scale(x, w, levels)
+                d = _block_scale(x, w, levels, upper)
                 put_fp16(y, 0, d)
                 inv = F32(1) / d if d != F32(0) else F32(0)
                 for j in range(16):
-                    lo = _best_index(levels, inv * x[j])
-                    hi = _best_index(levels, inv * x[j + 16])
+                    lo = _best_index(levels, upper, inv * x[j])
+                    hi = _best_index(levels, upper, inv * x[j + 16])
                     y[2 + j] = lo | (hi << 4)
                 continue
             amax = F32(0)
             max_scale = F32(0)
             for ib in range(8):
-                s = _block_scale(x[32 * ib : 32 * ib + 32], w[32 * ib : 32 * ib + 32], levels)
+                s = _block_scale(x[32 * ib : 32 * ib + 32], w[32 * ib : 32 * ib + 32], levels, upper)
                 scales[ib] = s
                 if abs(s) > amax:
                     amax = abs(s)
@@ -124,8 +125,8 @@ def encode_iq4(rows: np.ndarray, imp: np.ndarray, xs: bool, levels: np.ndarray, 
                 dl = d * F32(ls[ib])
                 inv_dl = F32(1) / dl if dl != F32(0) else F32(0)
                 for j in range(16):
-                    lo = _best_index(levels, inv_dl * x[32 * ib + j])
-                    hi = _best_index(levels, inv_dl * x[32 * ib + j + 16])
+                    lo = _best_index(levels, upper, inv_dl * x[32 * ib + j])
+                    hi = _best_index(levels, upper, inv_dl * x[32 * ib + j + 16])
                     y[8 + 16 * ib + j] = lo | (hi << 4)
 
 
@@ -134,7 +135,7 @@ def _run(rows: np.ndarray, importance: np.ndarray | None, xs: bool) -> np.ndarra
     imp = np.empty(0, np.float32) if importance is None else np.ascontiguousarray(importance, np.float32)
     n_blocks = rows.shape[1] // (256 if xs else 32)
     out = np.empty((rows.shape[0], n_blocks * (136 if xs else 18)), np.uint8)
-    encode_iq4(rows, imp, xs, _LEVELS, out)
+    encode_iq4(rows, imp, xs, _LEVELS, _UPPER, out)
     return out
 
 
