@@ -47,6 +47,7 @@ class EncodeJob:
     name: str
     out_type: str
     importance: np.ndarray | None  # (n_mat, n_per_row)
+    shape: tuple[int, ...] = ()  # numpy order; lets an executor split a 3-D tensor by expert ranges
 
 
 @dataclass
@@ -59,7 +60,8 @@ class EncodeResult:
 _SOURCES: dict[SourceRef, QuantSource] = {}
 
 
-def _open(ref: SourceRef) -> QuantSource:
+def open_source(ref: SourceRef) -> QuantSource:
+    """The source, opened once per process (worker processes reuse it across jobs)."""
     if ref not in _SOURCES:
         _SOURCES[ref] = ref.open()
     return _SOURCES[ref]
@@ -77,9 +79,11 @@ def encode_rows(qtype: str, rows: np.ndarray, importance: np.ndarray | None) -> 
     return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
-def run_job(job: EncodeJob) -> EncodeResult:
+def run_job(job: EncodeJob, values: np.ndarray | None = None) -> EncodeResult:
+    """Encode one job; ``values`` (float32) replace reading the tensor from the source."""
     start = time.perf_counter()
-    values = _open(job.source).float32(job.name)
+    if values is None:
+        values = open_source(job.source).float32(job.name)
     n_per_row = values.shape[-1]
     mats = values.reshape(-1, *values.shape[-2:]) if values.ndim >= 2 else values.reshape(1, 1, -1)
     if job.importance is not None and job.importance.shape[0] == mats.shape[0]:
@@ -101,6 +105,10 @@ class Executor:
 
     def map(self, jobs: list[EncodeJob]) -> Iterator[EncodeResult]:
         return (run_job(j) for j in jobs)
+
+    def status(self) -> str:
+        """A short progress note (tasks done/running/failed) for executors that have one."""
+        return ""
 
     def close(self) -> None:
         pass
@@ -131,7 +139,24 @@ class ProcessExecutor(Executor):
         self.pool.shutdown(cancel_futures=True)
 
 
-def make_executor(jobs: int) -> Executor:
+EXECUTORS = ("local", "ray")
+
+
+def make_executor(
+    jobs: int = 1,
+    kind: str = "local",
+    ray_address: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Executor:
+    """``local``: this process (``jobs`` 1) or a process pool; ``ray``: tasks on a Ray cluster."""
+    if kind not in EXECUTORS:
+        raise ForgeError(f"--executor must be one of {', '.join(EXECUTORS)}, not {kind!r}")
+    if kind == "ray":
+        from forge.distributed.quantize import RayExecutor
+
+        return RayExecutor(ray_address, log=log)
+    if ray_address is not None:
+        raise ForgeError("--ray-address needs --executor ray")
     if jobs < 1:
         raise ForgeError("--jobs must be at least 1")
     return Executor() if jobs == 1 else ProcessExecutor(jobs)
@@ -223,8 +248,13 @@ def build(
     progress: bool = False,
     log: Callable[[str], None] | None = None,
     stamps: list[TensorStamp] | None = None,
+    executor: Executor | Callable[[], Executor] | None = None,
 ) -> BuildReport:
-    """Encode/copy every planned tensor and write ``out`` (``None``: dry run, nothing written)."""
+    """Encode/copy every planned tensor and write ``out`` (``None``: dry run, nothing written).
+
+    ``executor``: runs the encode jobs (or a factory for one, called only when there is work);
+    default: ``make_executor(jobs)``. An executor passed in is not closed here.
+    """
     specs = [p.spec for p in plan]
     digests: list[str] = []
     if stamps is not None:
@@ -236,8 +266,14 @@ def build(
         return report
     start = time.perf_counter()
     to_encode = [p for p in plan if p.action == "encode"]
-    encode_jobs = [EncodeJob(source.ref, p.name, p.out_type.name, p.importance) for p in to_encode]
-    executor = make_executor(jobs)
+    encode_jobs = [EncodeJob(source.ref, p.name, p.out_type.name, p.importance, p.shape) for p in to_encode]
+    owned = not isinstance(executor, Executor)
+    if owned and not encode_jobs:  # everything copied or reused: no workers to start
+        executor = Executor()
+    elif executor is None:
+        executor = make_executor(jobs)
+    elif owned:
+        executor = executor()
     try:
         results = executor.map(encode_jobs)
         with byte_progress(sum(s.nbytes for s in specs), "quantize", progress) as advance:
@@ -256,12 +292,14 @@ def build(
                         item = res.data if res else source.stored(p.name)
                         digests.append(content_digest([item]))
                         yield item
-                    advance(p.spec.nbytes, p.name)
+                    note = executor.status()
+                    advance(p.spec.nbytes, f"{p.name}  {note}" if note else p.name)
 
             finalize = _digest_patcher(digests) if stamps is not None else None
             write_gguf(out, kvs, specs, data(), finalize=finalize)
     finally:
-        executor.close()
+        if owned:
+            executor.close()
     report.seconds = time.perf_counter() - start
     return report
 

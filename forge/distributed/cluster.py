@@ -1,0 +1,102 @@
+"""Connecting to Ray: a clear message when it is not installed, a bounded wait for a bad address.
+
+``ray.init`` waits a minute or more (and prints C++ warnings) before giving up on an address where no
+cluster answers, so the address is probed first: a TCP connection, then the HTTP/2 handshake every
+gRPC server (Ray's control service is one) answers with a SETTINGS frame.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+
+from forge.errors import ForgeError
+
+INSTALL_HINT = "pip install 'gguf-forge[distributed]'"
+#: seconds to wait for a cluster's address to answer (FORGE_RAY_CONNECT_TIMEOUT overrides)
+CONNECT_TIMEOUT = 10.0
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_EMPTY_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+_SETTINGS_FRAME = 0x4
+
+
+def require_ray() -> ModuleType:
+    """The ``ray`` module, or a ForgeError that says how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise ForgeError(f"--executor ray needs Ray, which is not installed: {INSTALL_HINT}") from None
+    return ray
+
+
+def connect_timeout() -> float:
+    try:
+        return float(os.environ.get("FORGE_RAY_CONNECT_TIMEOUT", CONNECT_TIMEOUT))
+    except ValueError:
+        raise ForgeError("FORGE_RAY_CONNECT_TIMEOUT must be a number of seconds") from None
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` or ``ray://host:port`` -> (host, port)."""
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ForgeError(f"--ray-address {address!r}: expected HOST:PORT (or ray://HOST:PORT, or auto)")
+    return host.strip("[]"), int(port)
+
+
+def probe(address: str, timeout: float | None = None) -> None:
+    """Raise ForgeError unless a gRPC server answers at ``address`` within ``timeout`` seconds."""
+    timeout = connect_timeout() if timeout is None else timeout
+    host, port = split_address(address)
+    deadline = time.monotonic() + timeout
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.sendall(_HTTP2_PREFACE + _EMPTY_SETTINGS)
+            head = b""
+            while len(head) < 9:
+                s.settimeout(max(0.05, deadline - time.monotonic()))
+                part = s.recv(9 - len(head))
+                if not part:
+                    break
+                head += part
+    except TimeoutError:
+        raise ForgeError(f"no Ray cluster answered at {address} within {timeout:g} s") from None
+    except OSError as e:
+        raise ForgeError(f"cannot reach a Ray cluster at {address}: {e.strerror or e}") from None
+    if len(head) < 9 or head[3] != _SETTINGS_FRAME:
+        raise ForgeError(f"{address} answers, but not as a Ray cluster (no gRPC handshake)")
+
+
+@contextmanager
+def ray_session(address: str | None) -> Iterator[ModuleType]:
+    """Yield ``ray`` connected to ``address``; disconnect on exit if this call connected.
+
+    ``address``: ``HOST:PORT`` or ``ray://HOST:PORT`` (probed first), ``auto`` (Ray's own lookup of a
+    cluster started on this machine), or ``None``: ``RAY_ADDRESS`` when set, else a private Ray
+    instance started on this machine for the duration of the build.
+    """
+    ray = require_ray()
+    if ray.is_initialized():
+        yield ray
+        return
+    target = address or os.environ.get("RAY_ADDRESS") or "local"
+    if target not in ("auto", "local"):
+        probe(target)
+    try:
+        ray.init(address=target, logging_level="ERROR", log_to_driver=False, configure_logging=True)
+    except ConnectionError as e:
+        raise ForgeError(f"cannot connect to the Ray cluster at {target}: {e}") from None
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def cluster_cpus(ray: ModuleType) -> int:
+    """CPUs of the cluster's live nodes (at least 1, so that a window of tasks can be sized)."""
+    return max(1, int(ray.cluster_resources().get("CPU", 0)))
