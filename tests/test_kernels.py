@@ -13,7 +13,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from forge.quant import numerics as nx
-from forge.quant.codecs import iq2, iq3, iq4, kquants, legacy
+from forge.quant.codecs import iq1, iq2, iq3, iq4, kquants, legacy
 from forge.quant.types import get_type
 
 pytest.importorskip("numba")
@@ -37,6 +37,8 @@ KERNELS = {
     "iq3.iq3_s": (iq3._encode_iq3_s, True, False),
     "iq4.iq4_nl": (iq4._encode_iq4_nl, True, False),
     "iq4.iq4_xs": (iq4._encode_iq4_xs, True, False),
+    "iq1.iq1_s": (iq1.IQ1_S._encode_chunk.fallback, True, True),
+    "iq1.iq1_m": (iq1.IQ1_M._encode_chunk.fallback, True, False),
 }
 SCALES = [1.0, 3e3, 1e-3, 1e-6, 1e10, 1e-30]
 

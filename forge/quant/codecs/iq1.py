@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as T
 
 from forge.quant.codecs.iq2 import QK_K, block_encoder, seq_sum
 from forge.quant.iq2_grid import CODE_WEIGHTS, codebook
+from forge.quant.kernels import accelerated
 from forge.quant.numerics import fp16_bits, nearest_int
 from forge.quant.types import BlockCodec
 
@@ -305,7 +306,9 @@ class IQ1_S(_IQ1):
 
     ggml_type = T.IQ1_S
     requires_importance = True
-    _encode_chunk = staticmethod(block_encoder(lambda x, qw: _encode_iq1_s_chunk(x, qw)))
+    _encode_chunk = staticmethod(
+        accelerated("iq1.iq1_s", block_encoder(lambda x, qw: _encode_iq1_s_chunk(x, qw)))
+    )
 
 
 class IQ1_M(_IQ1):
@@ -314,4 +317,6 @@ class IQ1_M(_IQ1):
     llama-quantize refuses the type without an imatrix."""
 
     ggml_type = T.IQ1_M
-    _encode_chunk = staticmethod(block_encoder(lambda x, qw: _encode_iq1_m_chunk(x, qw)))
+    _encode_chunk = staticmethod(
+        accelerated("iq1.iq1_m", block_encoder(lambda x, qw: _encode_iq1_m_chunk(x, qw)))
+    )
