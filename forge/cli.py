@@ -113,6 +113,12 @@ def quantize(
         bool, typer.Option(help="print the plan and exact output size; write nothing")
     ] = False,
     jobs: Annotated[int, typer.Option(help="worker processes; output bytes do not depend on it")] = 1,
+    executor: Annotated[
+        str, typer.Option(help="local (this machine, --jobs processes) or ray (a Ray cluster); same bytes")
+    ] = "local",
+    ray_address: Annotated[
+        str | None, typer.Option(help="Ray cluster HOST:PORT (default: $RAY_ADDRESS, else a local Ray)")
+    ] = None,
     allow_requantize: Annotated[bool, typer.Option(help="allow an already-quantized source")] = False,
     reuse: Annotated[
         list[Path] | None, typer.Option(help="prior build (file or folder) to copy unchanged tensors from")
@@ -134,7 +140,8 @@ def quantize(
     log = None if as_json else (lambda line: err.print(line, highlight=False, markup=False))
     plan, rep = run(src, None if dry_run else output, recipe, imatrix, tensor_type or [], jobs, allow_requantize,
                     not no_mtp, progress=not as_json, log=log, reuse=reuse or [], trust_mtime=trust_mtime,
-                    warn=lambda line: err.print(line, highlight=False, markup=False))  # fmt: skip
+                    warn=lambda line: err.print(line, highlight=False, markup=False), executor=executor,
+                    ray_address=ray_address)  # fmt: skip
     by_type = bytes_by_type(rep)
     n_el = sum(e["elements"] for e in by_type.values())
     n_bytes = sum(e["bytes"] for e in by_type.values())

@@ -1,15 +1,14 @@
 """Connecting to Ray: a clear message when it is not installed, a bounded wait for a bad address.
 
 ``ray.init`` waits a minute or more (and prints C++ warnings) before giving up on an address where no
-cluster answers, so the address is probed first: a TCP connection, then the HTTP/2 handshake every
-gRPC server (Ray's control service is one) answers with a SETTINGS frame.
+cluster answers, so the address is probed first with one call to Ray's control service (GCS),
+under a deadline.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -19,9 +18,6 @@ from forge.errors import ForgeError
 INSTALL_HINT = "pip install 'gguf-forge[distributed]'"
 #: seconds to wait for a cluster's address to answer (FORGE_RAY_CONNECT_TIMEOUT overrides)
 CONNECT_TIMEOUT = 10.0
-_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-_EMPTY_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
-_SETTINGS_FRAME = 0x4
 
 
 def require_ray() -> ModuleType:
@@ -50,26 +46,30 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 def probe(address: str, timeout: float | None = None) -> None:
-    """Raise ForgeError unless a gRPC server answers at ``address`` within ``timeout`` seconds."""
+    """Raise ForgeError unless Ray's control service answers at ``address`` within ``timeout`` s."""
+    require_ray()
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
     timeout = connect_timeout() if timeout is None else timeout
     host, port = split_address(address)
-    deadline = time.monotonic() + timeout
-    try:
-        with socket.create_connection((host, port), timeout=timeout) as s:
-            s.sendall(_HTTP2_PREFACE + _EMPTY_SETTINGS)
-            head = b""
-            while len(head) < 9:
-                s.settimeout(max(0.05, deadline - time.monotonic()))
-                part = s.recv(9 - len(head))
-                if not part:
-                    break
-                head += part
-    except TimeoutError:
-        raise ForgeError(f"no Ray cluster answered at {address} within {timeout:g} s") from None
-    except OSError as e:
-        raise ForgeError(f"cannot reach a Ray cluster at {address}: {e.strerror or e}") from None
-    if len(head) < 9 or head[3] != _SETTINGS_FRAME:
-        raise ForgeError(f"{address} answers, but not as a Ray cluster (no gRPC handshake)")
+    if address.startswith("ray://"):  # a Ray Client server: only check that something listens
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+        except OSError as e:
+            raise ForgeError(f"cannot reach a Ray client server at {address}: {e.strerror or e}") from None
+        return
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        try:
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout)
+        except grpc.RpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise ForgeError(f"no Ray cluster answered at {address} within {timeout:g} s") from None
+            if code == grpc.StatusCode.UNAVAILABLE:
+                raise ForgeError(f"cannot reach a Ray cluster at {address} (connection failed)") from None
+            raise ForgeError(f"{address} answers, but not as a Ray cluster ({code.name.lower()})") from None
 
 
 @contextmanager

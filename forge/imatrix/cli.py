@@ -129,12 +129,32 @@ def collect(
         bool, typer.Option("--process-output", help="collect output.weight too")
     ] = False,
     device: Annotated[str, typer.Option(help="torch device")] = "cpu",
+    executor: Annotated[
+        str, typer.Option(help="local (this process) or ray (chunks over a Ray cluster's nodes)")
+    ] = "local",
+    ray_address: Annotated[
+        str | None, typer.Option(help="Ray cluster HOST:PORT (default: $RAY_ADDRESS, else a local Ray)")
+    ] = None,
 ) -> None:
     """Collect an imatrix with llama-imatrix's chunking, printing perplexity along the way."""
     from forge.imatrix.accumulate import collect as run_collect
 
-    rep = run_collect(model, text, output, ctx, chunks, _fmt(fmt), save_every, process_output, device,
-                      log=lambda s: out.print(s, end=" "))  # fmt: skip
+    if executor not in ("local", "ray"):
+        raise ForgeError(f"--executor must be local or ray, not {executor!r}")
+    if executor == "local" and ray_address is not None:
+        raise ForgeError("--ray-address needs --executor ray")
+    if executor == "ray":
+        from forge.distributed.cluster import probe, require_ray
+        from forge.distributed.imatrix import collect_ray
+
+        require_ray()
+        if ray_address not in (None, "auto"):
+            probe(ray_address)
+        rep = collect_ray(model, text, output, ctx, chunks, _fmt(fmt), save_every, process_output, device,
+                          log=lambda s: out.print(s, end=" "), address=ray_address)  # fmt: skip
+    else:
+        rep = run_collect(model, text, output, ctx, chunks, _fmt(fmt), save_every, process_output, device,
+                          log=lambda s: out.print(s, end=" "))  # fmt: skip
     out.print()
     out.print(f"wrote {output}: {len(rep.imatrix.sums)} tensors from {rep.chunks} chunks x {ctx} tokens "
               f"in {rep.seconds:.1f} s ({rep.tokens_per_second:.0f} tokens/s)")  # fmt: skip
