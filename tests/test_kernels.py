@@ -25,6 +25,10 @@ from forge.quant.kernels import _core, enabled, kernel  # noqa: E402
 # kernel name -> (numpy reference encoder, reads importance, needs importance)
 KERNELS = {
     "q8.q8_0": (legacy.encode_q8_0, False, False),
+    "legacy.q4_0": (legacy.encode_q4_0, True, False),
+    "legacy.q4_1": (legacy.encode_q4_1, True, False),
+    "legacy.q5_0": (legacy.encode_q5_0, True, False),
+    "legacy.q5_1": (legacy.encode_q5_1, True, False),
     "kquants.q4_k": (kquants.encode_q4_k, True, False),
     "kquants.q5_k": (kquants.encode_q5_k, True, False),
     "kquants.q6_k": (kquants.encode_q6_k, True, False),
@@ -60,7 +64,7 @@ def _rows(n_rows: int, n_per_row: int, scale: float, seed: int) -> np.ndarray:
         lambda r: r.__setitem__(slice(0, 256), -np.float32(scale)),  # constant negative super-block
         lambda r: r.__setitem__(slice(None, None, 7), 0),  # sparse zeros
         lambda r: np.abs(r, out=r),  # one-signed
-        lambda r: r.__setitem__(slice(None), np.round(r * 4) / 4),  # few distinct values, ties
+        lambda r: r.__setitem__(slice(None), np.round(r * 4) / 4 + 0),  # few distinct values, ties (no -0.0)
     ]
     for i in range(min(n_rows, len(edits))):
         edits[(i + seed) % len(edits)](x[i])
@@ -95,7 +99,8 @@ def test_kernel_matches_numpy_reference(name: str, scale: float, weighted: bool)
 
 
 @pytest.mark.parametrize(
-    "type_name", ["Q8_0", "Q3_K", "Q4_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"]
+    "type_name",
+    ["Q8_0", "Q4_0", "Q5_1", "Q3_K", "Q4_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"],
 )
 def test_codecs_dispatch_to_kernels_unless_disabled(type_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     qtype = get_type(type_name)
@@ -142,14 +147,21 @@ def _ggml_quantize_chunk():  # noqa: ANN202
     return _ggml_quantize_chunk()
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q5_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_kernel_matches_libggml_at_extreme_magnitudes(type_name: str, weighted: bool) -> None:
+    """Where the numpy reference parts from ggml (an argmax over NaN scales once x² overflows, in
+    Q3_K/Q6_K; a signed zero picked as the block maximum of an all-zero Q4_0/Q5_0 block), the kernels
+    follow ggml."""
     quantize_chunk = _ggml_quantize_chunk()
     qtype = get_type(type_name)
-    name = {"Q8_0": "q8.q8_0"}.get(type_name, f"kquants.{type_name.lower()}")
+    name = {"Q8_0": "q8.q8_0", "Q4_0": "legacy.q4_0", "Q5_0": "legacy.q5_0"}.get(
+        type_name, f"kquants.{type_name.lower()}"
+    )
     for scale in (1e30, 1e20, 1e15, 1e-38):
         x = _rows(6, 512, scale, 5)
+        x[5, :64] = 0
+        x[5, [0, 7, 32]] = -0.0  # all-zero blocks starting with a negative zero
         w = _importance(512, 5) if weighted else None
         want = np.zeros((x.shape[0], qtype.row_bytes(x.shape[1])), np.uint8)
         quantize_chunk(

@@ -140,19 +140,19 @@ class Q8_0(_Legacy):
 
 class Q4_0(_Legacy):
     ggml_type = T.Q4_0
-    _encode_chunk = staticmethod(encode_q4_0)
+    _encode_chunk = staticmethod(accelerated("legacy.q4_0", encode_q4_0))
 
 
 class Q4_1(_Legacy):
     ggml_type = T.Q4_1
-    _encode_chunk = staticmethod(encode_q4_1)
+    _encode_chunk = staticmethod(accelerated("legacy.q4_1", encode_q4_1))
 
 
 class Q5_0(_Legacy):
     ggml_type = T.Q5_0
-    _encode_chunk = staticmethod(encode_q5_0)
+    _encode_chunk = staticmethod(accelerated("legacy.q5_0", encode_q5_0))
 
 
 class Q5_1(_Legacy):
     ggml_type = T.Q5_1
-    _encode_chunk = staticmethod(encode_q5_1)
+    _encode_chunk = staticmethod(accelerated("legacy.q5_1", encode_q5_1))
