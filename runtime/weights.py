@@ -158,6 +158,21 @@ class Weights:
             self._dense[name] = self._load_dense(name)
         return self._dense[name]
 
+    def columns(self, names: list[str], order: torch.Tensor | None = None) -> torch.Tensor:
+        """Matrices (a 1-D tensor counts as one row) stacked by rows, their rows permuted by ``order``,
+        then transposed: a contiguous (n_in, total rows) float32 tensor, so ``x @ it`` is ``x @ W.T``.
+
+        The decoded parts are not kept (each weight is held once, in this form); ``dense`` decodes again.
+        """
+        parts = [self.dense(n) for n in names]
+        w = torch.cat([p[None, :] if p.dim() == 1 else p for p in parts])
+        if order is not None:
+            w = w[order]
+        out = w.T.contiguous()
+        for n in names:
+            self._dense.pop(n, None)
+        return out
+
     def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of a 2-D tensor (the token embedding), float32."""
         raise NotImplementedError
@@ -311,8 +326,9 @@ class GGUFWeights(Weights):
     def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         self._require(name)
         if name in self._dense:
-            return self._dense[name][ids]
-        return dequantize(self.raw(name)[ids.to(self.device)], self.qtype(name), self.shape(name)[-1])
+            return self._dense[name].index_select(0, ids)
+        raw = self.raw(name).index_select(0, ids.to(self.device))
+        return dequantize(raw, self.qtype(name), self.shape(name)[-1])
 
     def _experts(self, name: str) -> ExpertTensor:
         return ExpertTensor(self.raw(name), self.qtype(name), self.shape(name)[-1])

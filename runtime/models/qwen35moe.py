@@ -18,10 +18,10 @@ from runtime.models.qwen3moe import (
     Linear,
     MoeCausalLM,
     RoutedExperts,
-    State,
     rms_norm,
+    rms_norm_row,
 )
-from runtime.observers import Observer
+from runtime.observers import Observer, notify_matmul
 from runtime.weights import Weights
 
 _CHUNK = 64  # tokens per chunk of the chunked delta rule (same as llama.cpp's)
@@ -114,6 +114,12 @@ class GatedDeltaNet:
         self.dt_bias = weights.dense(p + "ssm_dt.bias")
         self.a = weights.dense(p + "ssm_a")  # -exp(A_log)
         self.norm = weights.dense(p + "ssm_norm.weight")
+        self.observers = observers
+        # one-token path: q and k heads l2-normalized together, q's rows carrying the 1/sqrt(d_k) scale
+        self.qk_scale = torch.cat([torch.full((self.n_k, 1), self.d_k**-0.5), torch.ones(self.n_k, 1)]).to(
+            weights.device
+        )
+        self.conv_rows = self.conv_w.T.contiguous()  # (kernel, channels)
 
     def new_state(self, device: torch.device) -> DeltaNetState:
         channels, kernel = self.conv_w.shape
@@ -148,6 +154,35 @@ class GatedDeltaNet:
         o = rms_norm(o, self.norm, self.eps) * F.silu(z.reshape(t, self.n_v, self.d_v))
         return self.out(o.reshape(t, -1))
 
+    def step(self, x: torch.Tensor, h: torch.Tensor, st: DeltaNetState) -> torch.Tensor:
+        """One token (no ggml numerics): x (1, n_embd) the normed input, h the residual -> h + mixer."""
+        if self.observers:
+            for name in self.inputs.names:
+                notify_matmul(self.observers, name, x)
+        mixed, z, beta, alpha = torch.split(torch.mm(x, self.inputs.weight.T)[0], self.inputs.sizes)
+        window = torch.cat([st.conv, mixed[None]])
+        st.conv = window[1:]
+        conv = F.silu((window * self.conv_rows).sum(0))
+        key_dim = self.n_k * self.d_k
+        qk = conv[: 2 * key_dim].view(2 * self.n_k, self.d_k)
+        qk = qk * (self.qk_scale / torch.linalg.vector_norm(qk, dim=-1, keepdim=True).clamp_min(self.eps))
+        rep = self.n_v // self.n_k
+        if rep > 1:  # tiled: value head h uses key head h % n_k
+            qk = qk.view(2, 1, self.n_k, self.d_k).expand(2, rep, self.n_k, self.d_k)
+        qk = qk.reshape(2, self.n_v, 1, self.d_k)
+        q, k = qk[0], qk[1]
+        v = conv[2 * key_dim :].view(self.n_v, 1, self.d_v)
+        g = F.softplus(alpha + self.dt_bias) * self.a
+        s = st.recurrent * torch.exp(g).view(-1, 1, 1)
+        delta = (v - torch.bmm(k, s)) * torch.sigmoid(beta).view(-1, 1, 1)
+        s = torch.baddbmm(s, k.transpose(1, 2), delta)
+        st.recurrent = s
+        o = torch.bmm(q, s).view(self.n_v, self.d_v)
+        o = (rms_norm(o, self.norm, self.eps) * F.silu(z.view(self.n_v, self.d_v))).view(1, -1)
+        if self.observers:
+            notify_matmul(self.observers, self.out.name, o)
+        return torch.addmm(h, o, self.out.weight.T)
+
 
 class SharedExpert:
     def __init__(self, weights: Weights, layer: int, observers: list[Observer]) -> None:
@@ -155,10 +190,22 @@ class SharedExpert:
         names = ["ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_gate_inp_shexp.weight"]
         self.inputs = FusedLinear(weights, [p + n for n in names], observers)
         self.down = Linear(weights, p + "ffn_down_shexp.weight", observers)
+        self.observers = observers
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, scale = self.inputs(x)
         return self.down(F.silu(gate) * up) * torch.sigmoid(scale)
+
+    def step(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """One token: h + the shared expert's output (its gate applied before the down matmul)."""
+        if self.observers:
+            for name in self.inputs.names:
+                notify_matmul(self.observers, name, x)
+        gate, up, scale = torch.split(torch.mm(x, self.inputs.weight.T), self.inputs.sizes, dim=-1)
+        act = F.silu(gate).mul_(up)
+        if self.observers:
+            notify_matmul(self.observers, self.down.name, act)
+        return torch.addmm(h, act.mul_(torch.sigmoid(scale)), self.down.weight.T)
 
 
 class Qwen35MoeBlock:
@@ -200,6 +247,21 @@ class Qwen35MoeBlock:
             y = y + self.shared(x)
         return h + y
 
+    def step(
+        self, h: torch.Tensor, cache: KVCache | DeltaNetState, pos: int, eps: torch.Tensor
+    ) -> torch.Tensor:
+        x = rms_norm_row(h, self.attn_norm, eps)
+        if isinstance(self.mixer, GatedDeltaNet):
+            assert isinstance(cache, DeltaNetState)
+            h = self.mixer.step(x, h, cache)
+        else:
+            assert isinstance(cache, KVCache)
+            h = self.mixer.step(x, h, cache, pos)
+        x = rms_norm_row(h, self.post_norm, eps)
+        if self.shared is not None:
+            h = self.shared.step(x, h)
+        return self.moe.step(x, h)
+
 
 class Qwen35MoeModel(MoeCausalLM):
     arch = "qwen35moe"
@@ -213,14 +275,6 @@ class Qwen35MoeModel(MoeCausalLM):
             for i in range(self.n_layer)
         ]
 
-    def _block(self, layer: int, h: torch.Tensor, state: State) -> torch.Tensor:
-        block = self.blocks[layer]
-        cache = state.layers[layer]
-        if cache is None:
-            if isinstance(block.mixer, GatedDeltaNet):
-                cache = block.mixer.new_state(h.device)
-            else:
-                cache = KVCache()
-            state.layers[layer] = cache
-        assert isinstance(cache, (KVCache, DeltaNetState))
-        return block(h, cache, state.pos)
+    def _layer_state(self, layer: int, device: torch.device) -> object:
+        mixer = self.blocks[layer].mixer
+        return mixer.new_state(device) if isinstance(mixer, GatedDeltaNet) else KVCache()

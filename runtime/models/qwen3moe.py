@@ -66,13 +66,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
+def rms_norm_row(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """rms_norm of one (1, n) row in four ops (F.rms_norm takes six on CPU); eps: a (1, 1) tensor."""
+    return (x * weight).mul_(torch.addmm(eps, x, x.T, alpha=1 / x.shape[-1]).rsqrt_())
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """rms_norm of each row of x (N, d) with a per-row weight (N, d); eps: an (N, 1, 1) tensor."""
+    mean_sq = torch.baddbmm(eps, x[:, None, :], x[:, :, None], alpha=1 / x.shape[-1])
+    return (x * weight).mul_(mean_sq.rsqrt_().view(-1, 1))
+
+
 class Linear:
     """x @ W.T for a weight decoded at load, reporting its input to the observers."""
 
     def __init__(self, weights: Weights, name: str, observers: list[Observer]) -> None:
-        self.name, self.weight, self.observers = name, weights.dense(name), observers
-        if self.weight.dim() == 1:  # a one-output projection may be stored 1-D (ffn_gate_inp_shexp)
-            self.weight = self.weight[None, :]
+        self.name, self.observers = name, observers
+        # held transposed ((n_in, n_out) contiguous; ``weight`` is the (n_out, n_in) view): faster for one
+        # token on CPU. A one-output projection may be stored 1-D (ffn_gate_inp_shexp): one row.
+        self.weight = weights.columns([name]).T
         self.rounding = ggml_input_rounding(weights.qtype(name)) if weights.ggml_numerics else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,12 +99,14 @@ class FusedLinear:
     """Several weights that read the same input, multiplied as one matrix; each is reported by its name."""
 
     def __init__(self, weights: Weights, names: list[str], observers: list[Observer]) -> None:
-        self.separate = [Linear(weights, n, observers) for n in names] if weights.ggml_numerics else None
-        parts = [weights.dense(n) for n in names]
-        parts = [w[None, :] if w.dim() == 1 else w for w in parts]
         self.names, self.observers = names, observers
-        self.weight = torch.cat(parts)
-        self.sizes = [w.shape[0] for w in parts]
+        self.separate: list[Linear] | None = None
+        if weights.ggml_numerics:  # each weight with its own input rounding
+            self.separate = [Linear(weights, n, observers) for n in names]
+            self.sizes = [lin.weight.shape[0] for lin in self.separate]
+        else:
+            self.sizes = [1 if weights.dense(n).dim() == 1 else weights.dense(n).shape[0] for n in names]
+            self.weight = weights.columns(names).T  # (total rows, n_in) view of a transposed tensor
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.separate is not None:
@@ -106,12 +120,20 @@ class FusedLinear:
 class Rope:
     """NEOX-style rotary embedding on the first ``n_rot`` dims of each head (llama.cpp's rope type 2)."""
 
-    def __init__(self, n_rot: int, base: float, device: torch.device) -> None:
+    def __init__(self, n_rot: int, base: float, device: torch.device, head_dim: int | None = None) -> None:
         self.n_rot, self.device = n_rot, device
+        self.head_dim = head_dim or n_rot
         self.inv_freq = 1.0 / (
             base ** (torch.arange(0, n_rot, 2, dtype=torch.float32, device=device) / n_rot)
         )
         self.cos = self.sin = torch.empty(0, n_rot // 2, device=device)
+        # one token: out = x * cos_row + x[partner] * sin_row over whole heads (dims past n_rot: cos 1, sin 0)
+        half = n_rot // 2
+        partner = torch.arange(self.head_dim)
+        partner[:half] += half
+        partner[half:n_rot] -= half
+        self.partner = partner.to(device)
+        self.cos_row = self.sin_row = torch.empty(0, self.head_dim, device=device)
 
     def _table(self, end: int) -> None:
         if end > self.cos.shape[0]:
@@ -131,30 +153,55 @@ class Rope:
             parts.append(x[..., self.n_rot :])
         return torch.cat(parts, dim=-1)
 
+    def step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """x: (N, head_dim), N heads of the one token at position ``pos``."""
+        if pos >= self.cos_row.shape[0]:
+            self._table(pos + 1)
+            rest = self.head_dim - self.n_rot
+            n = self.cos.shape[0]
+            ones, zeros = self.cos.new_ones(n, rest), self.cos.new_zeros(n, rest)
+            self.cos_row = torch.cat([self.cos, self.cos, ones], dim=-1)
+            self.sin_row = torch.cat([-self.sin, self.sin, zeros], dim=-1)
+        return torch.addcmul(x * self.cos_row[pos], x.index_select(-1, self.partner), self.sin_row[pos])
+
 
 class KVCache:
-    """Keys and values of one attention layer, (capacity, n_head_kv, head_dim), grown by doubling."""
+    """Keys and values of one attention layer, (n_head_kv, capacity, head_dim), grown by doubling."""
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.length = 0
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        need = self.length + k.shape[0]
-        if self.k is None or need > self.k.shape[0]:
-            cap = max(256, need, 2 * (0 if self.k is None else self.k.shape[0]))
-            new_k = k.new_empty((cap, *k.shape[1:]))
-            new_v = v.new_empty((cap, *v.shape[1:]))
+    def _reserve(self, need: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Capacity for ``need`` positions; k/v: (..., n_head_kv, head_dim) rows giving shape and dtype."""
+        if self.k is None or self.v is None or need > self.k.shape[1]:
+            cap = max(256, need, 2 * (0 if self.k is None else self.k.shape[1]))
+            new_k = k.new_empty((k.shape[-2], cap, k.shape[-1]))
+            new_v = v.new_empty((v.shape[-2], cap, v.shape[-1]))
             if self.k is not None and self.v is not None:
-                new_k[: self.length] = self.k[: self.length]
-                new_v[: self.length] = self.v[: self.length]
+                new_k[:, : self.length] = self.k[:, : self.length]
+                new_v[:, : self.length] = self.v[:, : self.length]
             self.k, self.v = new_k, new_v
-        assert self.v is not None
-        self.k[self.length : need] = k
-        self.v[self.length : need] = v
+        return self.k, self.v
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: (T, n_head_kv, head_dim) -> all keys and values so far, (n_head_kv, length, head_dim)."""
+        need = self.length + k.shape[0]
+        keys, values = self._reserve(need, k, v)
+        keys[:, self.length : need] = k.transpose(0, 1)
+        values[:, self.length : need] = v.transpose(0, 1)
         self.length = need
-        return self.k[:need], self.v[:need]
+        return keys[:, :need], values[:, :need]
+
+    def put(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token's k, v: (n_head_kv, head_dim); returns like ``append``."""
+        need = self.length + 1
+        keys, values = self._reserve(need, k, v)
+        keys[:, self.length] = k
+        values[:, self.length] = v
+        self.length = need
+        return keys[:, :need], values[:, :need]
 
 
 class State:
@@ -167,18 +214,17 @@ class State:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int) -> torch.Tensor:
-    """Causal GQA attention. q: (T, H, D) at positions pos0.., k/v: (pos0+T, Hkv, D) -> (T, H*D)."""
+    """Causal GQA attention. q: (T, H, D) at positions pos0.., k/v: (Hkv, pos0+T, D) -> (T, H*D)."""
     t, n_head, d = q.shape
-    n_kv = k.shape[1]
+    n_kv = k.shape[0]
     n_rep = n_head // n_kv
     if t == 1:  # one query row: each KV head's group of query heads attends as a batch of rows, no copies
-        qg = q.view(n_kv, n_rep, d)
-        out = F.scaled_dot_product_attention(qg, k.transpose(0, 1), v.transpose(0, 1))
+        out = F.scaled_dot_product_attention(q.view(n_kv, n_rep, d), k, v)
         return out.reshape(1, n_head * d)
     if n_rep > 1:
-        k = k.repeat_interleave(n_rep, dim=1)
-        v = v.repeat_interleave(n_rep, dim=1)
-    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        k = k.repeat_interleave(n_rep, dim=0)
+        v = v.repeat_interleave(n_rep, dim=0)
+    q = q.transpose(0, 1)
     if pos0 == 0:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     else:
@@ -224,6 +270,12 @@ class RoutedExperts:
             self.fused = torch.cat([self.gate.decoded(), self.up.decoded()], dim=1)
             self.gate.release()
             self.up.release()
+        # one-token path over resident experts: per expert, its (n_embd, 2 n_ff) and (n_ff, n_embd) views
+        self.gate_up_t: list[torch.Tensor] | None = None
+        self.down_t: list[torch.Tensor] | None = None
+        if self.fused is not None and self.down.resident and self.round_in is None:
+            self.gate_up_t = [w.T for w in self.fused.unbind(0)]
+            self.down_t = [w.T for w in self.down.decoded().unbind(0)]
 
     def set_mask(self, pruned: torch.Tensor | None) -> None:
         """pruned: (n_expert,) bool, True = never route to this expert; None removes the mask.
@@ -240,7 +292,7 @@ class RoutedExperts:
             raise ForgeError(f"layer {self.layer}: a prune mask must keep at least {self.n_used} experts")
         self.kept = torch.nonzero(~pruned.cpu())[:, 0].to(self.router.weight.device)
         self.kept_router = copy.copy(self.router)
-        self.kept_router.weight = self.router.weight[self.kept].contiguous()
+        self.kept_router.weight = self.router.weight[self.kept].T.contiguous().T
 
     def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.kept_router is None:
@@ -281,6 +333,22 @@ class RoutedExperts:
         if x.shape[0] == 1:
             return self._one_token(x, top_ids[0], top_w[0])
         return self._batch(x, top_ids.reshape(-1), top_w.reshape(-1))
+
+    def step(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """One token: x (1, n_embd) the normed input, h the residual -> h + the routed experts' output."""
+        logits = self._router_logits(x)
+        top_logits, top_ids = torch.topk(logits, self.n_used, dim=-1)
+        top_w = torch.softmax(top_logits, dim=-1)
+        if self.observers:
+            notify_routing(self.observers, self.layer, top_ids, top_w, logits)
+        if self.observers or self.gate_up_t is None or self.down_t is None:
+            return h + self._one_token(x, top_ids[0], top_w[0])
+        n_ff, out = self.n_ff, h
+        for e, w in zip(top_ids[0].tolist(), top_w[0].tolist(), strict=True):
+            gu = torch.mm(x, self.gate_up_t[e])
+            act = F.silu(gu[:, :n_ff]).mul_(gu[:, n_ff:])
+            out = torch.addmm(out, act, self.down_t[e], alpha=w)
+        return out
 
     def _one_token(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         hit = ids.tolist()
@@ -353,7 +421,11 @@ class AttentionConfig:
 
 
 class GQAttention:
-    """Attention with q/k RMSNorm; ``gated``: q_proj also yields a per-head output gate (Qwen3.5/Next)."""
+    """Attention with q/k RMSNorm; ``gated``: q_proj also yields a per-head output gate (Qwen3.5/Next).
+
+    Without ggml numerics q, k, v (and the gate) come from one matmul whose rows are ordered
+    [q heads, k heads, gate heads, v heads], so that each part is a contiguous slice.
+    """
 
     def __init__(
         self,
@@ -367,30 +439,63 @@ class GQAttention:
         self.cfg, self.gated, self.observers = cfg, gated, observers
         q_rows = cfg.n_head * cfg.head_dim * (2 if gated else 1)
         kv_rows = cfg.n_head_kv * cfg.head_dim
-        if weights.has(p + "attn_qkv.weight"):
-            self.qkv: Linear | None = Linear(weights, p + "attn_qkv.weight", observers)
-            self.split = (q_rows, kv_rows, kv_rows)
+        fused_in_file = weights.has(p + "attn_qkv.weight")
+        if fused_in_file:
+            self.in_names = [p + "attn_qkv.weight"]
         else:
-            self.qkv = None
-            self.q_k_v = FusedLinear(
-                weights, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], observers
-            )
+            self.in_names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+        self.qkv: Linear | None = None
+        self.q_k_v: FusedLinear | None = None
+        self.w_in: torch.Tensor | None = None
+        if weights.ggml_numerics:  # each weight with its own input rounding
+            if fused_in_file:
+                self.qkv = Linear(weights, self.in_names[0], observers)
+            else:
+                self.q_k_v = FusedLinear(weights, self.in_names, observers)
+        else:
+            order = None
+            if gated:  # q_proj rows are [q, gate] per head: gather all q rows first, all gate rows after k
+                per_head = torch.arange(q_rows).view(cfg.n_head, 2, cfg.head_dim)
+                kv = torch.arange(q_rows, q_rows + 2 * kv_rows)
+                parts = [per_head[:, 0].reshape(-1), kv[:kv_rows], per_head[:, 1].reshape(-1), kv[kv_rows:]]
+                order = torch.cat(parts).to(weights.device)
+            self.w_in = weights.columns(self.in_names, order).T
+        q_dim = cfg.n_head * cfg.head_dim
+        self.sizes = (q_dim, kv_rows, q_dim if gated else 0, kv_rows)  # q, k, gate, v in w_in's rows
         self.out = Linear(weights, p + "attn_output.weight", observers)
         self.q_norm = weights.dense(p + "attn_q_norm.weight")
         self.k_norm = weights.dense(p + "attn_k_norm.weight")
-        self.rope = Rope(cfg.n_rot, cfg.rope_base, weights.device)
+        self.rope = Rope(cfg.n_rot, cfg.rope_base, weights.device, cfg.head_dim)
         self.f16_cache = weights.ggml_numerics  # llama.cpp keeps K and V as fp16 and rounds Q to fp16
+        # one-token path: q and k heads normalized together, q's rows carrying the 1/sqrt(d) score scale
+        n_qk = cfg.n_head + cfg.n_head_kv
+        self.qk_norm = torch.cat(
+            [(self.q_norm * cfg.head_dim**-0.5).expand(cfg.n_head, -1), self.k_norm.expand(cfg.n_head_kv, -1)]
+        )
+        self.qk_eps = torch.full((n_qk, 1, 1), cfg.eps, device=weights.device)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x (T, n_embd) -> q, k, gate (or None), v as (T, rows) matrices."""
+        if self.w_in is not None:
+            if self.observers:
+                for name in self.in_names:
+                    notify_matmul(self.observers, name, x)
+            q, k, gate, v = torch.split(F.linear(x, self.w_in), self.sizes, dim=-1)
+            return q, k, gate if self.gated else None, v
+        c, t = self.cfg, x.shape[0]
+        if self.qkv is not None:
+            q, k, v = torch.split(self.qkv(x), (self.sizes[0] + self.sizes[2], *self.sizes[1::2]), dim=-1)
+        else:
+            assert self.q_k_v is not None
+            q, k, v = self.q_k_v(x)
+        if not self.gated:
+            return q, k, None, v
+        qg = q.view(t, c.n_head, 2 * c.head_dim)
+        return qg[..., : c.head_dim].reshape(t, -1), k, qg[..., c.head_dim :].reshape(t, -1), v
 
     def __call__(self, x: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
         c, t = self.cfg, x.shape[0]
-        if self.qkv is not None:
-            q, k, v = torch.split(self.qkv(x), self.split, dim=-1)
-        else:
-            q, k, v = self.q_k_v(x)
-        gate = None
-        if self.gated:
-            qg = q.view(t, c.n_head, 2 * c.head_dim)
-            q, gate = qg[..., : c.head_dim], qg[..., c.head_dim :].reshape(t, -1)
+        q, k, gate, v = self._project(x)
         q = rms_norm(q.reshape(t, c.n_head, c.head_dim), self.q_norm, c.eps)
         k = rms_norm(k.reshape(t, c.n_head_kv, c.head_dim), self.k_norm, c.eps)
         v = v.reshape(t, c.n_head_kv, c.head_dim)
@@ -403,6 +508,27 @@ class GQAttention:
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.out(out)
+
+    def step(self, x: torch.Tensor, h: torch.Tensor, cache: KVCache, pos: int) -> torch.Tensor:
+        """One token (no ggml numerics): x (1, n_embd) the normed input, h the residual -> h + attention."""
+        assert self.w_in is not None
+        c = self.cfg
+        if self.observers:
+            for name in self.in_names:
+                notify_matmul(self.observers, name, x)
+        y = torch.mm(x, self.w_in.T)[0]
+        n_q, n_k, n_gate, _ = self.sizes
+        qk = y[: n_q + n_k].view(c.n_head + c.n_head_kv, c.head_dim)
+        qk = self.rope.step(rms_norm_heads(qk, self.qk_norm, self.qk_eps), pos)
+        v = y[n_q + n_k + n_gate :].view(c.n_head_kv, c.head_dim)
+        keys, values = cache.put(qk[c.n_head :], v)
+        scores = torch.bmm(qk[: c.n_head].view(c.n_head_kv, -1, c.head_dim), keys.transpose(1, 2))
+        out = torch.bmm(torch.softmax(scores, dim=-1), values).view(1, -1)
+        if n_gate:
+            out = out * torch.sigmoid(y[n_q + n_k : n_q + n_k + n_gate])
+        if self.observers:
+            notify_matmul(self.observers, self.out.name, out)
+        return torch.addmm(h, out, self.out.weight.T)
 
 
 class MoeCausalLM:
@@ -427,6 +553,9 @@ class MoeCausalLM:
         self.vocab_size = self.output.weight.shape[0]
         if not weights.has("token_embd.weight"):
             raise ForgeError(f"{weights.source}: missing tensor token_embd.weight")
+        # one-token forward passes take each block's ``step`` (not with ggml numerics: llama.cpp's roundings)
+        self.fast_decode = not weights.ggml_numerics
+        self.eps_row = torch.full((1, 1), self.eps, device=weights.device)
 
     def routed_layers(self) -> list[int]:
         """Indices of the layers with routed experts, in order (one prune-mask line each)."""
@@ -451,8 +580,28 @@ class MoeCausalLM:
     def new_state(self, max_tokens: int | None = None) -> State:
         return State(self.n_layer, max_tokens or self.n_ctx_train)
 
-    def _block(self, layer: int, h: torch.Tensor, state: State) -> torch.Tensor:
+    def _layer_state(self, layer: int, device: torch.device) -> object:
+        """A fresh cache (KV cache or recurrent state) for one layer."""
         raise NotImplementedError
+
+    def _block(self, layer: int, h: torch.Tensor, state: State) -> torch.Tensor:
+        cache = state.layers[layer]
+        if cache is None:
+            cache = state.layers[layer] = self._layer_state(layer, h.device)
+        return self.blocks[layer](h, cache, state.pos)  # type: ignore[attr-defined]
+
+    def _decode_step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
+        """The one-token path: each block's ``step`` (fewer, fused ops; residuals folded into matmuls)."""
+        h = self.weights.rows("token_embd.weight", tokens.to(self.weights.device))
+        layers = state.layers
+        if layers[0] is None:
+            for i in range(self.n_layer):
+                layers[i] = self._layer_state(i, h.device)
+        pos, eps = state.pos, self.eps_row
+        for block, cache in zip(self.blocks, layers, strict=True):  # type: ignore[attr-defined]
+            h = block.step(h, cache, pos, eps)
+        state.pos += 1
+        return self.output(rms_norm_row(h, self.output_norm, eps))
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, state: State, last_only: bool = False) -> torch.Tensor:
@@ -462,6 +611,8 @@ class MoeCausalLM:
             raise ForgeError("no tokens to evaluate")
         if state.pos + t > state.max_tokens:
             raise ForgeError(f"{state.pos + t} tokens exceed the context of {state.max_tokens}")
+        if t == 1 and self.fast_decode:
+            return self._decode_step(tokens, state)
         h = self.weights.rows("token_embd.weight", tokens.to(self.weights.device))
         for layer in range(self.n_layer):
             h = self._block(layer, h, state)
@@ -486,6 +637,10 @@ class Qwen3MoeBlock:
         h = h + self.attn(rms_norm(h, self.attn_norm, self.eps), cache, pos0)
         return h + self.moe(rms_norm(h, self.ffn_norm, self.eps))
 
+    def step(self, h: torch.Tensor, cache: KVCache, pos: int, eps: torch.Tensor) -> torch.Tensor:
+        h = self.attn.step(rms_norm_row(h, self.attn_norm, eps), h, cache, pos)
+        return self.moe.step(rms_norm_row(h, self.ffn_norm, eps), h)
+
 
 class Qwen3MoeModel(MoeCausalLM):
     arch = "qwen3moe"
@@ -497,9 +652,5 @@ class Qwen3MoeModel(MoeCausalLM):
             Qwen3MoeBlock(weights, i, cfg, self.n_expert_used, self.observers) for i in range(self.n_layer)
         ]
 
-    def _block(self, layer: int, h: torch.Tensor, state: State) -> torch.Tensor:
-        cache = state.layers[layer]
-        if cache is None:
-            cache = state.layers[layer] = KVCache()
-        assert isinstance(cache, KVCache)
-        return self.blocks[layer](h, cache, state.pos)
+    def _layer_state(self, layer: int, device: torch.device) -> object:
+        return KVCache()
