@@ -19,8 +19,8 @@ Per file:
 1. The sequential read ceiling: a cold plain read of the whole file in 16 MiB chunks.
 2. Cache runs, per (budget, policy): a fresh cache; the file is dropped from the page cache
    (posix_fadvise DONTNEED) and so is every range read afterwards, so each miss is a device read, as on
-   a machine whose RAM cannot cache the file; ``--warmup`` tokens of the trace fill the cache, then the
-   next ``--tokens`` tokens are looked up (the reads a decode of them does, without the compute):
+   a machine whose RAM cannot cache the file; ``--warmup`` tokens of the trace fill the cache (its
+   bookkeeping only: no I/O, no data), then the next ``--tokens`` tokens are looked up (the reads a decode of them does, without the compute):
    hit rate, bytes read per token against the geometry minimum (experts per token x record bytes), read
    time per token.
 3. Decode runs on the canonical file (``--decode-tokens`` real decode steps after a replayed warmup):
@@ -46,7 +46,6 @@ import torch
 from runtime.experts import ExpertCache
 from runtime.models import build_model
 from runtime.planner import geometry
-from runtime.prefetch import attach_prefetcher
 from runtime.synth import GEOMETRIES, synthesize
 from runtime.weights import load_weights
 
@@ -106,15 +105,18 @@ class CacheRunner:
     def new_cache(self, capacity: int, policy: str) -> ExpertCache:
         return ExpertCache(self.path, self.layers, capacity, self.used, policy, self.device, drop_pages=True)
 
-    def replay(self, cache: ExpertCache, steps: Trace) -> None:
+    def replay(self, cache: ExpertCache, steps: Trace, read: bool = True) -> None:
+        """Look up the steps' experts; ``read=False`` fills only the bookkeeping (warmup without I/O)."""
+        cache.simulate = not read
         for step in steps:
             for layer, ids in zip(self.order, step, strict=True):
                 cache.rows(layer, ids.tolist())
+        cache.simulate = False
 
     def run(self, capacity: int, policy: str, warm: Trace, timed: Trace) -> dict:
         cache = self.new_cache(capacity, policy)
         drop_cache(self.path)
-        self.replay(cache, warm)
+        self.replay(cache, warm, read=False)
         before = copy.copy(cache.stats)
         t0 = time.perf_counter()
         self.replay(cache, timed)
@@ -159,16 +161,15 @@ class DecodeRunner(CacheRunner):
 
         return follow
 
-    def decode(self, capacity: int, policy: str, warm: range, timed: range, prefetch: bool = False) -> dict:
+    def decode(self, capacity: int, policy: str, warm: range, timed: range, all_hits: bool = False) -> dict:
         self.cache.close()
         self.cache = self.w.expert_cache = self.new_cache(capacity, policy)
         for block in self.m.blocks:
             for role in ("gate", "up", "down"):
                 getattr(block.moe, role).cache = self.cache
         drop_cache(self.path)
-        self.replay(self.cache, [self.trace[i] for i in warm])
+        self.replay(self.cache, [self.trace[i] for i in warm], read=all_hits)
         before = copy.copy(self.cache.stats)
-        pre = attach_prefetcher(self.m) if prefetch else None
         st = self.m.new_state(len(timed) + 1)
         t0 = time.perf_counter()
         for self.step in timed:
@@ -176,10 +177,44 @@ class DecodeRunner(CacheRunner):
         if self.device == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+        return summary(self.cache, before, len(timed), dt)
+
+
+def prefetch_check(path: Path, tokens: int, capacity: int, device: str) -> list[dict]:
+    """Decode with the model's own routing, prefetch off then on: s/token, misses and prefetch counters.
+
+    The cache starts empty each time and every read is dropped from the page cache (as in the cache runs).
+    """
+    from runtime.prefetch import attach_prefetcher
+
+    out = []
+    for prefetch in (False, True):
+        w = load_weights(path, device, verify_experts=False)
+        w.expert_cache = ExpertCache(path, w.expert_layers(), capacity, int(w.hparam("expert_used_count")),
+                                     "lru", device, drop_pages=True)  # fmt: skip
+        m = build_model(w)
+        pre = attach_prefetcher(m) if prefetch else None
+        ids = torch.randint(0, m.vocab_size, (tokens + 1,), generator=torch.Generator().manual_seed(0))
+        st = m.new_state(tokens + 2)
+        drop_cache(path)
+        m.forward(ids[:1].to(w.device), st)  # first token: fills the cache with what routing starts with
+        before = copy.copy(w.expert_cache.stats)
+        t0 = time.perf_counter()
+        for t in ids[1:]:
+            m.forward(t[None].to(w.device), st)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        r = summary(w.expert_cache, before, tokens, time.perf_counter() - t0) | {"prefetch": prefetch}
         if pre is not None:
             pre.close()
-            self.m.observers.remove(pre)
-        return summary(self.cache, before, len(timed), dt)
+            r["predicted"] = pre.predicted
+        print(f"  prefetch {'on ' if prefetch else 'off'}: {r['s_per_token']:.3f} s/token, hit {r['hit_rate']:.1%}, "
+              f"{r['misses']} misses, {r['bytes_per_token'] / 1e6:.1f} MB/token, read {r['read_s_per_token']:.3f} "
+              f"s/token, waited {r['wait_seconds']:.3f} s; read ahead {r['prefetch_issued']}, used "
+              f"{r['prefetch_used']}, wasted {r['prefetch_wasted']}", flush=True)  # fmt: skip
+        out.append(r)
+        w.expert_cache.close()
+    return out
 
 
 def _line(r: dict, minimum: int) -> str:
@@ -200,12 +235,28 @@ def main() -> None:
     ap.add_argument("--routing", choices=["uniform", "zipf"], default="uniform")
     ap.add_argument("--zipf-s", type=float, default=1.0)
     ap.add_argument("--decode-budgets-gib", default="1,4")
+    ap.add_argument("--decode-policies", default="lru")
     ap.add_argument("--decode-tokens", type=int, default=4, help="0: no decode runs")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--prefetch-check",
+        type=Path,
+        default=None,
+        help="only compare decode with and without --prefetch on this file (the model's routing)",
+    )
+    ap.add_argument("--prefetch-capacity", type=int, default=0, help="cache experts for it (default: floor)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.prefetch_check is not None:
+        w = load_weights(args.prefetch_check, verify_experts=False)
+        floor = len(w.expert_layers()) * int(w.hparam("expert_used_count")) + 1
+        print(f"prefetch check on {args.prefetch_check}: {args.tokens} tokens, load {os.getloadavg()[0]:.1f}")
+        r = prefetch_check(args.prefetch_check, args.tokens, args.prefetch_capacity or floor, args.device)
+        if args.json:
+            args.json.write_text(json.dumps(r, indent=1))
+        return
     if not args.canonical.exists():
         args.canonical.parent.mkdir(parents=True, exist_ok=True)
         synthesize(args.canonical, "qwen3.6-35b-a3b", "q4_k", args.layers, args.vocab)
@@ -268,7 +319,7 @@ def main() -> None:
         )
         span = range(args.warmup, args.warmup + args.decode_tokens)
         touched = sum(len(trace[i][j]) for i in span for j in range(g.routed_layers))
-        r = d.decode(max(g.floor, touched + 1), "lru", span, span)  # every expert of these tokens cached
+        r = d.decode(max(g.floor, touched + 1), "lru", span, span, all_hits=True)
         compute = r["s_per_token"]
         results["compute_s_per_token"] = compute
         print(
@@ -276,7 +327,7 @@ def main() -> None:
             flush=True,
         )
         for gib in (float(x) for x in args.decode_budgets_gib.split(",") if x):
-            for policy in args.policies.split(","):
+            for policy in args.decode_policies.split(","):
                 r = d.decode(capacity[gib], policy, range(args.warmup), span)
                 model_s = r["bytes_per_token"] / ceiling + compute
                 r |= {"budget_gib": gib, "tok_s": 1 / r["s_per_token"], "model_s_per_token": model_s,

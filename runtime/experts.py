@@ -21,8 +21,9 @@ the early groups again (counted as lookups and misses like any other).
 A :class:`runtime.prefetch.Prefetcher` may read experts into the cache from a background thread; the
 cache's lock orders that thread's slot bookkeeping with the model's lookups. A slot being read is never
 handed out until its read completes, a prefetched slot is reserved for the layer it was predicted for
-until that layer has been served, and a prefetch never evicts a slot the model has pinned or an expert
-of the layer being served.
+until that layer has been served, and a prefetch never evicts a slot the model has pinned, an expert
+of the layer being served, or an expert used during the last full routing cycle (so a cache at the
+floor, where every slot is in use each token, is left alone: a mispredicted read there costs a hit).
 
 Slabs live in host memory by default; with ``slab_device`` (default: the cache's device when it is not
 the CPU) they are a torch tensor on that device, filled through a small pinned host staging buffer.
@@ -329,8 +330,14 @@ class ExpertCache:
         self.reserved_for = np.full(self.capacity, -1, np.int64)  # layer a prefetched slot waits for
         self.prefetched = np.zeros(self.capacity, bool)  # prefetched, not yet hit
         self.serving = -1  # the layer of the last request served
+        # policy ticks at which the last two routing cycles (passes over the first layer) began: a prefetch
+        # only evicts an expert unused since the earlier one (one that the last full cycle did not need)
+        self._cycle_ticks = [0, 0]
+        self._first_layer = min(layers)
         self.protected_keys = np.empty(0, np.int64)  # keys the prefetcher must not evict
+        self.simulate = False  # benchmarks: fill the bookkeeping of misses without reading them
         self._fd = os.open(self.path, os.O_RDONLY)
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)  # expert reads are scattered: no readahead
 
     @property
     def nbytes(self) -> int:
@@ -407,6 +414,8 @@ class ExpertCache:
         if len(ids) > self.capacity:
             raise ForgeError(f"{len(ids)} experts requested at once, the cache holds {self.capacity}")
         base = self._key_base[layer]
+        if layer == self._first_layer and self.serving != layer:
+            self._cycle_ticks = [self._cycle_ticks[1], self.policy.tick]
         self.serving = layer
         out = []
         for e in ids:
@@ -432,7 +441,8 @@ class ExpertCache:
                 else:
                     slot = self._victim()
                     self._evict(slot)
-                self._read(lay, e, slot)
+                if not self.simulate:
+                    self._read(lay, e, slot)
                 self.slot_key[slot] = key
                 self.slot_of[key] = slot
             self.pinned[slot] = True
@@ -527,6 +537,7 @@ class ExpertCache:
                     | self.loading
                     | (self.reserved_for >= 0)
                     | np.isin(self.slot_key, self.protected_keys)
+                    | (self.policy.last_use > self._cycle_ticks[0])
                 )
                 slot = self.policy.victim(self.slot_key, busy)
                 if busy[slot]:

@@ -46,10 +46,10 @@ def _run(path: Path, n: int = 12, **kw: object) -> tuple[torch.Tensor, object]:
 @pytest.mark.parametrize(
     ("layout", "mode", "capacity"),
     [
-        ("v2", "background", FLOOR),
-        pytest.param("canonical", "background", 3 * FLOOR, marks=pytest.mark.slow),
-        pytest.param("canonical", "inline", FLOOR, marks=pytest.mark.slow),
-        pytest.param("v2", "inline", 3 * FLOOR, marks=pytest.mark.slow),
+        ("v2", "background", 2 * FLOOR),
+        pytest.param("canonical", "background", FLOOR, marks=pytest.mark.slow),
+        pytest.param("canonical", "inline", 3 * FLOOR, marks=pytest.mark.slow),
+        pytest.param("v2", "inline", FLOOR, marks=pytest.mark.slow),
     ],
 )
 def test_prefetch_keeps_logits_bit_identical(
@@ -59,7 +59,7 @@ def test_prefetch_keeps_logits_bit_identical(
     got, m = _run(files[layout], stream_experts=capacity, prefetch=mode)
     assert torch.equal(got, want), capacity
     s = m.weights.expert_cache.stats  # type: ignore[attr-defined]
-    assert s.prefetch_issued > 0
+    assert s.prefetch_issued > 0 or capacity == FLOOR  # at the floor every slot is in use each cycle
     assert s.prefetch_used + s.prefetch_wasted <= s.prefetch_issued
     record = next(iter(m.weights.expert_cache.layers.values())).record_bytes  # type: ignore[attr-defined]
     assert s.bytes_read == record * (s.misses + s.prefetch_issued)
@@ -83,18 +83,18 @@ def test_prefetch_never_evicts_protected_or_pinned(files: dict[str, Path]) -> No
     w = GGUFWeights(files["canonical"])
     cache = ExpertCache(w.path, w.expert_layers(), FLOOR, USED)
     with cache._lock:
-        cache.slots(1, list(range(FLOOR - USED)))
-        cache.release()
-        cache.slots(
-            0, list(range(USED))
-        )  # the cache is now full; these stay pinned, as while being copied out
-    cache.protect(1, [0, 1])
+        for layer, ids in ((1, range(FLOOR - USED)), (0, range(USED)), (1, [0, 1]), (0, range(USED))):
+            cache.release()
+            cache.slots(layer, list(ids))  # two routing cycles; the cache is full
+    # layer 0's experts stay pinned (as while being copied out); layer 1 routed to expert 0
+    cache.protect(1, [0])
     cache.serving = 1
     fetched = [e for e in range(16, 32) if cache.prefetch_one(2, e, issued_at=1)]
     keys = set(cache.slot_of)
     assert {cache.key(0, e) for e in range(USED)} <= keys  # pinned
-    assert {cache.key(1, 0), cache.key(1, 1)} <= keys  # protected
-    # everything else may go, once: the prefetched experts themselves are reserved for layer 2
+    assert cache.key(1, 0) in keys  # protected
+    assert cache.key(1, 1) in keys  # used during the last routing cycle
+    # the experts unused since may go, once: the prefetched experts themselves are reserved for layer 2
     assert len(fetched) == FLOOR - USED - 2
     assert cache.stats.prefetch_issued == len(fetched) and cache.stats.prefetch_wasted == 0
     # a request from a layer the model has moved past is dropped
@@ -102,8 +102,9 @@ def test_prefetch_never_evicts_protected_or_pinned(files: dict[str, Path]) -> No
     cache.serving = 3
     assert not cache.prefetch_one(2, 31, issued_at=1)
     # serving layer 2 hits the prefetched experts and frees their reservations
+    hits = cache.stats.hits
     with cache._lock:
         cache.slots(2, fetched[:3])
     cache.release()
-    assert cache.stats.prefetch_used == 3 and cache.stats.hits == 3
+    assert cache.stats.prefetch_used == 3 and cache.stats.hits - hits == 3
     assert (cache.reserved_for < 0).all()
