@@ -139,6 +139,54 @@ def test_accumulator_refuses_bad_inputs():
         acc.to_imatrix()
 
 
+def test_accumulator_shares_one_input_only_when_unchanged():
+    """q/k/v (and gate/up) fed one tensor are reduced once; an in-place write or a repeat recomputes."""
+    acc = ImatrixAccumulator()
+    x = torch.randn(20, 8, generator=torch.Generator().manual_seed(4))
+    acc.on_matmul_input("blk.0.attn_q.weight", x, None)
+    x.mul_(2)  # the same storage, rewritten: must not reuse the previous reduction
+    acc.on_matmul_input("blk.0.attn_k.weight", x, None)
+    acc.on_matmul_input("blk.0.attn_v.weight", x, None)
+    acc.on_matmul_input("blk.0.attn_v.weight", x, None)  # a second call of the same tensor is new data
+    acc.on_matmul_input("blk.1.attn_q.weight", x, None)  # another layer: computed again (same values)
+    s = acc.to_imatrix().sums
+    q = (x.double() / 2).square().sum(0).numpy()
+    np.testing.assert_allclose(s["blk.0.attn_q.weight"][0], q, rtol=1e-6)
+    np.testing.assert_allclose(s["blk.0.attn_k.weight"][0], 4 * q, rtol=1e-6)
+    np.testing.assert_allclose(s["blk.0.attn_v.weight"][0], 8 * q, rtol=1e-6)
+    np.testing.assert_allclose(s["blk.1.attn_q.weight"][0], 4 * q, rtol=1e-6)
+    ids = torch.tensor([3, 1, 1, 0] * 5)  # unsorted routed rows
+    acc.on_matmul_input("blk.0.ffn_gate_exps.weight", x, ids)
+    acc.on_matmul_input("blk.0.ffn_up_exps.weight", x, ids.clone())  # equal ids, another tensor: recomputed
+    acc.on_matmul_input("blk.0.ffn_down_exps.weight", x, ids)  # not a sibling of gate/up
+    im = acc.to_imatrix()
+    for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+        s, c = im.sums[f"blk.0.{name}.weight"], im.counts[f"blk.0.{name}.weight"]
+        assert c.tolist() == [5, 10, 0, 5], name
+        for e in range(4):
+            np.testing.assert_allclose(s[e], x[ids == e].double().square().sum(0).numpy(), rtol=1e-6)
+
+
+def test_device_path_matches_cpu_path():
+    """The accelerator reduction (index_add_, out-of-range ids counted apart) equals the numpy one."""
+    from forge.imatrix.accumulate import _cpu_sums, _device_sums
+
+    g = torch.Generator().manual_seed(5)
+    x, ids = torch.randn(300, 24, generator=g), torch.randint(0, 6, (300,), generator=g)
+    cpu_s, cpu_c = _cpu_sums(x, ids, 6)
+    dev_s, dev_c = _device_sums(x, ids, 6)
+    np.testing.assert_allclose(dev_s.numpy(), cpu_s.numpy(), rtol=1e-5)
+    assert dev_c.tolist() == cpu_c.tolist() and dev_c[6] == 0
+    bad = ids.clone()
+    bad[:7] = 9
+    dev_s, dev_c = _device_sums(x, bad, 6)
+    assert int(dev_c[6]) == 7 and int(dev_c.sum()) == 300
+    np.testing.assert_allclose(dev_s[6].numpy(), x[:7].square().sum(0).numpy(), rtol=1e-5)
+    dense, none = _device_sums(x, None, 0)
+    np.testing.assert_allclose(dense.numpy(), _cpu_sums(x, None, 0)[0].numpy(), rtol=1e-5)
+    assert none is None
+
+
 # ----------------------------------------------------------------------------------------- LiveImatrix
 
 

@@ -6,9 +6,9 @@ tensors (``expert_ids`` given) keep one row of sums and one count per expert, ov
 (``output.weight`` with ``process_output``), and plain matmuls with fewer than 16 input rows are
 ignored (llama.cpp skips such small batches; routed experts are always collected).
 
-Sums stay float32 like llama-imatrix's. Rows are added in the order the runtime reports them; a
-plain matmul's batch is reduced first (pairwise) and then added, so the last bits can differ from
-llama.cpp's strictly sequential loop.
+Sums stay float32 like llama-imatrix's. Each call's rows are first reduced on their own (in row
+order on the CPU) and that partial sum is then added to the running total, so the last bits can
+differ from llama.cpp's one strictly sequential loop over all rows.
 """
 
 from __future__ import annotations
@@ -45,11 +45,120 @@ _LAYER = re.compile(r"^blk\.(\d+)\.")
 MIN_DENSE_ROWS = 16
 
 
+# Tensors of one layer that the models may feed the same input, one after the other: the attention
+# (or linear-attention) input projections; the FFN's router, gate and up (plain or shared expert);
+# the routed experts' gate and up.
+_ATTN_IN = re.compile(r"^(blk\.\d+\.)(attn_q|attn_k|attn_v|attn_qkv|attn_gate|ssm_alpha|ssm_beta)\.weight$")
+_FFN_IN = re.compile(r"^(blk\.\d+\.)(ffn_gate_inp|ffn_gate|ffn_up)(_shexp)?\.weight$")
+_EXPS_IN = re.compile(r"^(blk\.\d+\.)(ffn_gate|ffn_up)_exps\.weight$")
+
+
+def _input_group(tensor_name: str) -> str:
+    """Names with the same group may share one input; any other name is a group of its own."""
+    for pattern, group in ((_ATTN_IN, "attn_in"), (_FFN_IN, "ffn_in"), (_EXPS_IN, "exps_in")):
+        if m := pattern.match(tensor_name):
+            return m.group(1) + group
+    return tensor_name
+
+
+def _version(t: torch.Tensor | None) -> int | None:
+    """In-place write counter (inference-mode tensors have none)."""
+    return None if t is None or t.is_inference() else t._version
+
+
+def _same_tensor(a: torch.Tensor | None, a_version: int | None, b: torch.Tensor | None) -> bool:
+    """b is a's data: same storage and view, and no in-place write since a was seen (where tracked)."""
+    if a is None or b is None:
+        return a is b
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a_version == _version(b)
+    )
+
+
+def _cpu_sums(x: torch.Tensor, ids: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sums of x² per column (per expert: (n + 1, cols), and (n + 1,) row counts) with numpy.
+
+    Single-threaded on purpose: these are memory-bound reductions that run between the model's own
+    matmuls, and each multi-threaded torch op would be one more thread-pool rendezvous; on a busy
+    machine those stall far longer than the arithmetic takes. einsum adds the rows in order, without a
+    temporary x² array. Routed rows come sorted by expert from the runtime (else they are sorted here),
+    so each expert is one contiguous slice.
+    """
+    xn = (x if x.dtype == torch.float32 else x.float()).numpy()
+    if ids is None:
+        return torch.from_numpy(np.einsum("ij,ij->j", xn, xn)[None, :]), None
+    idn = ids.numpy()
+    if idn.size > 1 and (idn[1:] < idn[:-1]).any():
+        order = np.argsort(idn, kind="stable")
+        idn, xn = idn[order], xn[order]
+    bounds = np.flatnonzero(idn[1:] != idn[:-1]) + 1
+    starts, ends = np.concatenate(([0], bounds)), np.concatenate((bounds, [idn.size]))
+    sums = np.zeros((n + 1, xn.shape[1]), np.float32)
+    counts = np.zeros(n + 1, np.int64)
+    experts = idn[starts]
+    counts[experts] = ends - starts
+    for e, lo, hi in zip(experts.tolist(), starts.tolist(), ends.tolist(), strict=True):  # <= n experts
+        seg = xn[lo:hi]
+        sums[e] = np.einsum("ij,ij->j", seg, seg)
+    return torch.from_numpy(sums), torch.from_numpy(counts)
+
+
+def _device_sums(
+    x: torch.Tensor, ids: torch.Tensor | None, n: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The same on an accelerator: one fused index_add_ over all rows, nothing read back to the host
+    (ids out of range land in the extra row n)."""
+    sq = x.float().square()
+    if ids is None:
+        return sq.sum(dim=0, keepdim=True), None
+    rows = torch.where((ids < 0) | (ids >= n), n, ids)
+    sums = sq.new_zeros(n + 1, sq.shape[1]).index_add_(0, rows, sq)
+    counts = torch.zeros(n + 1, dtype=torch.int64, device=ids.device).index_add_(
+        0, rows, torch.ones_like(rows)
+    )
+    return sums, counts
+
+
+@dataclass
+class _Delta:
+    """One call's reduction, kept for the next sibling tensor fed the same input."""
+
+    group: str
+    x: torch.Tensor
+    ids: torch.Tensor | None
+    versions: tuple[int | None, int | None]  # of x and ids when reduced
+    n: int
+    sums: torch.Tensor  # (n + 1, cols) per expert (row n: ids out of range); (1, cols) for a plain matmul
+    counts: torch.Tensor | None  # (n + 1,) rows per expert; None for a plain matmul
+    used_by: set[str]
+
+    def serves(self, name: str, x: torch.Tensor, ids: torch.Tensor | None, n: int) -> bool:
+        return (
+            name not in self.used_by
+            and self.group == _input_group(name)
+            and self.n == n
+            and _same_tensor(self.x, self.versions[0], x)
+            and _same_tensor(self.ids, self.versions[1], ids)
+        )
+
+
 class ImatrixAccumulator(Observer):
     """Observer that accumulates an importance matrix; ``to_imatrix`` exports it.
 
     The number of experts of a routed tensor is taken from the routing logits of its layer
     (``on_routing``), else from ``n_experts``, else grown to the highest expert id seen.
+
+    Each call reduces its batch to one delta (x² column sums, per expert for routed tensors) that is
+    added to the running float32 sums, which stay on the input's device until exported. Tensors of a
+    layer that read the same input (q/k/v; gate/up) reuse the first one's delta: the runtime passes
+    the same tensor, recognised by storage, view and in-place write counter, so x² is reduced once.
+    Off the CPU, with a known expert count, no call reads a value back to the host (no GPU sync):
+    expert ids out of range are counted on the device and refused at export (on the CPU at once).
     """
 
     def __init__(
@@ -62,6 +171,8 @@ class ImatrixAccumulator(Observer):
         self._counts: dict[str, torch.Tensor] = {}
         self._layer_experts: dict[int, int] = {}
         self._routed: set[str] = set()
+        self._bad_ids: dict[str, torch.Tensor] = {}  # off the CPU: rows with an expert id out of range
+        self._last: _Delta | None = None
 
     def wants(self, tensor_name: str) -> bool:
         return tensor_name.startswith("blk.") or (self.process_output and tensor_name == "output.weight")
@@ -78,32 +189,57 @@ class ImatrixAccumulator(Observer):
             raise ForgeError(
                 f"imatrix: {tensor_name}: expected (rows, columns) inputs, got shape {tuple(x.shape)}"
             )
-        x = x.detach().float()
+        x = x.detach()
         if expert_ids is None:
             if x.shape[0] < self.min_rows:
                 return
             sums, counts = self._entry(tensor_name, 1, x)
-            sums[0].add_(x.square().sum(dim=0))
+            sums.add_(self._delta(tensor_name, x, None, 0).sums)
             counts += x.shape[0]
             return
-        ids = expert_ids.reshape(-1).to(device=x.device, dtype=torch.long)
+        ids = expert_ids.detach().reshape(-1)
         if ids.numel() != x.shape[0]:
             raise ForgeError(f"imatrix: {tensor_name}: {ids.numel()} expert ids for {x.shape[0]} rows")
         if ids.numel() == 0:
             return
-        sums, counts = self._entry(tensor_name, self._n_mat(tensor_name, ids), x)
+        ids = ids.to(device=x.device, dtype=torch.long)
+        n_mat = self._n_mat(tensor_name, ids)
+        sums, counts = self._entry(tensor_name, n_mat, x)
         self._routed.add(tensor_name)
-        sums.index_add_(0, ids, x.square())
-        counts.add_(torch.bincount(ids, minlength=counts.numel()))
+        n = sums.shape[0]
+        delta = self._delta(tensor_name, x, ids, n)
+        assert delta.counts is not None
+        sums.add_(delta.sums[:n])
+        counts.add_(delta.counts[:n])
+        if ids.device.type != "cpu":
+            bad = self._bad_ids.get(tensor_name)
+            if bad is None:
+                bad = self._bad_ids[tensor_name] = torch.zeros((), dtype=torch.int64, device=ids.device)
+            bad.add_(delta.counts[n])
+
+    def _delta(self, name: str, x: torch.Tensor, ids: torch.Tensor | None, n: int) -> _Delta:
+        """This call's x² sums (per expert with ids), or the previous call's for a sibling fed the same input."""
+        last = self._last
+        if last is not None and last.serves(name, x, ids, n):
+            last.used_by.add(name)
+            return last
+        sums, counts = _cpu_sums(x, ids, n) if x.device.type == "cpu" else _device_sums(x, ids, n)
+        self._last = _Delta(_input_group(name), x, ids, (_version(x), _version(ids)), n, sums, counts, {name})
+        return self._last
 
     def _n_mat(self, tensor_name: str, ids: torch.Tensor) -> int:
         m = _LAYER.match(tensor_name)
         known = self._layer_experts.get(int(m.group(1))) if m else None
         n = known or self.n_experts or 0
-        top = int(ids.max()) + 1
-        if int(ids.min()) < 0 or (known and top > known):
-            raise ForgeError(f"imatrix: {tensor_name}: expert id out of range 0..{(known or top) - 1}")
-        return max(n, top, self._sums[tensor_name].shape[0] if tensor_name in self._sums else 0)
+        have = self._sums[tensor_name].shape[0] if tensor_name in self._sums else 0
+        if ids.device.type == "cpu":  # cheap here; on a GPU a range check would be a sync per call
+            lo, top = int(ids.min()), int(ids.max()) + 1
+            if lo < 0 or (known and top > known):
+                raise ForgeError(f"imatrix: {tensor_name}: expert id out of range 0..{(known or top) - 1}")
+            return max(n, top, have)
+        if n:
+            return max(n, have)
+        return max(int(ids.max()) + 1, have)  # no expert count known: grow to the highest id (syncs)
 
     def _entry(self, name: str, n_mat: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         sums = self._sums.get(name)
@@ -126,9 +262,14 @@ class ImatrixAccumulator(Observer):
         self._sums.clear()
         self._counts.clear()
         self._routed.clear()
+        self._bad_ids.clear()
+        self._last = None
 
     def export_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Copies of the sums and counts as numpy arrays (the tensors may live on a GPU)."""
+        for name, bad in self._bad_ids.items():
+            if int(bad):
+                raise ForgeError(f"imatrix: {name}: {int(bad)} rows had an expert id out of range")
         sums, counts = {}, {}
         for name, s in self._sums.items():
             n_mat = max(s.shape[0], self._expected_n_mat(name))
