@@ -9,7 +9,9 @@ failure run in the default suite without a cluster.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -214,12 +216,13 @@ def test_ray_imatrix_equals_single_process(cluster, tmp_path: Path) -> None:  # 
     for name in a.names():
         np.testing.assert_array_equal(a.counts[name], b.counts[name], err_msg=name)
         np.testing.assert_allclose(b.sums[name], a.sums[name], rtol=1e-5, atol=1e-7, err_msg=name)
-    # the running perplexity, printed in chunk order, agrees line for line
+    # the running perplexity, printed in chunk order, agrees line for line (up to the float rounding of
+    # forward passes run with another torch thread count)
     assert len(ray_lines) == len(one_lines) == 5 and ray_lines[-1].startswith("Final estimate: PPL = ")
     got = [float(s.split("]")[-1].rstrip(",").split("= ")[-1]) for s in ray_lines]
     want = [float(s.split("]")[-1].rstrip(",").split("= ")[-1]) for s in one_lines]
     np.testing.assert_allclose(got, want, rtol=1e-6)
-    assert dist.perplexity == pytest.approx(one.perplexity, rel=1e-9)
+    assert dist.perplexity == pytest.approx(one.perplexity, rel=1e-6)
 
 
 @pytest.mark.slow
@@ -234,9 +237,9 @@ def test_killing_a_worker_node_mid_build_still_gives_the_right_file(cluster, tmp
                              "q4_0", "--executor", "ray", "--ray-address", cluster.address],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
     try:
-        pgids = _wait_for_held_tasks(cluster.hold, proc, n_nodes=2)
-        victim = next(n for n in cluster.nodes if n.proc.pid in pgids)
-        victim.kill()  # raylet, object store and the worker holding a task, all at once
+        victim, worker = _held_tasks(cluster, proc)
+        victim.kill()  # the node's raylet and object store (its process group), and its busy worker
+        os.kill(worker, signal.SIGKILL)
         victim.proc.wait()
         threading.Timer(1.0, hold.unlink).start()
         stdout, stderr = proc.communicate(timeout=240)
@@ -250,14 +253,22 @@ def test_killing_a_worker_node_mid_build_still_gives_the_right_file(cluster, tmp
     assert not [p for p in tmp_path.iterdir() if p.name not in ("local.gguf", "ray.gguf")]
 
 
-def _wait_for_held_tasks(hold_dir: Path, proc: subprocess.Popen, n_nodes: int) -> set[int]:
-    """Process groups (one per node) of workers holding a task, once tasks are held on ``n_nodes``."""
+def _held_tasks(cluster, proc: subprocess.Popen):  # noqa: ANN001, ANN202
+    """Once tasks are held on both worker nodes: the second node and the pid of its busy worker."""
+    import psutil
+
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"build ended before tasks were held: {proc.stderr.read()[-2000:]}")
-        pgids = {int(p.name.split("-")[2]) for p in hold_dir.glob("task-*")}
-        if len(pgids) >= n_nodes:
-            return pgids
+        held: dict[int, int] = {}  # node's `ray start` pid -> a worker pid holding a task there
+        for marker in cluster.hold.glob("task-*"):
+            pid = int(marker.name.split("-")[2])
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for parent in psutil.Process(pid).parents():
+                    held.setdefault(parent.pid, pid)
+        nodes = [n for n in cluster.nodes if n.proc.pid in held]
+        if len(nodes) == 2:
+            return nodes[1], held[nodes[1].proc.pid]
         time.sleep(0.1)
-    raise AssertionError("tasks were not held on every worker node in time")
+    raise AssertionError("tasks were not held on both worker nodes in time")

@@ -2,9 +2,10 @@
 
 One actor per node (using all of the node's CPUs for torch) loads the model with its own
 accumulator; the driver hands out chunks one at a time, prints the running perplexity in chunk order
-(the same numbers as a single-process run: per-chunk log-likelihoods are added in chunk order), and
-at the end adds the actors' partial sums and counts. Counts equal a single-process run exactly; sums
-agree to float32 rounding (the additions happen in another order). An actor lost mid-run takes its
+(per-chunk log-likelihoods are added in chunk order, as a single-process run does), and at the end
+adds the actors' partial sums and counts. Counts equal a single-process run's; sums and perplexity
+agree to float rounding (the sums are added in another order, and torch's thread count, which can
+change the last bits of a forward pass, follows each node's CPUs). An actor lost mid-run takes its
 partial sums with it: every chunk it had processed is handed out again. ``save_every`` snapshots are
 taken at chunk barriers, so a snapshot holds exactly the first N chunks.
 """

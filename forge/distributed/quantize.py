@@ -56,8 +56,7 @@ def _hold_for_tests() -> None:
     import ray
 
     node = ray.get_runtime_context().get_node_id()
-    # the process group tells the test which node's processes to kill
-    (Path(hold) / f"task-{node}-{os.getpgid(0)}-{os.getpid()}-{time.monotonic_ns()}").touch()
+    (Path(hold) / f"task-{node}-{os.getpid()}-{time.monotonic_ns()}").touch()
     deadline = time.monotonic() + 120
     while (Path(hold) / "hold").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
