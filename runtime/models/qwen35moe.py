@@ -159,7 +159,7 @@ class GatedDeltaNet:
         if self.observers:
             for name in self.inputs.names:
                 notify_matmul(self.observers, name, x)
-        mixed, z, beta, alpha = torch.split(torch.mm(x, self.inputs.weight.T)[0], self.inputs.sizes)
+        mixed, z, beta, alpha = torch.split(torch.mm(x, self.inputs.weight_t)[0], self.inputs.sizes)
         window = torch.cat([st.conv, mixed[None]])
         st.conv = window[1:]
         conv = F.silu((window * self.conv_rows).sum(0))
@@ -181,7 +181,7 @@ class GatedDeltaNet:
         o = (rms_norm(o, self.norm, self.eps) * F.silu(z.view(self.n_v, self.d_v))).view(1, -1)
         if self.observers:
             notify_matmul(self.observers, self.out.name, o)
-        return torch.addmm(h, o, self.out.weight.T)
+        return torch.addmm(h, o, self.out.weight_t)
 
 
 class SharedExpert:
@@ -201,11 +201,11 @@ class SharedExpert:
         if self.observers:
             for name in self.inputs.names:
                 notify_matmul(self.observers, name, x)
-        gate, up, scale = torch.split(torch.mm(x, self.inputs.weight.T), self.inputs.sizes, dim=-1)
+        gate, up, scale = torch.split(torch.mm(x, self.inputs.weight_t), self.inputs.sizes, dim=-1)
         act = F.silu(gate).mul_(up)
         if self.observers:
             notify_matmul(self.observers, self.down.name, act)
-        return torch.addmm(h, act.mul_(torch.sigmoid(scale)), self.down.weight.T)
+        return torch.addmm(h, act.mul_(torch.sigmoid(scale)), self.down.weight_t)
 
 
 class Qwen35MoeBlock:

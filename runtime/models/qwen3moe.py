@@ -84,7 +84,8 @@ class Linear:
         self.name, self.observers = name, observers
         # held transposed ((n_in, n_out) contiguous; ``weight`` is the (n_out, n_in) view): faster for one
         # token on CPU. A one-output projection may be stored 1-D (ffn_gate_inp_shexp): one row.
-        self.weight = weights.columns([name]).T
+        self.weight_t = weights.columns([name])
+        self.weight = self.weight_t.T
         self.rounding = ggml_input_rounding(weights.qtype(name)) if weights.ggml_numerics else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,6 +94,12 @@ class Linear:
         if self.rounding is not None:
             x = self.rounding(x)
         return F.linear(x, self.weight)
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        """One token (no ggml numerics): x (1, n_in) -> (1, n_out)."""
+        if self.observers:
+            notify_matmul(self.observers, self.name, x)
+        return torch.mm(x, self.weight_t)
 
 
 class FusedLinear:
@@ -106,7 +113,8 @@ class FusedLinear:
             self.sizes = [lin.weight.shape[0] for lin in self.separate]
         else:
             self.sizes = [1 if weights.dense(n).dim() == 1 else weights.dense(n).shape[0] for n in names]
-            self.weight = weights.columns(names).T  # (total rows, n_in) view of a transposed tensor
+            self.weight_t = weights.columns(names)  # (n_in, total rows)
+            self.weight = self.weight_t.T
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.separate is not None:
@@ -336,7 +344,7 @@ class RoutedExperts:
 
     def step(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """One token: x (1, n_embd) the normed input, h the residual -> h + the routed experts' output."""
-        logits = self._router_logits(x)
+        logits = self.router.step(x) if self.kept_router is None else self._router_logits(x)
         top_logits, top_ids = torch.topk(logits, self.n_used, dim=-1)
         top_w = torch.softmax(top_logits, dim=-1)
         if self.observers:
@@ -459,7 +467,8 @@ class GQAttention:
                 kv = torch.arange(q_rows, q_rows + 2 * kv_rows)
                 parts = [per_head[:, 0].reshape(-1), kv[:kv_rows], per_head[:, 1].reshape(-1), kv[kv_rows:]]
                 order = torch.cat(parts).to(weights.device)
-            self.w_in = weights.columns(self.in_names, order).T
+            self.w_in_t = weights.columns(self.in_names, order)
+            self.w_in = self.w_in_t.T
         q_dim = cfg.n_head * cfg.head_dim
         self.sizes = (q_dim, kv_rows, q_dim if gated else 0, kv_rows)  # q, k, gate, v in w_in's rows
         self.out = Linear(weights, p + "attn_output.weight", observers)
@@ -516,7 +525,7 @@ class GQAttention:
         if self.observers:
             for name in self.in_names:
                 notify_matmul(self.observers, name, x)
-        y = torch.mm(x, self.w_in.T)[0]
+        y = torch.mm(x, self.w_in_t)[0]
         n_q, n_k, n_gate, _ = self.sizes
         qk = y[: n_q + n_k].view(c.n_head + c.n_head_kv, c.head_dim)
         qk = self.rope.step(rms_norm_heads(qk, self.qk_norm, self.qk_eps), pos)
@@ -528,7 +537,7 @@ class GQAttention:
             out = out * torch.sigmoid(y[n_q + n_k : n_q + n_k + n_gate])
         if self.observers:
             notify_matmul(self.observers, self.out.name, out)
-        return torch.addmm(h, out, self.out.weight.T)
+        return torch.addmm(h, out, self.out.weight_t)
 
 
 class MoeCausalLM:
@@ -601,7 +610,7 @@ class MoeCausalLM:
         for block, cache in zip(self.blocks, layers, strict=True):  # type: ignore[attr-defined]
             h = block.step(h, cache, pos, eps)
         state.pos += 1
-        return self.output(rms_norm_row(h, self.output_norm, eps))
+        return self.output.step(rms_norm_row(h, self.output_norm, eps))
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, state: State, last_only: bool = False) -> torch.Tensor:
