@@ -105,16 +105,23 @@ class LocalCluster:
             "--head", f"--port={port}", f"--temp-dir={self._tmp / 'ray'}", "--include-dashboard=false",
             f"--ray-client-server-port={free_port()}",
         ], "head", 0)  # fmt: skip
-        self._wait_for(1)
-        for i in range(self.workers):
-            # one at a time: raylets starting together on one host can pick the same socket name
-            self.nodes.append(self._spawn([f"--address={self.address}"], f"worker{i}", self.cpus_per_worker))
-            self._wait_for(2 + i)
+        self._wait_for(1, [self.head])
+        for _ in range(self.workers):
+            self.add_worker()
 
-    def _wait_for(self, n_nodes: int) -> None:
+    def add_worker(self, cpus: int | None = None) -> LocalNode:
+        """Start one more worker node and wait until it has joined (one at a time: raylets starting
+        together on one host can pick the same socket name)."""
+        cpus = self.cpus_per_worker if cpus is None else cpus
+        node = self._spawn([f"--address={self.address}"], f"worker{len(self.nodes)}", cpus)
+        self.nodes.append(node)
+        self._wait_for(1 + sum(1 for n in self.nodes if n.proc.poll() is None), [self.head, node])
+        return node
+
+    def _wait_for(self, n_nodes: int, watch: list[LocalNode | None]) -> None:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
-            for node in [self.head, *self.nodes]:
+            for node in watch:
                 if node is not None and node.proc.poll() is not None:
                     tail = node.log.read_text(errors="replace")[-2000:]
                     raise ForgeError(f"local Ray node exited during startup:\n{tail}")

@@ -283,8 +283,9 @@ def build(
                     res = next(results) if p.action == "encode" else None
                     row = _row(p, res)
                     report.tensors.append(row)
+                    note = executor.status()  # e.g. a cluster's tasks done/running/failed
                     if log:
-                        log(_log_line(row))
+                        log(_log_line(row) + (f"  [{note}]" if note else ""))
                     if p.action == "reuse":
                         digests.append(p.prior.digest)
                         yield copy_from_prior(p.prior)
@@ -292,7 +293,6 @@ def build(
                         item = res.data if res else source.stored(p.name)
                         digests.append(content_digest([item]))
                         yield item
-                    note = executor.status()
                     advance(p.spec.nbytes, f"{p.name}  {note}" if note else p.name)
 
             finalize = _digest_patcher(digests) if stamps is not None else None
