@@ -20,7 +20,8 @@ pytest.importorskip("numba")
 
 from numba import njit  # noqa: E402
 
-from forge.quant.kernels import _core, enabled, kernel  # noqa: E402
+from forge.quant.kernels import KERNELS as BY_TYPE  # noqa: E402
+from forge.quant.kernels import _core, enabled, kernel, warm_up  # noqa: E402
 
 # kernel name -> (numpy reference encoder, reads importance, needs importance)
 KERNELS = {
@@ -176,3 +177,13 @@ def test_iq2_xxs_kernel_zero_row_is_all_zero() -> None:
     w = np.ones(256, np.float32)
     out = kernel("iq2.iq2_xxs")(x, w)
     assert out.shape == (1, get_type(T.IQ2_XXS).row_bytes(256)) and not out.any()
+
+
+def test_every_kernel_is_tested_and_wired(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert set(BY_TYPE.values()) == set(KERNELS)
+    for type_name, name in BY_TYPE.items():
+        assert get_type(type_name)._encode_chunk.__doc__.startswith(name), type_name
+    monkeypatch.delenv("FORGE_NO_NUMBA", raising=False)
+    assert warm_up(["q4_k", "IQ2_XXS", "F16"]) == ["Q4_K", "IQ2_XXS"]
+    monkeypatch.setenv("FORGE_NO_NUMBA", "1")
+    assert warm_up() == []
