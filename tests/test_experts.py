@@ -166,6 +166,24 @@ def _small_synth(tmp: Path, layers: int = 2, experts: int = 64, used: int = 4) -
     return path
 
 
+def test_device_slab_path_equals_resident(forge_q8: Path) -> None:
+    """The slab as a torch tensor filled through a staging row (what --device cuda uses), run on the CPU."""
+    from runtime.models import build_model
+    from runtime.weights import load_weights
+
+    w = load_weights(forge_q8)
+    assert isinstance(w, GGUFWeights)
+    cache = ExpertCache(w.path, w.expert_layers(), _floor(forge_q8), int(w.hparam("expert_used_count")),
+                        slab_device="cpu")  # fmt: skip
+    assert cache.slab_device is not None and not hasattr(cache, "slab")
+    w.expert_cache = cache
+    m = build_model(w)
+    state, ids = m.new_state(64), _ids()
+    got = torch.cat([m.forward(ids[:21], state), *(m.forward(ids[i : i + 1], state) for i in range(21, 24))])
+    assert torch.equal(got, _logits(forge_q8, expert_budget=0))
+    assert cache.stats.misses > 0
+
+
 class _Routing(Observer):
     def __init__(self) -> None:
         self.distinct: dict[int, int] = {}
