@@ -105,6 +105,127 @@ def make_qkx(
 
 
 @njit(**JIT)
+def make_qkx_lanes(
+    xt: np.ndarray,
+    wt: np.ndarray,
+    nmax: int,
+    rmin: float,
+    rdelta: float,
+    nstep: int,
+    use_mad: bool,
+    guarded: bool,
+    Lt: np.ndarray,
+    scale_out: np.ndarray,
+    min_out: np.ndarray,
+) -> None:
+    """:func:`make_qkx` for many sub-blocks at once, position-major: ``xt[i, j]`` is element i of
+    sub-block j. Each lane runs ggml's loop for its sub-block (sums accumulate over i in order), so
+    the lanes are independent and LLVM vectorizes across them; worth it from a few dozen lanes (a
+    whole row of sub-blocks), not for the 8 of one super-block. Levels go to Lt, scale and the_min
+    to scale_out/min_out."""
+    n, nl = xt.shape
+    fnmax = F32(nmax)
+    mn = np.empty(nl, np.float32)
+    mx = np.empty(nl, np.float32)
+    mn0 = np.empty(nl, np.float32)
+    sum_w = np.empty(nl, np.float32)
+    sum_x = np.empty(nl, np.float32)
+    iscale = np.empty(nl, np.float32)
+    scale = np.empty(nl, np.float32)
+    best = np.zeros(nl, np.float32)
+    cur = np.empty(nl, np.float32)
+    sum_l = np.empty(nl, np.float32)
+    sum_l2 = np.empty(nl, np.float32)
+    sum_xl = np.empty(nl, np.float32)
+    this_scale = np.empty(nl, np.float32)
+    this_min = np.empty(nl, np.float32)
+    better = np.empty(nl, np.bool_)
+    laux = np.empty((n, nl), np.uint8)  # local: known not to alias the inputs (vectorizable)
+    for j in range(nl):
+        mn[j] = xt[0, j]
+        mx[j] = xt[0, j]
+        sum_w[j] = wt[0, j]
+        sum_x[j] = sum_w[j] * xt[0, j]
+    for i in range(1, n):
+        for j in range(nl):
+            v = xt[i, j]
+            if v < mn[j]:
+                mn[j] = v
+            if v > mx[j]:
+                mx[j] = v
+            sum_w[j] += wt[i, j]
+            sum_x[j] += wt[i, j] * v
+    for j in range(nl):
+        if mn[j] > F32(0):
+            mn[j] = F32(0)
+        mn0[j] = mn[j]
+        iscale[j] = fnmax / (mx[j] - mn[j])
+        scale[j] = F32(1) / iscale[j]
+    for i in range(n):
+        for j in range(nl):
+            li = _clamp(nearest_int(iscale[j] * (xt[i, j] - mn[j])), 0, nmax)
+            Lt[i, j] = li
+            diff = scale[j] * F32(li) + mn[j] - xt[i, j]
+            diff = abs(diff) if use_mad else diff * diff
+            best[j] += wt[i, j] * diff
+    for step in range(nstep + 1):
+        c = F32(rmin) + F32(rdelta) * F32(step) + fnmax
+        for j in range(nl):
+            iscale[j] = c / (mx[j] - mn[j])
+            sum_l[j] = F32(0)
+            sum_l2[j] = F32(0)
+            sum_xl[j] = F32(0)
+            cur[j] = F32(0)
+        for i in range(n):
+            for j in range(nl):
+                v = iscale[j] * (xt[i, j] - mn[j])
+                if guarded:
+                    li = nearest_int(v if v < fnmax else fnmax) if v > F32(0) else 0
+                else:
+                    li = _clamp(nearest_int(v), 0, nmax)
+                laux[i, j] = li
+                fl = F32(li)
+                wl = wt[i, j] * fl
+                sum_l[j] += wl
+                sum_l2[j] += wl * fl
+                sum_xl[j] += wl * xt[i, j]
+        for j in range(nl):
+            det = sum_w[j] * sum_l2[j] - sum_l[j] * sum_l[j]
+            ts = (sum_w[j] * sum_xl[j] - sum_x[j] * sum_l[j]) / det
+            tm = (sum_l2[j] * sum_x[j] - sum_l[j] * sum_xl[j]) / det
+            if tm > F32(0):
+                tm = F32(0)
+                ts = sum_xl[j] / sum_l2[j]
+            this_scale[j] = ts
+            this_min[j] = tm
+            better[j] = det > F32(0)
+        for i in range(n):
+            for j in range(nl):
+                diff = this_scale[j] * F32(laux[i, j]) + this_min[j] - xt[i, j]
+                diff = abs(diff) if use_mad else diff * diff
+                cur[j] += wt[i, j] * diff
+        for j in range(nl):
+            better[j] = better[j] and cur[j] < best[j]
+            if better[j]:
+                best[j] = cur[j]
+                scale[j] = this_scale[j]
+                mn[j] = this_min[j]
+        for i in range(n):
+            for j in range(nl):
+                if better[j]:
+                    Lt[i, j] = laux[i, j]
+    for j in range(nl):
+        if mx[j] == mn0[j]:  # flat sub-block: ggml returns before the search
+            for i in range(n):
+                Lt[i, j] = 0
+            scale_out[j] = F32(0)
+            min_out[j] = -mn0[j]
+        else:
+            scale_out[j] = scale[j]
+            min_out[j] = -mn[j]
+
+
+@njit(**JIT)
 def make_qp(x: np.ndarray, n: int, nmax: int, w: np.ndarray, L: np.ndarray) -> float:
     """ggml ``make_qp_quants``; L (uint8 storage, as ggml) gets the levels."""
     fnmax = F32(nmax)
@@ -243,48 +364,68 @@ def _u8_min(v: float, cap: int) -> int:
 
 @njit(**JIT)
 def encode_q45k(rows: np.ndarray, imp: np.ndarray, nmax: int, out: np.ndarray) -> None:
-    """Q4_K (nmax 15) / Q5_K (nmax 31) rows; ``imp`` empty means no importance weights."""
+    """Q4_K (nmax 15) / Q5_K (nmax 31) rows; ``imp`` empty means no importance weights.
+
+    The sub-block search runs over all sub-blocks of a row at once (make_qkx_lanes)."""
     n_rows, n_per_row = rows.shape
     nb = n_per_row // QK
+    ns = nb * 8
     has_imp = imp.size > 0
     bsize = out.shape[1] // nb
     L = np.empty(QK, np.uint8)
-    laux = np.empty(32, np.uint8)
-    w = np.empty(32, np.float32)
-    scales = np.empty(8, np.float32)
-    mins = np.empty(8, np.float32)
-    sw = np.empty(8, np.float32)
+    xt = np.empty((32, ns), np.float32)  # xt[i, s] = row[32 s + i]
+    wt = np.empty((32, ns), np.float32)
+    lt = np.empty((32, ns), np.uint8)
+    all_scales = np.empty(ns, np.float32)
+    all_mins = np.empty(ns, np.float32)
+    sum_x2 = np.empty(ns, np.float32)
+    sigma2 = np.empty(nb, np.float32)
+    sw = np.empty(ns, np.float32)
     ls = np.empty(8, np.uint8)
     lm = np.empty(8, np.uint8)
     for r in range(n_rows):
+        row = rows[r]
+        for s in range(ns):
+            for i in range(32):
+                xt[i, s] = row[32 * s + i]
+        if not has_imp:
+            sum_x2[:] = F32(0)
+            for i in range(32):
+                for s in range(ns):
+                    sum_x2[s] += xt[i, s] * xt[i, s]
+            for s in range(ns):
+                av_x = np.sqrt(sum_x2[s] / F32(32))
+                for i in range(32):
+                    wt[i, s] = av_x + abs(xt[i, s])
+            if nmax == 15:
+                make_qkx_lanes(xt, wt, 15, F32(-1.0), F32(0.1), 20, False, False, lt, all_scales, all_mins)
+            else:
+                make_qkx_lanes(xt, wt, 31, F32(-0.5), F32(0.1), 15, False, False, lt, all_scales, all_mins)
+        else:
+            for b in range(nb):
+                total = F32(0)
+                for i in range(QK):
+                    total += row[b * QK + i] * row[b * QK + i]
+                sigma2[b] = F32(2) * total / F32(QK)
+            sw[:] = F32(0)
+            for i in range(32):
+                for s in range(ns):
+                    wt[i, s] = imp[32 * s + i] * np.sqrt(sigma2[s // 8] + xt[i, s] * xt[i, s])
+                    sw[s] += wt[i, s]
+            make_qkx_lanes(xt, wt, nmax, F32(-0.9), F32(0.05), 36, False, True, lt, all_scales, all_mins)
         for b in range(nb):
-            x = rows[r, b * QK : (b + 1) * QK]
+            x = row[b * QK : (b + 1) * QK]
             y = out[r, b * bsize : (b + 1) * bsize]
+            scales = all_scales[8 * b : 8 * b + 8]
+            mins = all_mins[8 * b : 8 * b + 8]
             if not has_imp:
                 max_scale = F32(0)
                 max_min = F32(0)
                 for j in range(8):
-                    xs = x[32 * j : 32 * j + 32]
-                    sum_x2 = F32(0)
-                    for i in range(32):
-                        sum_x2 += xs[i] * xs[i]
-                    av_x = np.sqrt(sum_x2 / F32(32))
-                    for i in range(32):
-                        w[i] = av_x + abs(xs[i])
-                    if nmax == 15:
-                        s, m = make_qkx(
-                            xs, w, 32, 15, F32(-1.0), F32(0.1), 20, False, False, L[32 * j :], laux
-                        )
-                    else:
-                        s, m = make_qkx(
-                            xs, w, 32, 31, F32(-0.5), F32(0.1), 15, False, False, L[32 * j :], laux
-                        )
-                    scales[j] = s
-                    mins[j] = m
-                    if s > max_scale:
-                        max_scale = s
-                    if m > max_min:
-                        max_min = m
+                    if scales[j] > max_scale:
+                        max_scale = scales[j]
+                    if mins[j] > max_min:
+                        max_min = mins[j]
                 inv_scale = F32(63) / max_scale if max_scale > F32(0) else F32(0)
                 inv_min = F32(63) / max_min if max_min > F32(0) else F32(0)
                 for j in range(8):
@@ -293,28 +434,16 @@ def encode_q45k(rows: np.ndarray, imp: np.ndarray, nmax: int, out: np.ndarray) -
                 d_val = max_scale / F32(63)
                 m_val = max_min / F32(63)
             else:
-                sum_x2 = F32(0)
-                for i in range(QK):
-                    sum_x2 += x[i] * x[i]
-                sigma2 = F32(2) * sum_x2 / F32(QK)
-                for j in range(8):
-                    xs = x[32 * j : 32 * j + 32]
-                    qw = imp[b * QK + 32 * j : b * QK + 32 * j + 32]
-                    sumw = F32(0)
-                    for i in range(32):
-                        w[i] = qw[i] * np.sqrt(sigma2 + xs[i] * xs[i])
-                        sumw += w[i]
-                    sw[j] = sumw
-                    s, m = make_qkx(xs, w, 32, nmax, F32(-0.9), F32(0.05), 36, False, True, L[32 * j :], laux)
-                    scales[j] = s
-                    mins[j] = m
-                d_val = make_qp(scales, 8, 63, sw, ls)
-                m_val = make_qp(mins, 8, 63, sw, lm)
+                d_val = make_qp(scales, 8, 63, sw[8 * b : 8 * b + 8], ls)
+                m_val = make_qp(mins, 8, 63, sw[8 * b : 8 * b + 8], lm)
                 for j in range(8):
                     if ls[j] > 63:
                         ls[j] = 63
                     if lm[j] > 63:
                         lm[j] = 63
+            for j in range(8):
+                for i in range(32):
+                    L[32 * j + i] = lt[i, 8 * b + j]
             put_fp16(y, 0, d_val)
             put_fp16(y, 2, m_val)
             for j in range(4):
