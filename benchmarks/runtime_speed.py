@@ -1,10 +1,12 @@
 """Prefill / decode tokens per second of the runtime (pp512 / tg128, like llama-bench), beside transformers.
 
     python benchmarks/runtime_speed.py [GGUF ...] [--threads 2] [--device cpu|cuda|mps]
-        [--transformers HF_DIR] [--synth] [--json OUT]
+        [--transformers HF_DIR] [--synth] [--resident-only] [--json OUT]
 
 Without files it converts the bundled examples/tiny-qwen3moe to bf16 and derives a Q8_0 copy, and adds the
-llama.cpp files under ../shared/fixtures when present. ``--synth`` benchmarks a larger randomly initialized
+llama.cpp files under ../shared/fixtures when present (and tiny-qwen35moe, bf16 and llama.cpp's, from there).
+Each file runs with its routed experts resident (decoded once) and, unless ``--resident-only``, decoded on
+every use (expert cache 0). The load average is printed: on a shared machine the figures are lower bounds. ``--synth`` benchmarks a larger randomly initialized
 qwen3moe (about 5 B parameters, Q4_K experts) written on the fly: meant for GPUs.
 llama.cpp's figures for the tiny model (llama-bench, 2 threads, the 2-core development machine) are printed
 for reference from the fixtures README.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -212,6 +215,11 @@ def default_files(tmp: Path) -> list[Path]:
     files = [bf16, q8_0_copy(bf16, tmp / "tiny-qwen3moe-Q8_0-forge.gguf")]
     fixtures = ROOT.parent / "shared" / "fixtures" / "llamacpp" / "tiny-qwen3moe"
     files += sorted(fixtures.glob("tiny-qwen3moe-Q*.gguf"))
+    q35 = ROOT.parent / "shared" / "fixtures" / "tiny-qwen35moe"
+    if q35.is_dir():
+        files.append(tmp / "tiny-qwen35moe-bf16.gguf")
+        convert_checkpoint(q35, files[-1], "bf16", mtp=False)
+        files += sorted((fixtures.parent / "tiny-qwen35moe").glob("tiny-qwen35moe-Q*.gguf"))
     return files
 
 
@@ -227,6 +235,7 @@ def main() -> None:
     ap.add_argument("--transformers", type=Path, default=ROOT / "examples" / "tiny-qwen3moe")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--synth", action="store_true", help="also a ~5 B-parameter random Q4_K qwen3moe")
+    ap.add_argument("--resident-only", action="store_true", help="skip the experts-decoded-per-use runs")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -236,7 +245,8 @@ def main() -> None:
         if args.synth:
             files.append(synth_qwen3moe(Path(tmp) / "synth-qwen3moe-8L-Q4_K.gguf"))
         for f in files:
-            for budget_mib in sorted({args.expert_cache_mib, 0}, reverse=True):
+            budgets = {args.expert_cache_mib} if args.resident_only else {args.expert_cache_mib, 0}
+            for budget_mib in sorted(budgets, reverse=True):
                 row = bench_runtime(f, args.device, args.pp, args.tg, args.reps, budget_mib << 20)
                 row["expert_cache_mib"] = budget_mib
                 rows.append(row)
@@ -246,8 +256,10 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     where = args.device + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
-        f"\n{where}, torch threads {args.threads}, pp{args.pp} / tg{args.tg} tokens/s (best of {args.reps})"
+        f"\n{where}, torch threads {args.threads}, pp{args.pp} / tg{args.tg} tokens/s (best of {args.reps}), "
+        f"load average {load}"
     )
     print(f"{'file':<42} {'cache MiB':>9} {'pp':>9} {'tg':>8}")
     for r in rows:
@@ -255,7 +267,9 @@ def main() -> None:
     print("llama.cpp llama-bench, tiny-qwen3moe, 2 threads (fixtures README): "
           + ", ".join(f"{k} {pp}/{tg}" for k, (pp, tg) in LLAMA_CPP.items()))  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps({"device": where, "threads": args.threads, "rows": rows}, indent=1))
+        args.json.write_text(
+            json.dumps({"device": where, "threads": args.threads, "load": load, "rows": rows}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from runtime.experts import ExpertCache, LayerExperts
 
 _MISSING = object()
+# A token embedding up to this size (as float32) is decoded whole on first lookup, not per looked-up row.
+SMALL_TABLE_BYTES = 64 << 20
 # Bytes of decoded (float32) routed experts a model may keep resident; the rest are decoded on every use.
 DEFAULT_EXPERT_BUDGET = 1 << 30
 _FLOAT_VIEWS = {
@@ -99,6 +101,16 @@ class ExpertTensor:
     def release(self) -> None:
         """Drop the decoded copy (its owner keeps it in another form) and decode per use from now on."""
         self._decoded, self.resident = None, False
+
+    def to_columns(self) -> None:
+        """Keep the decoded experts transposed in memory (each expert's (cols, rows) contiguous).
+
+        ``decoded()`` and ``per_expert`` then give transposed views with the same values: ``x @ W.T`` reads
+        such a matrix row by row, faster on CPU. (F32 tensors decode to a view of their source: this is then
+        a second copy.)
+        """
+        if self.resident:
+            self._decoded = self.decoded().transpose(1, 2).contiguous().transpose(1, 2)
 
     def per_expert(self, ids: list[int]) -> list[torch.Tensor]:
         """Float32 (rows, cols) matrices of experts ``ids``: views of the decoded tensor when resident."""
@@ -325,6 +337,8 @@ class GGUFWeights(Weights):
 
     def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         self._require(name)
+        if name not in self._dense and self.shape(name)[0] * self.shape(name)[-1] * 4 <= SMALL_TABLE_BYTES:
+            self.dense(name)  # decoded once: decoding rows costs a dequantizer call per lookup
         if name in self._dense:
             return self._dense[name].index_select(0, ids)
         raw = self.raw(name).index_select(0, ids.to(self.device))
