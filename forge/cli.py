@@ -119,6 +119,9 @@ def quantize(
     ray_address: Annotated[
         str | None, typer.Option(help="Ray cluster HOST:PORT (default: $RAY_ADDRESS, else a local Ray)")
     ] = None,
+    device: Annotated[
+        str, typer.Option(help="cpu, or a torch device (cuda) for Q4_K/Q5_K/IQ2_XXS; same bytes")
+    ] = "cpu",
     allow_requantize: Annotated[bool, typer.Option(help="allow an already-quantized source")] = False,
     reuse: Annotated[
         list[Path] | None, typer.Option(help="prior build (file or folder) to copy unchanged tensors from")
@@ -141,7 +144,7 @@ def quantize(
     plan, rep = run(src, None if dry_run else output, recipe, imatrix, tensor_type or [], jobs, allow_requantize,
                     not no_mtp, progress=not as_json, log=log, reuse=reuse or [], trust_mtime=trust_mtime,
                     warn=lambda line: err.print(line, highlight=False, markup=False), executor=executor,
-                    ray_address=ray_address)  # fmt: skip
+                    ray_address=ray_address, device=device)  # fmt: skip
     by_type = bytes_by_type(rep)
     n_el = sum(e["elements"] for e in by_type.values())
     n_bytes = sum(e["bytes"] for e in by_type.values())

@@ -226,3 +226,28 @@ def test_supported_types_and_refusals() -> None:
 def test_cuda_missing_is_a_forge_error() -> None:
     with pytest.raises(ForgeError, match="no CUDA device"):
         encode_on_device("Q4_K", np.ones((1, 256), np.float32), None, "cuda")
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu:0", id="torch-cpu"), *DEVICES[1:]])
+def test_quantize_on_device_writes_the_cpu_bytes(device: str, example_bf16, tmp_path) -> None:
+    """``forge quantize --device``: the types with a device encoder go through it; the file is identical."""
+    from forge.quant.quantize import quantize
+
+    kw = {"tensor_types": ["attn_k=q4_k", "attn_q=q5_k"]}
+    _, cpu = quantize(example_bf16, tmp_path / "cpu.gguf", "q8_0", **kw)
+    _, dev = quantize(example_bf16, tmp_path / "dev.gguf", "q8_0", device=device, **kw)
+    assert {r["to"] for r in dev.tensors} >= {"Q4_K", "Q5_K", "Q8_0"}
+    assert (tmp_path / "cpu.gguf").read_bytes() == (tmp_path / "dev.gguf").read_bytes()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_quantize_device_cuda_without_cuda_is_one_error_line(example_bf16, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "o.gguf"
+    cmd = [sys.executable, "-m", "forge", "quantize", str(example_bf16), "-o", str(out), "--device", "cuda"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "no CUDA device" in proc.stderr
+    assert not out.exists()

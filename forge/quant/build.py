@@ -32,6 +32,7 @@ from forge.quant.reuse import (
     why_regenerated,
 )
 from forge.quant.source import QuantSource, SourceRef
+from forge.quant.torch_codecs import encode_on_device, supported_on_device
 from forge.quant.types import get_type
 
 #: rows encoded per call: bounds the float32 working set of one job to ~64 MB
@@ -48,6 +49,7 @@ class EncodeJob:
     out_type: str
     importance: np.ndarray | None  # (n_mat, n_per_row)
     shape: tuple[int, ...] = ()  # numpy order; lets an executor split a 3-D tensor by expert ranges
+    device: str = "cpu"  # torch device for the types that have a device encoder (same bytes)
 
 
 @dataclass
@@ -67,11 +69,16 @@ def open_source(ref: SourceRef) -> QuantSource:
     return _SOURCES[ref]
 
 
-def encode_rows(qtype: str, rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
-    """Encode (n_rows, n_per_row) float32 rows in bounded chunks."""
+def encode_rows(
+    qtype: str, rows: np.ndarray, importance: np.ndarray | None, device: str = "cpu"
+) -> np.ndarray:
+    """Encode (n_rows, n_per_row) float32 rows in bounded chunks, on ``device`` where the type has a
+    torch encoder (the bytes are the same), else with the CPU codec."""
     qt = get_type(qtype)
     if not np.isfinite(rows).all():
         raise ForgeError("non-finite values (NaN or inf) in the source weights")
+    if device != "cpu" and supported_on_device(qt.name()):
+        return encode_on_device(qt.name(), rows, importance, device)
     step = max(1, CHUNK_ELEMENTS // rows.shape[1])
     parts = [
         qt.encode(np.ascontiguousarray(rows[i : i + step]), importance) for i in range(0, rows.shape[0], step)
@@ -88,11 +95,13 @@ def run_job(job: EncodeJob, values: np.ndarray | None = None) -> EncodeResult:
     mats = values.reshape(-1, *values.shape[-2:]) if values.ndim >= 2 else values.reshape(1, 1, -1)
     if job.importance is not None and job.importance.shape[0] == mats.shape[0]:
         # routed experts: each expert's matrix with its own importance row
-        encoded = [encode_rows(job.out_type, m, w) for m, w in zip(mats, job.importance, strict=True)]
+        encoded = [
+            encode_rows(job.out_type, m, w, job.device) for m, w in zip(mats, job.importance, strict=True)
+        ]
         data = np.concatenate(encoded)
     else:
         w = None if job.importance is None else job.importance[0]
-        data = encode_rows(job.out_type, values.reshape(-1, n_per_row), w)
+        data = encode_rows(job.out_type, values.reshape(-1, n_per_row), w, job.device)
     sample = values.reshape(-1, n_per_row)[:ERROR_SAMPLE_ROWS]
     decoded = get_type(job.out_type).decode(data[: len(sample)], n_per_row)
     denom = float(np.sqrt(np.mean(sample.astype(np.float64) ** 2))) or 1.0
@@ -249,6 +258,7 @@ def build(
     log: Callable[[str], None] | None = None,
     stamps: list[TensorStamp] | None = None,
     executor: Executor | Callable[[], Executor] | None = None,
+    device: str = "cpu",
 ) -> BuildReport:
     """Encode/copy every planned tensor and write ``out`` (``None``: dry run, nothing written).
 
@@ -266,7 +276,9 @@ def build(
         return report
     start = time.perf_counter()
     to_encode = [p for p in plan if p.action == "encode"]
-    encode_jobs = [EncodeJob(source.ref, p.name, p.out_type.name, p.importance, p.shape) for p in to_encode]
+    encode_jobs = [
+        EncodeJob(source.ref, p.name, p.out_type.name, p.importance, p.shape, device) for p in to_encode
+    ]
     owned = not isinstance(executor, Executor)
     if owned and not encode_jobs:  # everything copied or reused: no workers to start
         executor = Executor()

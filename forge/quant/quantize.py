@@ -24,6 +24,7 @@ from forge.quant.plan import PlannedTensor, make_plan
 from forge.quant.recipe import load_recipe, parse_overrides
 from forge.quant.reuse import ds4_keys, load_priors
 from forge.quant.source import source_ref
+from forge.quant.torch_codecs import check_device
 
 
 def quantize(
@@ -42,16 +43,19 @@ def quantize(
     warn: Callable[[str], None] | None = None,
     executor: str | Executor = "local",
     ray_address: str | None = None,
+    device: str = "cpu",
 ) -> tuple[list[PlannedTensor], BuildReport]:
     """Quantize ``src`` (HF folder or GGUF) to ``out``; ``out=None`` is a dry run.
 
     ``reuse``: prior builds (files or folders) whose tensors are copied where their keys match.
     ``executor``: ``local`` (this process, or ``jobs`` worker processes), ``ray`` (tasks on the Ray
     cluster at ``ray_address``), or an :class:`Executor` instance. Output bytes never depend on it.
+    ``device``: torch device (``cuda``) for the types that have a device encoder; same bytes as the CPU.
     """
     if out is not None:
         check_output_path(out)
     run_on = _executor_factory(executor, jobs, ray_address, log)
+    check_device(device)
     rec = load_recipe(recipe)
     overrides = parse_overrides(list(tensor_types))
     priors = load_priors(reuse, Path(out) if out is not None else None) if reuse else None
@@ -70,7 +74,7 @@ def quantize(
     extra = [KV("quantize.reuse_key", key, T.STRING), KV("quantize.reuse_key_weights", key_weights, T.STRING)]
     kvs = output_kvs(source, rec, overrides, im, str(imatrix) if imatrix else None, extra)
     report = build(
-        source, plan, kvs, Path(out) if out is not None else None, jobs, progress, log, stamps, run_on
+        source, plan, kvs, Path(out) if out is not None else None, jobs, progress, log, stamps, run_on, device
     )
     return plan, report
 

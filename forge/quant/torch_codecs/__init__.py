@@ -34,6 +34,12 @@ def _encoder(name: str) -> Callable:
     return {"Q4_K": kquants.encode_q4_k, "Q5_K": kquants.encode_q5_k, "IQ2_XXS": iq2.encode_iq2_xxs}[name]
 
 
+def check_device(device: str) -> None:
+    """ForgeError unless ``device`` is ``cpu`` or a torch device this machine has."""
+    if device != "cpu":
+        _device(device)
+
+
 def _device(device: str):  # noqa: ANN202
     import torch
 
@@ -96,4 +102,4 @@ def encode_on_device(
     return out
 
 
-__all__ = ["CHUNK_ELEMS", "encode_on_device", "supported_on_device"]
+__all__ = ["CHUNK_ELEMS", "check_device", "encode_on_device", "supported_on_device"]
