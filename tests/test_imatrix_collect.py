@@ -348,6 +348,26 @@ def test_collect_small_run(tmp_path):
     assert not (tmp_path / "x.gguf").exists()
 
 
+@pytest.mark.slow
+def test_collect_with_ggml_numerics(tmp_path):
+    """llama.cpp's input rounding changes activations by rounding-size amounts, never the bookkeeping."""
+    from forge.imatrix.accumulate import collect
+    from tests import oracle
+
+    text = tmp_path / "t.txt"
+    text.write_text((oracle.fixtures() / "text" / "calib.txt").read_text()[:3000])
+    plain = collect(_model_dir(), text, tmp_path / "a.gguf", ctx=64, chunks=2, log=None).imatrix
+    ggml = collect(
+        _model_dir(), text, tmp_path / "b.gguf", ctx=64, chunks=2, log=None, ggml_numerics=True
+    ).imatrix
+    assert ggml.names() == plain.names()
+    for name in plain.names():
+        assert ggml.counts[name].sum() == plain.counts[name].sum(), name
+        if plain.shape(name)[0] == 1:
+            assert _rel_l2(ggml.sums[name], plain.sums[name]) < 2e-2, name
+    assert any(not np.array_equal(ggml.sums[n], plain.sums[n]) for n in plain.names())
+
+
 @pytest.fixture(scope="module")
 def collected_like_llamacpp(tmp_path_factory):
     """The fixture README's llama-imatrix run (calib.txt, -c 512, --chunks 32) on our runtime."""

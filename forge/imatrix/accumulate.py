@@ -329,12 +329,14 @@ def collect(
     process_output: bool = False,
     device: str = "cpu",
     log: Callable[[str], None] | None = print,
+    ggml_numerics: bool = False,
 ) -> CollectReport:
     """``forge imatrix collect``: llama-imatrix's procedure on our runtime.
 
     The text is cut into consecutive ``ctx``-token chunks (at most ``chunks``); each runs from an
     empty cache as one batch. Perplexity is printed as llama-imatrix does (second half of each chunk).
-    Every ``save_every`` chunks, and at the end, ``out`` is replaced atomically.
+    Every ``save_every`` chunks, and at the end, ``out`` is replaced atomically. ``ggml_numerics``
+    runs the model with llama.cpp's CPU input rounding (closer routing, slower).
     """
     from forge.atomic import check_output_path
     from forge.imatrix.formats import format_for_path, write_imatrix
@@ -350,7 +352,7 @@ def collect(
     if not text_file.is_file():
         raise ForgeError(f"{text_file}: no such file")
     acc = ImatrixAccumulator(process_output=process_output)
-    model = load_model(model_path, device=device, observers=[acc])
+    model = load_model(model_path, device=device, observers=[acc], ggml_numerics=ggml_numerics)
     # as llama-imatrix reads it: the whole text at once, special-token parsing off, no BOS
     tok = Tokenizer.from_metadata(model.weights)
     ids = tok.encode(
