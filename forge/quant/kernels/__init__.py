@@ -3,7 +3,11 @@
 A codec opts in with ``_encode_chunk = staticmethod(accelerated("module.function", numpy_encoder))``:
 the kernel runs when numba is importable and ``FORGE_NO_NUMBA`` is unset (checked at every call, so
 tests can switch paths), otherwise the numpy encoder, which stays the reference. Kernels compile on
-first use and are cached on disk (numba ``cache=True``).
+first use and are cached on disk (numba ``cache=True``, in this package's ``__pycache__``).
+
+Caveat when editing: numba invalidates a cached kernel only when its own source file changes, not
+when a jitted helper it calls from another module does (``_core``, ``kquants.make_qp``, ...). After
+editing a helper module, delete ``forge/quant/kernels/__pycache__``.
 """
 
 from __future__ import annotations
