@@ -86,8 +86,17 @@ def reference(calls, process_output: bool) -> tuple[dict, dict]:
     return sums, counts
 
 
+@pytest.fixture(params=[1, 2], ids=["torch-1-thread", "numpy"])
+def torch_threads(request):
+    """The accumulator reduces with torch on one thread, with numpy when torch has several."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("process_output", [False, True])
-def test_accumulator_matches_reference(process_output):
+def test_accumulator_matches_reference(process_output, torch_threads):
     acc, rec = ImatrixAccumulator(process_output=process_output), Recorder()
     model = FakeMoE([acc, rec])
     g = torch.Generator().manual_seed(1)
@@ -139,7 +148,7 @@ def test_accumulator_refuses_bad_inputs():
         acc.to_imatrix()
 
 
-def test_accumulator_shares_one_input_only_when_unchanged():
+def test_accumulator_shares_one_input_only_when_unchanged(torch_threads):
     """q/k/v (and gate/up) fed one tensor are reduced once; an in-place write or a repeat recomputes."""
     acc = ImatrixAccumulator()
     x = torch.randn(20, 8, generator=torch.Generator().manual_seed(4))
@@ -169,21 +178,21 @@ def test_accumulator_shares_one_input_only_when_unchanged():
 
 def test_device_path_matches_cpu_path():
     """The accelerator reduction (index_add_, out-of-range ids counted apart) equals the numpy one."""
-    from forge.imatrix.accumulate import _cpu_sums, _device_sums
+    from forge.imatrix.accumulate import _numpy_sums, _torch_sums
 
     g = torch.Generator().manual_seed(5)
     x, ids = torch.randn(300, 24, generator=g), torch.randint(0, 6, (300,), generator=g)
-    cpu_s, cpu_c = _cpu_sums(x, ids, 6)
-    dev_s, dev_c = _device_sums(x, ids, 6)
-    np.testing.assert_allclose(dev_s.numpy(), cpu_s.numpy(), rtol=1e-5)
-    assert dev_c.tolist() == cpu_c.tolist() and dev_c[6] == 0
+    np_s, np_c = _numpy_sums(x, ids, 6)
+    dev_s, dev_c = _torch_sums(x, ids, 6)
+    np.testing.assert_allclose(dev_s.numpy(), np_s.numpy(), rtol=1e-5)
+    assert dev_c.tolist() == np_c.tolist() and dev_c[6] == 0
     bad = ids.clone()
     bad[:7] = 9
-    dev_s, dev_c = _device_sums(x, bad, 6)
+    dev_s, dev_c = _torch_sums(x, bad, 6)
     assert int(dev_c[6]) == 7 and int(dev_c.sum()) == 300
     np.testing.assert_allclose(dev_s[6].numpy(), x[:7].square().sum(0).numpy(), rtol=1e-5)
-    dense, none = _device_sums(x, None, 0)
-    np.testing.assert_allclose(dense.numpy(), _cpu_sums(x, None, 0)[0].numpy(), rtol=1e-5)
+    dense, none = _torch_sums(x, None, 0)
+    np.testing.assert_allclose(dense.numpy(), _numpy_sums(x, None, 0)[0].numpy(), rtol=1e-5)
     assert none is None
 
 

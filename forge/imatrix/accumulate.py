@@ -43,6 +43,7 @@ except ModuleNotFoundError:  # the runtime is optional for file-format work
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 MIN_DENSE_ROWS = 16
+_MAX_SCRATCH = 64 << 20  # bytes of x² scratch kept between calls (CPU, one torch thread)
 
 
 # Tensors of one layer that the models may feed the same input, one after the other: the attention
@@ -80,12 +81,14 @@ def _same_tensor(a: torch.Tensor | None, a_version: int | None, b: torch.Tensor 
     )
 
 
-def _cpu_sums(x: torch.Tensor, ids: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _numpy_sums(
+    x: torch.Tensor, ids: torch.Tensor | None, n: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sums of x² per column (per expert: (n + 1, cols), and (n + 1,) row counts) with numpy.
 
     Single-threaded on purpose: these are memory-bound reductions that run between the model's own
-    matmuls, and each multi-threaded torch op would be one more thread-pool rendezvous; on a busy
-    machine those stall far longer than the arithmetic takes. einsum adds the rows in order, without a
+    matmuls, and with several torch threads each op would be one more thread-pool rendezvous; on a
+    busy machine those stall far longer than the arithmetic takes (with one thread torch is faster). einsum adds the rows in order, without a
     temporary x² array. Routed rows come sorted by expert from the runtime (else they are sorted here),
     so each expert is one contiguous slice.
     """
@@ -108,15 +111,23 @@ def _cpu_sums(x: torch.Tensor, ids: torch.Tensor | None, n: int) -> tuple[torch.
     return torch.from_numpy(sums), torch.from_numpy(counts)
 
 
-def _device_sums(
-    x: torch.Tensor, ids: torch.Tensor | None, n: int
+def _torch_sums(
+    x: torch.Tensor,
+    ids: torch.Tensor | None,
+    n: int,
+    ids_checked: bool = False,
+    scratch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The same on an accelerator: one fused index_add_ over all rows, nothing read back to the host
-    (ids out of range land in the extra row n)."""
-    sq = x.float().square()
+    """The same with torch (an accelerator, or one CPU thread): one fused index_add_ over all rows,
+    nothing read back to the host. Unless ``ids_checked``, ids out of range land in the extra row n
+    (a range check would sync with the device). ``scratch``: float32 room for x² (fresh pages are
+    costly on the CPU)."""
+    xf = x.float()
+    # a plain multiply: torch's square() goes through pow, slower on the CPU
+    sq = xf * xf if scratch is None else torch.mul(xf, xf, out=scratch[: x.numel()].view(x.shape))
     if ids is None:
         return sq.sum(dim=0, keepdim=True), None
-    rows = torch.where((ids < 0) | (ids >= n), n, ids)
+    rows = ids if ids_checked else torch.where((ids < 0) | (ids >= n), n, ids)
     sums = sq.new_zeros(n + 1, sq.shape[1]).index_add_(0, rows, sq)
     counts = torch.zeros(n + 1, dtype=torch.int64, device=ids.device).index_add_(
         0, rows, torch.ones_like(rows)
@@ -173,6 +184,7 @@ class ImatrixAccumulator(Observer):
         self._routed: set[str] = set()
         self._bad_ids: dict[str, torch.Tensor] = {}  # off the CPU: rows with an expert id out of range
         self._last: _Delta | None = None
+        self._scratch: torch.Tensor | None = None
 
     def wants(self, tensor_name: str) -> bool:
         return tensor_name.startswith("blk.") or (self.process_output and tensor_name == "output.weight")
@@ -223,9 +235,24 @@ class ImatrixAccumulator(Observer):
         if last is not None and last.serves(name, x, ids, n):
             last.used_by.add(name)
             return last
-        sums, counts = _cpu_sums(x, ids, n) if x.device.type == "cpu" else _device_sums(x, ids, n)
+        # numpy only where torch would split the work over several threads (see _numpy_sums)
+        use_numpy = x.device.type == "cpu" and torch.get_num_threads() > 1
+        if use_numpy:
+            sums, counts = _numpy_sums(x, ids, n)
+        elif x.device.type == "cpu":  # _n_mat has checked the ids
+            sums, counts = _torch_sums(x, ids, n, ids_checked=True, scratch=self._scratch_for(x))
+        else:
+            sums, counts = _torch_sums(x, ids, n)
         self._last = _Delta(_input_group(name), x, ids, (_version(x), _version(ids)), n, sums, counts, {name})
         return self._last
+
+    def _scratch_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """A float32 buffer kept between calls for x² (None past _MAX_SCRATCH bytes)."""
+        if x.numel() * 4 > _MAX_SCRATCH:
+            return None
+        if self._scratch is None or self._scratch.numel() < x.numel():
+            self._scratch = torch.empty(x.numel(), dtype=torch.float32)
+        return self._scratch
 
     def _n_mat(self, tensor_name: str, ids: torch.Tensor) -> int:
         m = _LAYER.match(tensor_name)
@@ -264,6 +291,7 @@ class ImatrixAccumulator(Observer):
         self._routed.clear()
         self._bad_ids.clear()
         self._last = None
+        self._scratch = None
 
     def export_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Copies of the sums and counts as numpy arrays (the tensors may live on a GPU)."""
