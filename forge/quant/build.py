@@ -17,6 +17,7 @@ from forge.errors import ForgeError
 from forge.gguf_file import KV, GGUFLayout, T, write_gguf
 from forge.imatrix.model import Imatrix
 from forge.progress import byte_progress
+from forge.quant.kernels import warm_up
 from forge.quant.plan import PlannedTensor
 from forge.quant.recipe import Recipe
 from forge.quant.reuse import (
@@ -280,6 +281,8 @@ def build(
         EncodeJob(source.ref, p.name, p.out_type.name, p.importance, p.shape, device) for p in to_encode
     ]
     owned = not isinstance(executor, Executor)
+    if jobs > 1 and encode_jobs:  # compile (or load) the kernels once, not in every worker at once
+        warm_up(sorted({j.out_type for j in encode_jobs}))
     if owned and not encode_jobs:  # everything copied or reused: no workers to start
         executor = Executor()
     elif executor is None:

@@ -76,6 +76,9 @@ def _load_all() -> None:
     import forge.quant  # noqa: F401  (registers every type module)
 
 
+KERNEL_CHUNK_ELEMS = 1 << 16
+
+
 class BlockCodec(QuantType):
     """Most codecs: validate rows, encode them in chunks of whole rows (on a small thread pool),
     decode through the ``gguf`` package. A subclass only provides ``_encode_chunk``."""
@@ -95,10 +98,13 @@ class BlockCodec(QuantType):
             importance = None
         elif importance is None and cls.requires_importance:
             raise ForgeError(f"{cls.name()} needs importance weights (an imatrix); none were given")
+        from forge.quant.kernels import enabled
+
         fn = cls._encode_chunk
-        return map_row_chunks(
-            rows, cls.row_bytes(rows.shape[1]), lambda c: fn(c, importance), cls.chunk_elems
-        )
+        # numpy codecs vectorize over a chunk's blocks and want big chunks; compiled kernels loop,
+        # so small chunks let the threads share even a small tensor
+        chunk = min(cls.chunk_elems, KERNEL_CHUNK_ELEMS) if enabled() else cls.chunk_elems
+        return map_row_chunks(rows, cls.row_bytes(rows.shape[1]), lambda c: fn(c, importance), chunk)
 
     @classmethod
     def decode(cls, data: np.ndarray, n_per_row: int) -> np.ndarray:
