@@ -129,6 +129,12 @@ def collect(
         bool, typer.Option("--process-output", help="collect output.weight too")
     ] = False,
     device: Annotated[str, typer.Option(help="torch device")] = "cpu",
+    ggml_numerics: Annotated[
+        bool,
+        typer.Option(
+            "--ggml-numerics", help="llama.cpp's CPU input rounding (routing closer to llama-imatrix; slower)"
+        ),
+    ] = False,
     executor: Annotated[
         str, typer.Option(help="local (this process) or ray (chunks over a Ray cluster's nodes)")
     ] = "local",
@@ -143,6 +149,8 @@ def collect(
         raise ForgeError(f"--executor must be local or ray, not {executor!r}")
     if executor == "local" and ray_address is not None:
         raise ForgeError("--ray-address needs --executor ray")
+    if executor == "ray" and ggml_numerics:
+        raise ForgeError("--ggml-numerics runs with the local executor only")
     if executor == "ray":
         from forge.distributed.cluster import probe, require_ray
         from forge.distributed.imatrix import collect_ray
@@ -154,7 +162,7 @@ def collect(
                           log=lambda s: out.print(s, end=" "), address=ray_address)  # fmt: skip
     else:
         rep = run_collect(model, text, output, ctx, chunks, _fmt(fmt), save_every, process_output, device,
-                          log=lambda s: out.print(s, end=" "))  # fmt: skip
+                          log=lambda s: out.print(s, end=" "), ggml_numerics=ggml_numerics)  # fmt: skip
     out.print()
     out.print(f"wrote {output}: {len(rep.imatrix.sums)} tensors from {rep.chunks} chunks x {ctx} tokens "
               f"in {rep.seconds:.1f} s ({rep.tokens_per_second:.0f} tokens/s)")  # fmt: skip
