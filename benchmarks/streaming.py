@@ -103,7 +103,11 @@ class CacheRunner:
         self.used = int(w.hparam("expert_used_count"))
 
     def new_cache(self, capacity: int, policy: str) -> ExpertCache:
-        return ExpertCache(self.path, self.layers, capacity, self.used, policy, self.device, drop_pages=True)
+        cache = ExpertCache(self.path, self.layers, capacity, self.used, policy, self.device, drop_pages=True)
+        # fault the slab in now: a warmup without I/O leaves it untouched, and first-touch page faults
+        # would otherwise be timed as read time
+        cache._slab_t.zero_()
+        return cache
 
     def replay(self, cache: ExpertCache, steps: Trace, read: bool = True) -> None:
         """Look up the steps' experts; ``read=False`` fills only the bookkeeping (warmup without I/O)."""
