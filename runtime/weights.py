@@ -102,16 +102,6 @@ class ExpertTensor:
         """Drop the decoded copy (its owner keeps it in another form) and decode per use from now on."""
         self._decoded, self.resident = None, False
 
-    def to_columns(self) -> None:
-        """Keep the decoded experts transposed in memory (each expert's (cols, rows) contiguous).
-
-        ``decoded()`` and ``per_expert`` then give transposed views with the same values: ``x @ W.T`` reads
-        such a matrix row by row, faster on CPU. (F32 tensors decode to a view of their source: this is then
-        a second copy.)
-        """
-        if self.resident:
-            self._decoded = self.decoded().transpose(1, 2).contiguous().transpose(1, 2)
-
     def per_expert(self, ids: list[int]) -> list[torch.Tensor]:
         """Float32 (rows, cols) matrices of experts ``ids``: views of the decoded tensor when resident."""
         if self.resident:

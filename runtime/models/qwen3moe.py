@@ -242,13 +242,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int) -> t
     return out.transpose(0, 1).reshape(t, n_head * d)
 
 
-def _transposed_layout(t: ExpertTensor, ids: list[int]) -> list[torch.Tensor]:
-    """Experts ``ids`` of ``t`` as (rows, cols) matrices laid out transposed (resident ones already are)."""
-    if t.resident:
-        return t.per_expert(ids)
-    return [w.T.contiguous().T for w in t.per_expert(ids)]
-
-
 class RoutedExperts:
     """Softmax top-k routing over stacked experts (SwiGLU), renormalized top-k weights."""
 
@@ -277,24 +270,16 @@ class RoutedExperts:
                 ggml_input_rounding(up.qtype),
                 ggml_input_rounding(self.down.qtype),
             )
-        # Every expert matrix is multiplied in the transposed layout (x @ W.T with W.T contiguous: faster for
-        # one token on CPU), resident or decoded per use, so that all paths give bit-identical results.
         # Resident gate and up are kept as one (n_expert, 2 n_ff, n_embd) tensor: one matmul per expert.
+        # (Experts stay in their row layout: the transposed one reads faster for one token, but decoding per
+        # use would then need a transposing copy to give bit-identical results, a larger loss.)
         self.fused: torch.Tensor | None = None
         if self.gate_up is not None and self.gate_up.resident:
-            self.gate_up.to_columns()
             self.fused = self.gate_up.decoded()
         elif self.gate is not None and self.up is not None and self.gate.resident and self.up.resident:
-            g, u = self.gate, self.up
-            fused_t = torch.empty(self.n_expert, g.cols, g.rows + u.rows, device=weights.device)
-            fused_t[:, :, : g.rows] = g.decoded().transpose(1, 2)
-            g.release()
-            fused_t[:, :, g.rows :] = u.decoded().transpose(1, 2)
-            u.release()
-            self.fused = fused_t.transpose(1, 2)
-        for t in (self.gate, self.up, self.down):  # (no-op on the released and the non-resident ones)
-            if t is not None:
-                t.to_columns()
+            self.fused = torch.cat([self.gate.decoded(), self.up.decoded()], dim=1)
+            self.gate.release()
+            self.up.release()
         # one-token path over resident experts: per expert, its (n_embd, 2 n_ff) and (n_ff, n_embd) views
         self.gate_up_t: list[torch.Tensor] | None = None
         self.down_t: list[torch.Tensor] | None = None
@@ -331,9 +316,9 @@ class RoutedExperts:
         if self.fused is not None:
             return [self.fused[e] for e in hit]
         if self.gate_up is not None:
-            return _transposed_layout(self.gate_up, hit)
+            return self.gate_up.per_expert(hit)
         assert self.gate is not None and self.up is not None
-        return _transposed_layout(self.gate, hit), _transposed_layout(self.up, hit)
+        return self.gate.per_expert(hit), self.up.per_expert(hit)
 
     def _swiglu(
         self, w: list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]], i: int, x: torch.Tensor
@@ -377,7 +362,7 @@ class RoutedExperts:
 
     def _one_token(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         hit = ids.tolist()
-        gate_up, down = self._gate_up(hit), _transposed_layout(self.down, hit)
+        gate_up, down = self._gate_up(hit), self.down.per_expert(hit)
         xin = self.round_in(x) if self.round_in else x
         acts = [self._swiglu(gate_up, i, xin) for i in range(len(hit))]
         if self.observers:
@@ -399,7 +384,7 @@ class RoutedExperts:
         token = order // self.n_used
         hit, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
         hit_list, counts_list = hit.tolist(), counts.tolist()
-        gate_up, down = self._gate_up(hit_list), _transposed_layout(self.down, hit_list)
+        gate_up, down = self._gate_up(hit_list), self.down.per_expert(hit_list)
         xs = x[token]
         xin = self.round_in(xs) if self.round_in else xs
         act = torch.empty(xs.shape[0], self.n_ff, dtype=x.dtype, device=x.device)
