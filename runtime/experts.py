@@ -335,6 +335,7 @@ class ExpertCache:
         self._cycle_ticks = [0, 0]
         self._first_layer = min(layers)
         self.protected_keys = np.empty(0, np.int64)  # keys the prefetcher must not evict
+        self.prefetching = False  # a Prefetcher is attached
         self.simulate = False  # benchmarks: fill the bookkeeping of misses without reading them
         self._fd = os.open(self.path, os.O_RDONLY)
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)  # expert reads are scattered: no readahead

@@ -213,7 +213,7 @@ def format_stats(cache: Any) -> str:
         + (
             f"; prefetch: {s.prefetch_issued} read ahead, {s.prefetch_used} used, {s.prefetch_wasted} wasted, "
             f"{s.wait_seconds:.3f} s waited"
-            if s.prefetch_issued
+            if s.prefetch_issued or getattr(cache, "prefetching", False)
             else ""
         )
     )

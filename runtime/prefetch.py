@@ -32,6 +32,7 @@ class Prefetcher(Observer):
 
     def __init__(self, model: Any, cache: ExpertCache, background: bool = True) -> None:
         self.cache = cache
+        cache.prefetching = True
         self.n_used = int(model.n_expert_used)
         layers = [i for i in model.routed_layers() if i in cache.layers]
         self.routers = {i: model.blocks[i].moe.router.weight for i in layers}
