@@ -155,6 +155,7 @@ class DecodeRunner(CacheRunner):
             moe = self.m.blocks[layer].moe
             follow = self._router(pos, moe.n_expert)
             follow.weight = moe.router.weight  # type: ignore[attr-defined]
+            follow.step = follow  # type: ignore[attr-defined]  (the one-token path calls router.step)
             moe.router = follow
 
     def _router(self, pos: int, n_expert: int) -> Any:
