@@ -48,8 +48,13 @@ def split_address(address: str) -> tuple[str, int]:
 def probe(address: str, timeout: float | None = None) -> None:
     """Raise ForgeError unless Ray's control service answers at ``address`` within ``timeout`` s."""
     require_ray()
-    import grpc
-    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    try:
+        import grpc
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:
+        raise ForgeError(
+            "probing a Ray address needs grpcio: pip install 'gguf-forge[distributed]'"
+        ) from None
 
     timeout = connect_timeout() if timeout is None else timeout
     host, port = split_address(address)
