@@ -52,9 +52,8 @@ class HFTensor:
         """The stored values (BF16 as uint16 bits), memory-mapped, in the stored shape."""
         if self.nbytes == 0:
             return np.zeros(self.shape, _DTYPES[self.dtype])
-        return np.memmap(
-            self.shard, dtype=_DTYPES[self.dtype], mode="r", offset=self.offset, shape=self.shape
-        )
+        dtype = _DTYPES[self.dtype]
+        return _shard_map(self.shard)[self.offset : self.offset + self.nbytes].view(dtype).reshape(self.shape)
 
     def float32(self) -> np.ndarray:
         data = self.raw()
