@@ -107,7 +107,10 @@ def main() -> None:
         say(f"local, one process: {result['local_seconds']:.1f} s")
 
     want = None
-    with LocalCluster(workers=0, cpus_per_worker=a.cpus_per_worker) as cluster:
+    # each worker node's encoders get as many threads as the node has CPUs (else one node's threads
+    # already fill the machine and adding nodes measures nothing)
+    node_env = {"FORGE_THREADS": str(a.cpus_per_worker)}
+    with LocalCluster(workers=0, cpus_per_worker=a.cpus_per_worker, env=node_env) as cluster:
         result["task_overhead"] = None
         for w in counts:
             while len(cluster.nodes) < w:
