@@ -16,6 +16,7 @@ from types import ModuleType
 from forge.errors import ForgeError
 
 INSTALL_HINT = "pip install 'gguf-forge[distributed]'"
+EXECUTORS = ("local", "ray")
 #: seconds to wait for a cluster's address to answer (FORGE_RAY_CONNECT_TIMEOUT overrides)
 CONNECT_TIMEOUT = 10.0
 
@@ -27,6 +28,21 @@ def require_ray() -> ModuleType:
     except ImportError:
         raise ForgeError(f"--executor ray needs Ray, which is not installed: {INSTALL_HINT}") from None
     return ray
+
+
+def check_executor(kind: str, ray_address: str | None, jobs: int = 1, reach: bool = True) -> None:
+    """ForgeError for a bad ``--executor`` / ``--ray-address`` / ``--jobs`` choice; for ``ray`` also
+    that Ray is installed and (``reach``, an explicit address) a cluster answers there."""
+    if kind not in EXECUTORS:
+        raise ForgeError(f"--executor must be one of {', '.join(EXECUTORS)}, not {kind!r}")
+    if kind == "ray":
+        require_ray()
+        if reach and ray_address not in (None, "auto"):
+            probe(ray_address)
+    elif ray_address is not None:
+        raise ForgeError("--ray-address needs --executor ray")
+    elif jobs < 1:
+        raise ForgeError("--jobs must be at least 1")
 
 
 def connect_timeout() -> float:

@@ -143,21 +143,15 @@ def collect(
     ] = None,
 ) -> None:
     """Collect an imatrix with llama-imatrix's chunking, printing perplexity along the way."""
+    from forge.distributed.cluster import check_executor
     from forge.imatrix.accumulate import collect as run_collect
 
-    if executor not in ("local", "ray"):
-        raise ForgeError(f"--executor must be local or ray, not {executor!r}")
-    if executor == "local" and ray_address is not None:
-        raise ForgeError("--ray-address needs --executor ray")
     if executor == "ray" and ggml_numerics:
         raise ForgeError("--ggml-numerics runs with the local executor only")
+    check_executor(executor, ray_address)
     if executor == "ray":
-        from forge.distributed.cluster import probe, require_ray
         from forge.distributed.imatrix import collect_ray
 
-        require_ray()
-        if ray_address not in (None, "auto"):
-            probe(ray_address)
         rep = collect_ray(model, text, output, ctx, chunks, _fmt(fmt), save_every, process_output, device,
                           log=lambda s: out.print(s, end=" "), address=ray_address)  # fmt: skip
     else:

@@ -13,6 +13,7 @@ from typing import BinaryIO
 import numpy as np
 from gguf import GGML_QUANT_VERSION, LlamaFileType
 
+from forge.distributed.cluster import check_executor
 from forge.errors import ForgeError
 from forge.gguf_file import KV, GGUFLayout, T, write_gguf
 from forge.imatrix.model import Imatrix
@@ -149,9 +150,6 @@ class ProcessExecutor(Executor):
         self.pool.shutdown(cancel_futures=True)
 
 
-EXECUTORS = ("local", "ray")
-
-
 def make_executor(
     jobs: int = 1,
     kind: str = "local",
@@ -159,16 +157,11 @@ def make_executor(
     log: Callable[[str], None] | None = None,
 ) -> Executor:
     """``local``: this process (``jobs`` 1) or a process pool; ``ray``: tasks on a Ray cluster."""
-    if kind not in EXECUTORS:
-        raise ForgeError(f"--executor must be one of {', '.join(EXECUTORS)}, not {kind!r}")
+    check_executor(kind, ray_address, jobs, reach=False)
     if kind == "ray":
         from forge.distributed.quantize import RayExecutor
 
         return RayExecutor(ray_address, log=log)
-    if ray_address is not None:
-        raise ForgeError("--ray-address needs --executor ray")
-    if jobs < 1:
-        raise ForgeError("--jobs must be at least 1")
     return Executor() if jobs == 1 else ProcessExecutor(jobs)
 
 

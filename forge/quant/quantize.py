@@ -7,11 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from forge.atomic import check_output_path
-from forge.errors import ForgeError
+from forge.distributed.cluster import check_executor
 from forge.gguf_file import DEFAULT_ALIGNMENT, KV, T
 from forge.imatrix.formats import read_imatrix
 from forge.quant.build import (
-    EXECUTORS,
     BuildReport,
     Executor,
     apply_priors,
@@ -85,18 +84,7 @@ def _executor_factory(
     """Check the executor choice up front (before any source is read); connect only when there is work."""
     if isinstance(executor, Executor):
         return executor
-    if executor not in EXECUTORS:
-        raise ForgeError(f"--executor must be one of {', '.join(EXECUTORS)}, not {executor!r}")
-    if executor == "ray":
-        from forge.distributed.cluster import probe, require_ray
-
-        require_ray()
-        if ray_address not in (None, "auto"):
-            probe(ray_address)
-    elif ray_address is not None:
-        raise ForgeError("--ray-address needs --executor ray")
-    elif jobs < 1:
-        raise ForgeError("--jobs must be at least 1")
+    check_executor(executor, ray_address, jobs)
     return lambda: make_executor(jobs, executor, ray_address, log)
 
 
