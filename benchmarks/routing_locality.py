@@ -47,8 +47,9 @@ class RoutingRecorder(Observer):
         self.ids.setdefault(layer, []).append(experts.cpu().numpy())
 
 
-def record(model_path: Path, text: str, n_tokens: int, ctx: int = 512) -> tuple[dict, np.ndarray]:
-    """Per layer, (n_tokens, k) expert ids of each token, from prefill chunks of ``ctx`` tokens."""
+def record(model_path: Path, text: str, n_tokens: int, ctx: int = 512) -> tuple[dict, dict[int, np.ndarray]]:
+    """The model's routed expert layers, and per layer the (n_tokens, k) expert ids of each token, from
+    prefill chunks of ``ctx`` tokens."""
     w = load_weights(model_path)
     rec = RoutingRecorder()
     model = build_model(w, [rec])

@@ -141,6 +141,20 @@ def summary(cache: ExpertCache, before: Any, n: int, seconds: float) -> dict:
     }  # fmt: skip
 
 
+class TraceRouter:
+    """Stands in for a layer's router (batch and one-token calls): logits that pick the trace's experts."""
+
+    def __init__(self, runner: DecodeRunner, pos: int, n_expert: int, weight: torch.Tensor) -> None:
+        self.runner, self.pos, self.n_expert, self.weight = runner, pos, n_expert, weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(x.shape[0], self.n_expert, device=x.device)
+        logits[:, torch.from_numpy(self.runner.trace[self.runner.step][self.pos]).to(x.device)] = 1.0
+        return logits
+
+    step = __call__
+
+
 class DecodeRunner(CacheRunner):
     """Real decode steps whose routers follow the trace."""
 
@@ -153,18 +167,7 @@ class DecodeRunner(CacheRunner):
         self.trace, self.step = trace, 0
         for pos, layer in enumerate(self.order):
             moe = self.m.blocks[layer].moe
-            follow = self._router(pos, moe.n_expert)
-            follow.weight = moe.router.weight  # type: ignore[attr-defined]
-            follow.step = follow  # type: ignore[attr-defined]  (the one-token path calls router.step)
-            moe.router = follow
-
-    def _router(self, pos: int, n_expert: int) -> Any:
-        def follow(x: torch.Tensor) -> torch.Tensor:
-            logits = torch.zeros(x.shape[0], n_expert, device=x.device)
-            logits[:, torch.from_numpy(self.trace[self.step][pos]).to(x.device)] = 1.0
-            return logits
-
-        return follow
+            moe.router = TraceRouter(self, pos, moe.n_expert, moe.router.weight)
 
     def decode(self, capacity: int, policy: str, warm: range, timed: range, all_hits: bool = False) -> dict:
         self.cache.close()
