@@ -310,15 +310,12 @@ class ExpertCache:
         if self.slab_device is None:
             self.slab = np.empty((self.capacity, self.slot_bytes), np.uint8)
             self._slab_t = torch.from_numpy(self.slab)
-        else:  # reads land in a host staging row (one per reading thread), then are copied over
+        else:  # reads land in host staging rows (the model's, the prefetcher's), then are copied over
             self._slab_t = torch.empty(
                 (self.capacity, self.slot_bytes), dtype=torch.uint8, device=self.slab_device
             )
-            pin = self.slab_device.type == "cuda"
-            self._stage = {
-                name: torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=pin)
-                for name in ("model", "prefetch")
-            }
+            self._batch_stage = self._host_rows(experts_used)
+            self._prefetch_stage = self._host_rows(1)[0]
         self.slot_key = np.full(self.capacity, -1, np.int64)
         self.slot_of: dict[int, int] = {}
         self.filled = 0
@@ -343,7 +340,6 @@ class ExpertCache:
         self.simulate = False  # benchmarks: fill the bookkeeping of misses without reading them
         #: preads in flight at once for the misses of one request
         self.read_threads = max(1, read_threads)
-        self._batch_stage: torch.Tensor | None = None
         self._fd = os.open(self.path, os.O_RDONLY)
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)  # expert reads are scattered: no readahead
 
@@ -381,36 +377,42 @@ class ExpertCache:
                 os.posix_fadvise(self._fd, start + expert * step, n, os.POSIX_FADV_DONTNEED)
         return reads
 
-    def _fill(self, lay: LayerExperts, expert: int, slot: int, reader: str) -> int:
+    def _fill(self, lay: LayerExperts, expert: int, slot: int) -> int:
+        """The prefetcher's read of one expert into ``slot`` (through its own staging row on a device)."""
         if self.slab_device is None:
             return self._pread(lay, expert, self.slab[slot])
-        stage = self._stage[reader]
-        reads = self._pread(lay, expert, stage.numpy())
-        self._slab_t[slot].copy_(stage)
+        reads = self._pread(lay, expert, self._prefetch_stage.numpy())
+        self._slab_t[slot].copy_(self._prefetch_stage)
         return reads
 
     def _read_misses(self, lay: LayerExperts, misses: list[tuple[int, int]]) -> None:
         """Read the (expert, slot) records of one request: several preads in flight at once (an SSD
-        serves scattered reads faster in parallel; pread releases the GIL)."""
+        serves scattered reads faster in parallel; pread releases the GIL). A device slab is filled
+        through a pinned host buffer with one copy."""
         t0 = time.perf_counter()
-        if len(misses) == 1 or self.read_threads == 1:
-            reads = sum(self._fill(lay, e, slot, "model") for e, slot in misses)
-        elif self.slab_device is None:
-            reads = sum(self._pool().map(lambda m: self._pread(lay, m[0], self.slab[m[1]]), misses))
-        else:  # parallel reads into a pinned batch buffer, then one copy to the device slab
-            if self._batch_stage is None or len(self._batch_stage) < len(misses):
-                pin = self.slab_device.type == "cuda"
-                shape = (max(len(misses), self.group_size), self.slot_bytes)
-                self._batch_stage = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
-            host = self._batch_stage.numpy()
-            reads = sum(
-                self._pool().map(lambda im: self._pread(lay, im[1][0], host[im[0]]), enumerate(misses))
-            )
+        if self.slab_device is None:
+            rows = [self.slab[slot] for _, slot in misses]
+        else:
+            if len(self._batch_stage) < len(misses):
+                self._batch_stage = self._host_rows(len(misses))
+            rows = list(self._batch_stage.numpy()[: len(misses)])
+        jobs = [(e, row) for (e, _), row in zip(misses, rows, strict=True)]
+        if len(jobs) == 1 or self.read_threads == 1:
+            reads = sum(self._pread(lay, e, row) for e, row in jobs)
+        else:
+            reads = sum(self._pool().map(lambda job: self._pread(lay, *job), jobs))
+        if self.slab_device is not None:
             index = torch.tensor([slot for _, slot in misses], device=self.slab_device)
             self._slab_t.index_copy_(0, index, self._batch_stage[: len(misses)].to(self.slab_device))
         self.stats.reads += reads
         self.stats.bytes_read += lay.record_bytes * len(misses)
         self.stats.read_seconds += time.perf_counter() - t0
+
+    def _host_rows(self, n: int) -> torch.Tensor:
+        """(n, slot_bytes) host staging rows, pinned for a CUDA slab."""
+        assert self.slab_device is not None
+        pin = self.slab_device.type == "cuda"
+        return torch.empty((n, self.slot_bytes), dtype=torch.uint8, pin_memory=pin)
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._readers is None:
@@ -585,7 +587,7 @@ class ExpertCache:
             self.policy.use(slot, key)
         t0 = time.perf_counter()
         try:
-            reads = self._fill(lay, expert, slot, "prefetch")
+            reads = self._fill(lay, expert, slot)
         finally:
             with self._lock:
                 self.loading[slot] = False
