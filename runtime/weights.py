@@ -19,6 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from forge.errors import ForgeError
 from forge.gguf_file import open_gguf
+from forge.quant.kernels import enabled as numba_enabled
 
 if TYPE_CHECKING:
     from runtime.experts import ExpertCache, LayerExperts
@@ -126,6 +127,8 @@ class Weights:
         self.expert_budget = DEFAULT_EXPERT_BUDGET
         # round matmul inputs as ggml's CPU backend does (to compare with llama.cpp's own figures)
         self.ggml_numerics = False
+        # one-token steps run compiled kernels over row-major weights (runtime.cpu_kernels)
+        self.cpu_kernels = torch.device(device).type == "cpu" and numba_enabled()
         self.expert_cache: ExpertCache | None = None
         self._dense: dict[str, torch.Tensor] = {}
         arch = self.get("general.architecture", None)
@@ -162,7 +165,8 @@ class Weights:
 
     def columns(self, names: list[str], order: torch.Tensor | None = None) -> torch.Tensor:
         """Matrices (a 1-D tensor counts as one row) stacked by rows, their rows permuted by ``order``,
-        then transposed: a contiguous (n_in, total rows) float32 tensor, so ``x @ it`` is ``x @ W.T``.
+        then transposed: a (n_in, total rows) float32 tensor, so ``x @ it`` is ``x @ W.T``. It is contiguous
+        (faster for torch's one-token matmul) unless ``cpu_kernels``, whose kernels read ``it.T``'s rows.
 
         The decoded parts are not kept (each weight is held once, in this form); ``dense`` decodes again.
         """
@@ -170,7 +174,7 @@ class Weights:
         w = torch.cat([p[None, :] if p.dim() == 1 else p for p in parts])
         if order is not None:
             w = w[order]
-        out = w.T.contiguous()
+        out = w.contiguous().T if self.cpu_kernels else w.T.contiguous()
         for n in names:
             self._dense.pop(n, None)
         return out

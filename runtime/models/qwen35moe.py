@@ -18,6 +18,7 @@ from runtime.models.qwen3moe import (
     Linear,
     MoeCausalLM,
     RoutedExperts,
+    product_step,
     rms_norm,
     rms_norm_row,
 )
@@ -156,10 +157,7 @@ class GatedDeltaNet:
 
     def step(self, x: torch.Tensor, h: torch.Tensor, st: DeltaNetState) -> torch.Tensor:
         """One token (no ggml numerics): x (1, n_embd) the normed input, h the residual -> h + mixer."""
-        if self.observers:
-            for name in self.inputs.names:
-                notify_matmul(self.observers, name, x)
-        mixed, z, beta, alpha = torch.split(torch.mm(x, self.inputs.weight_t)[0], self.inputs.sizes)
+        mixed, z, beta, alpha = self.inputs.step(x)
         window = torch.cat([st.conv, mixed[None]])
         st.conv = window[1:]
         conv = F.silu((window * self.conv_rows).sum(0))
@@ -179,9 +177,7 @@ class GatedDeltaNet:
         st.recurrent = s
         o = torch.bmm(q, s).view(self.n_v, self.d_v)
         o = (rms_norm(o, self.norm, self.eps) * F.silu(z.view(self.n_v, self.d_v))).view(1, -1)
-        if self.observers:
-            notify_matmul(self.observers, self.out.name, o)
-        return torch.addmm(h, o, self.out.weight_t)
+        return self.out.step(o, h)
 
 
 class SharedExpert:
@@ -198,14 +194,11 @@ class SharedExpert:
 
     def step(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """One token: h + the shared expert's output (its gate applied before the down matmul)."""
-        if self.observers:
-            for name in self.inputs.names:
-                notify_matmul(self.observers, name, x)
-        gate, up, scale = torch.split(torch.mm(x, self.inputs.weight_t), self.inputs.sizes, dim=-1)
+        gate, up, scale = self.inputs.step(x)
         act = F.silu(gate).mul_(up)
         if self.observers:
-            notify_matmul(self.observers, self.down.name, act)
-        return torch.addmm(h, act.mul_(torch.sigmoid(scale)), self.down.weight_t)
+            notify_matmul(self.observers, self.down.name, act[None])
+        return product_step(act.mul_(torch.sigmoid(scale))[None], self.down.weight_t, self.down.rows, h)
 
 
 class Qwen35MoeBlock:
@@ -250,13 +243,12 @@ class Qwen35MoeBlock:
     def step(
         self, h: torch.Tensor, cache: KVCache | DeltaNetState, pos: int, eps: torch.Tensor
     ) -> torch.Tensor:
-        x = rms_norm_row(h, self.attn_norm, eps)
         if isinstance(self.mixer, GatedDeltaNet):
             assert isinstance(cache, DeltaNetState)
-            h = self.mixer.step(x, h, cache)
+            h = self.mixer.step(rms_norm_row(h, self.attn_norm, eps), h, cache)
         else:
             assert isinstance(cache, KVCache)
-            h = self.mixer.step(x, h, cache, pos)
+            h = self.mixer.step(h, self.attn_norm, eps, cache, pos)
         x = rms_norm_row(h, self.post_norm, eps)
         if self.shared is not None:
             h = self.shared.step(x, h)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from forge.errors import ForgeError
+from runtime import cpu_kernels
 from runtime.observers import (
     Observer,
     expert_output_observers,
@@ -87,6 +88,7 @@ class Linear:
         self.weight_t = weights.columns([name])
         self.weight = self.weight_t.T
         self.rounding = ggml_input_rounding(weights.qtype(name)) if weights.ggml_numerics else None
+        self.rows = self.weight.numpy() if weights.cpu_kernels else None  # for the compiled one-token path
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.observers:
@@ -95,11 +97,29 @@ class Linear:
             x = self.rounding(x)
         return F.linear(x, self.weight)
 
-    def step(self, x: torch.Tensor) -> torch.Tensor:
-        """One token (no ggml numerics): x (1, n_in) -> (1, n_out)."""
+    def step(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """One token (no ggml numerics): x (1, n_in) -> (1, n_out), plus ``residual`` (1, n_out) if given."""
         if self.observers:
             notify_matmul(self.observers, self.name, x)
-        return torch.mm(x, self.weight_t)
+        return product_step(x, self.weight_t, self.rows, residual)
+
+    def normed_step(self, h: torch.Tensor, norm: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+        """One token: rms_norm(h) * norm, then this product; eps: a (1, 1) tensor."""
+        if self.rows is None:
+            return self.step(rms_norm_row(h, norm, eps))
+        x, y = cpu_kernels.norm_gemv(h, norm.numpy(), float(eps), self.rows)
+        if self.observers:
+            notify_matmul(self.observers, self.name, x)
+        return y
+
+
+def product_step(
+    x: torch.Tensor, weight_t: torch.Tensor, rows: object, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x (1, n_in) @ weight_t (+ residual): the compiled kernel over ``rows`` (weight_t.T as numpy) when set."""
+    if rows is not None:
+        return cpu_kernels.gemv(x, rows, residual)  # type: ignore[arg-type]
+    return torch.mm(x, weight_t) if residual is None else torch.addmm(residual, x, weight_t)
 
 
 class FusedLinear:
@@ -115,6 +135,7 @@ class FusedLinear:
             self.sizes = [1 if weights.dense(n).dim() == 1 else weights.dense(n).shape[0] for n in names]
             self.weight_t = weights.columns(names)  # (n_in, total rows)
             self.weight = self.weight_t.T
+            self.rows = self.weight.numpy() if weights.cpu_kernels else None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.separate is not None:
@@ -123,6 +144,13 @@ class FusedLinear:
             for name in self.names:
                 notify_matmul(self.observers, name, x)
         return torch.split(F.linear(x, self.weight), self.sizes, dim=-1)
+
+    def step(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One token (no ggml numerics): x (1, n_in) -> each weight's (n_out,) product."""
+        if self.observers:
+            for name in self.names:
+                notify_matmul(self.observers, name, x)
+        return torch.split(product_step(x, self.weight_t, self.rows)[0], self.sizes)
 
 
 class Rope:
@@ -161,6 +189,11 @@ class Rope:
             parts.append(x[..., self.n_rot :])
         return torch.cat(parts, dim=-1)
 
+    def row(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (n_rot / 2,) cos and sin of position ``pos``."""
+        self._table(pos + 1)
+        return self.cos[pos], self.sin[pos]
+
     def step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         """x: (N, head_dim), N heads of the one token at position ``pos``."""
         if pos >= self.cos_row.shape[0]:
@@ -181,7 +214,7 @@ class KVCache:
         self.v: torch.Tensor | None = None
         self.length = 0
 
-    def _reserve(self, need: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def reserve(self, need: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Capacity for ``need`` positions; k/v: (..., n_head_kv, head_dim) rows giving shape and dtype."""
         if self.k is None or self.v is None or need > self.k.shape[1]:
             cap = max(256, need, 2 * (0 if self.k is None else self.k.shape[1]))
@@ -196,7 +229,7 @@ class KVCache:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: (T, n_head_kv, head_dim) -> all keys and values so far, (n_head_kv, length, head_dim)."""
         need = self.length + k.shape[0]
-        keys, values = self._reserve(need, k, v)
+        keys, values = self.reserve(need, k, v)
         keys[:, self.length : need] = k.transpose(0, 1)
         values[:, self.length : need] = v.transpose(0, 1)
         self.length = need
@@ -205,7 +238,7 @@ class KVCache:
     def put(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One token's k, v: (n_head_kv, head_dim); returns like ``append``."""
         need = self.length + 1
-        keys, values = self._reserve(need, k, v)
+        keys, values = self.reserve(need, k, v)
         keys[:, self.length] = k
         values[:, self.length] = v
         self.length = need
@@ -283,9 +316,12 @@ class RoutedExperts:
         # one-token path over resident experts: per expert, its (n_embd, 2 n_ff) and (n_ff, n_embd) views
         self.gate_up_t: list[torch.Tensor] | None = None
         self.down_t: list[torch.Tensor] | None = None
+        self.kernel_rows: tuple[object, object] | None = None  # the compiled path's (gate_up, down) arrays
         if self.fused is not None and self.down.resident and self.round_in is None:
             self.gate_up_t = [w.T for w in self.fused.unbind(0)]
             self.down_t = [w.T for w in self.down.decoded().unbind(0)]
+            if weights.cpu_kernels:
+                self.kernel_rows = (self.fused.contiguous().numpy(), self.down.decoded().contiguous().numpy())
 
     def set_mask(self, pruned: torch.Tensor | None) -> None:
         """pruned: (n_expert,) bool, True = never route to this expert; None removes the mask.
@@ -302,13 +338,19 @@ class RoutedExperts:
             raise ForgeError(f"layer {self.layer}: a prune mask must keep at least {self.n_used} experts")
         self.kept = torch.nonzero(~pruned.cpu())[:, 0].to(self.router.weight.device)
         self.kept_router = copy.copy(self.router)
-        self.kept_router.weight = self.router.weight[self.kept].T.contiguous().T
+        rows = self.router.weight[self.kept]  # held in the full router's layout: the same matmul results
+        self.kept_router.weight = rows if self.router.weight.is_contiguous() else rows.T.contiguous().T
+        self.kept_router.weight_t = self.kept_router.weight.T
+        self.kept_router.rows = None if self.router.rows is None else rows.numpy()
 
     def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.kept_router is None:
             return self.router(x)
-        part = self.kept_router(x)
-        logits = part.new_full((x.shape[0], self.n_expert), MASKED_SCORE)
+        return self._scatter(self.kept_router(x))
+
+    def _scatter(self, part: torch.Tensor) -> torch.Tensor:
+        """The surviving experts' router logits (T, kept) -> (T, n_expert), the others MASKED_SCORE."""
+        logits = part.new_full((part.shape[0], self.n_expert), MASKED_SCORE)
         logits[:, self.kept] = part
         return logits
 
@@ -344,9 +386,37 @@ class RoutedExperts:
             return self._one_token(x, top_ids[0], top_w[0])
         return self._batch(x, top_ids.reshape(-1), top_w.reshape(-1))
 
+    def normed_step(self, h: torch.Tensor, norm: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+        """One token: h (1, n_embd) the residual stream -> h + the routed experts' output on rms_norm(h) * norm;
+        eps: a (1, 1) tensor."""
+        if not self._compiled():
+            return self.step(rms_norm_row(h, norm, eps), h)
+        router = self.router if self.kept_router is None else self.kept_router
+        x, logits = cpu_kernels.norm_gemv(h, norm.numpy(), float(eps), router.rows)  # type: ignore[arg-type]
+        if self.observers:
+            notify_matmul(self.observers, self.router.name, x)
+        if self.kept_router is not None:
+            logits = self._scatter(logits)
+        return self._compiled_step(x, logits, h)
+
+    def _compiled(self) -> bool:
+        """The compiled one-token path serves this layer (resident experts; no observer of expert outputs)."""
+        return self.kernel_rows is not None and not (
+            self.observers and expert_output_observers(self.observers)
+        )
+
+    def _compiled_step(self, x: torch.Tensor, logits: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        out, ids, w, act = cpu_kernels.routed_ffn(x, logits, self.n_used, *self.kernel_rows, h)  # type: ignore[misc]
+        if self.observers:
+            notify_routing(self.observers, self.layer, ids[None], w[None], logits)
+            self._report(x.expand(len(ids), -1), act, ids)
+        return out
+
     def step(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """One token: x (1, n_embd) the normed input, h the residual -> h + the routed experts' output."""
-        logits = self.router.step(x) if self.kept_router is None else self._router_logits(x)
+        logits = self.router.step(x) if self.kept_router is None else self._scatter(self.kept_router.step(x))
+        if self._compiled():
+            return self._compiled_step(x, logits, h)
         top_logits, top_ids = torch.topk(logits, self.n_used, dim=-1)
         top_w = torch.softmax(top_logits, dim=-1)
         if self.observers:
@@ -471,6 +541,7 @@ class GQAttention:
                 order = torch.cat(parts).to(weights.device)
             self.w_in_t = weights.columns(self.in_names, order)
             self.w_in = self.w_in_t.T
+            self.w_in_rows = self.w_in.numpy() if weights.cpu_kernels else None
         q_dim = cfg.n_head * cfg.head_dim
         self.sizes = (q_dim, kv_rows, q_dim if gated else 0, kv_rows)  # q, k, gate, v in w_in's rows
         self.out = Linear(weights, p + "attn_output.weight", observers)
@@ -484,6 +555,7 @@ class GQAttention:
             [(self.q_norm * cfg.head_dim**-0.5).expand(cfg.n_head, -1), self.k_norm.expand(cfg.n_head_kv, -1)]
         )
         self.qk_eps = torch.full((n_qk, 1, 1), cfg.eps, device=weights.device)
+        self.qk_norm_rows = self.qk_norm.numpy() if weights.cpu_kernels else None
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x (T, n_embd) -> q, k, gate (or None), v as (T, rows) matrices."""
@@ -520,14 +592,31 @@ class GQAttention:
             out = out * torch.sigmoid(gate)
         return self.out(out)
 
-    def step(self, x: torch.Tensor, h: torch.Tensor, cache: KVCache, pos: int) -> torch.Tensor:
-        """One token (no ggml numerics): x (1, n_embd) the normed input, h the residual -> h + attention."""
+    def step(
+        self, h: torch.Tensor, norm: torch.Tensor, eps: torch.Tensor, cache: KVCache, pos: int
+    ) -> torch.Tensor:
+        """One token (no ggml numerics): h (1, n_embd) the residual stream, norm the block's input RMSNorm
+        weight, eps a (1, 1) tensor -> h + attention."""
         assert self.w_in is not None
         c = self.cfg
+        if self.w_in_rows is not None:
+            kv = h.new_empty(c.n_head_kv, c.head_dim)
+            keys, values = cache.reserve(pos + 1, kv, kv)
+            cache.length = pos + 1
+            out, x, att = cpu_kernels.attention_step(
+                h, norm, c.eps, self.w_in_rows, c.n_head, self.sizes[2], self.qk_norm_rows, self.rope.row(pos),
+                keys, values, pos, self.out.rows,
+            )  # fmt: skip
+            if self.observers:
+                for name in self.in_names:
+                    notify_matmul(self.observers, name, x)
+                notify_matmul(self.observers, self.out.name, att)
+            return out
+        x = rms_norm_row(h, norm, eps)
         if self.observers:
             for name in self.in_names:
                 notify_matmul(self.observers, name, x)
-        y = torch.mm(x, self.w_in_t)[0]
+        y = product_step(x, self.w_in_t, self.w_in_rows)[0]
         n_q, n_k, n_gate, _ = self.sizes
         qk = y[: n_q + n_k].view(c.n_head + c.n_head_kv, c.head_dim)
         qk = self.rope.step(rms_norm_heads(qk, self.qk_norm, self.qk_eps), pos)
@@ -537,9 +626,7 @@ class GQAttention:
         out = torch.bmm(torch.softmax(scores, dim=-1), values).view(1, -1)
         if n_gate:
             out = out * torch.sigmoid(y[n_q + n_k : n_q + n_k + n_gate])
-        if self.observers:
-            notify_matmul(self.observers, self.out.name, out)
-        return torch.addmm(h, out, self.out.weight_t)
+        return self.out.step(out, h)
 
 
 class MoeCausalLM:
@@ -609,10 +696,12 @@ class MoeCausalLM:
             for i in range(self.n_layer):
                 layers[i] = self._layer_state(i, h.device)
         pos, eps = state.pos, self.eps_row
+        if self.weights.cpu_kernels:
+            cpu_kernels.use_threads(torch.get_num_threads())
         for block, cache in zip(self.blocks, layers, strict=True):  # type: ignore[attr-defined]
             h = block.step(h, cache, pos, eps)
         state.pos += 1
-        return self.output.step(rms_norm_row(h, self.output_norm, eps))
+        return self.output.normed_step(h, self.output_norm, eps)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, state: State, last_only: bool = False) -> torch.Tensor:
@@ -649,8 +738,8 @@ class Qwen3MoeBlock:
         return h + self.moe(rms_norm(h, self.ffn_norm, self.eps))
 
     def step(self, h: torch.Tensor, cache: KVCache, pos: int, eps: torch.Tensor) -> torch.Tensor:
-        h = self.attn.step(rms_norm_row(h, self.attn_norm, eps), h, cache, pos)
-        return self.moe.step(rms_norm_row(h, self.ffn_norm, eps), h)
+        h = self.attn.step(h, self.attn_norm, eps, cache, pos)
+        return self.moe.normed_step(h, self.ffn_norm, eps)
 
 
 class Qwen3MoeModel(MoeCausalLM):
