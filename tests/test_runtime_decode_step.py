@@ -31,6 +31,14 @@ def path(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue("qwen35_bf16")
 
 
+@pytest.fixture(autouse=True, params=["kernels", "torch"])
+def step_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The one-token path on the CPU: compiled kernels (the default) or torch ops (as on CUDA and MPS)."""
+    if request.param == "torch":
+        monkeypatch.setenv("FORGE_NO_NUMBA", "1")
+    return request.param
+
+
 def _ids(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 4096, (n,), generator=torch.Generator().manual_seed(seed))
 
@@ -79,8 +87,9 @@ class OutputStats(Stats):
         self.outputs += float((outputs * weights[:, None]).sum())
 
 
-def test_step_matches_the_batch_path(path: Path) -> None:
+def test_step_matches_the_batch_path(path: Path, step_path: str) -> None:
     model = load_model(path)
+    assert model.weights.cpu_kernels == (step_path == "kernels")
     ids = _ids(40, seed=1)
     full = model.forward(ids, model.new_state())
     scale = full.abs().max()

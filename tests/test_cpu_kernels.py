@@ -1,0 +1,148 @@
+"""The compiled one-token CPU kernels (runtime.cpu_kernels) against plain torch on random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime import cpu_kernels as ck
+
+pytest.importorskip("numba")
+
+
+def _rand(*shape: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x64 = x.double()
+    return (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w.double()).float()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-5) -> None:
+    assert got.shape == want.shape
+    assert (got - want).abs().max() <= rtol * want.abs().max(), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 512, 3000])  # serial and threaded variants
+@pytest.mark.parametrize("residual", [False, True])
+def test_gemv_equals_matmul(rows: int, residual: bool) -> None:
+    n_in = 96
+    w, x = _rand(rows, n_in, seed=1), _rand(1, n_in, seed=2)
+    res = _rand(1, rows, seed=3) if residual else None
+    got = ck.gemv(x, w.numpy(), res)
+    want = (x.double() @ w.double().T + (0 if res is None else res.double())).float()
+    _close(got, want)
+
+
+@pytest.mark.parametrize("rows", [32, 4096])
+def test_norm_gemv_equals_rms_norm_then_matmul(rows: int) -> None:
+    h, norm, w = _rand(1, 256, seed=4, scale=30.0), _rand(256, seed=5), _rand(rows, 256, seed=6)
+    x, y = ck.norm_gemv(h, norm.numpy(), 1e-6, w.numpy())
+    want_x = _rms(h, norm, 1e-6)
+    _close(x, want_x)
+    _close(y, (want_x.double() @ w.double().T).float())
+
+
+def _routed_reference(x, logits, k, gate_up, down, h):  # noqa: ANN001, ANN202
+    top, ids = torch.topk(logits[0], k)
+    w = torch.softmax(top.double(), -1)
+    n_ff = down.shape[2]
+    out = h.double().clone()
+    acts = []
+    for i, e in enumerate(ids.tolist()):
+        gu = x.double() @ gate_up[e].double().T
+        act = F.silu(gu[:, :n_ff]) * gu[:, n_ff:]
+        acts.append(act)
+        out += w[i] * (act @ down[e].double().T)
+    return out.float(), ids, w.float(), torch.cat(acts).float()
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_routed_ffn_equals_topk_softmax_swiglu(k: int) -> None:
+    n_expert, n_ff, n_embd = 16, 48, 64
+    gate_up, down = _rand(n_expert, 2 * n_ff, n_embd, seed=7), _rand(n_expert, n_embd, n_ff, seed=8)
+    x, h, logits = _rand(1, n_embd, seed=9), _rand(1, n_embd, seed=10), _rand(1, n_expert, seed=11)
+    out, ids, w, act = ck.routed_ffn(x, logits, k, gate_up.numpy(), down.numpy(), h)
+    want, want_ids, want_w, want_act = _routed_reference(x, logits, k, gate_up, down, h)
+    assert torch.equal(ids, want_ids)
+    _close(w, want_w)
+    _close(act, want_act)
+    _close(out, want)
+
+
+def test_routed_ffn_skips_masked_experts_and_breaks_ties_by_index() -> None:
+    n_expert, n_ff, n_embd = 8, 32, 32
+    gate_up, down = _rand(n_expert, 2 * n_ff, n_embd, seed=12), _rand(n_expert, n_embd, n_ff, seed=13)
+    logits = torch.full((1, n_expert), -1e30)
+    logits[0, [6, 2, 5]] = torch.tensor([0.5, 0.5, 1.0])
+    _, ids, w, _ = ck.routed_ffn(_rand(1, n_embd), logits, 3, gate_up.numpy(), down.numpy(), _rand(1, n_embd))
+    assert ids.tolist() == [5, 2, 6]
+    _close(w, torch.softmax(torch.tensor([1.0, 0.5, 0.5]), -1))
+
+
+def _attention_reference(h, norm, eps, w_in, n_head, n_gate, qk_norm, cos, sin, keys, values, pos, w_out):  # noqa: ANN001, ANN202, PLR0913
+    n_kv, _, d = keys.shape
+    x = _rms(h, norm, eps)
+    y = (x.double() @ w_in.double().T).float()[0]
+    n_qk = n_head + n_kv
+    qk = _rms(y[: n_qk * d].view(n_qk, d), qk_norm, eps)
+    half = cos.shape[0]
+    a, b = qk[:, :half].clone(), qk[:, half : 2 * half].clone()
+    qk[:, :half], qk[:, half : 2 * half] = a * cos - b * sin, b * cos + a * sin
+    v0 = n_qk * d + n_gate
+    keys[:, pos], values[:, pos] = qk[n_head:], y[v0:].view(n_kv, d)
+    q = qk[:n_head].double().view(n_kv, n_head // n_kv, d)
+    p = torch.softmax(q @ keys[:, : pos + 1].double().transpose(1, 2), -1)
+    att = (p @ values[:, : pos + 1].double()).reshape(1, -1)
+    if n_gate:
+        att = att * torch.sigmoid(y[n_qk * d : n_qk * d + n_gate].double())
+    return (h.double() + att @ w_out.double().T).float(), x, att.float()
+
+
+@pytest.mark.parametrize(
+    ("n_head", "n_kv", "n_rot", "gated", "pos"),
+    [(4, 2, 64, False, 0), (4, 2, 32, True, 37), (8, 8, 64, False, 200)],
+)
+def test_attention_step_equals_reference(n_head: int, n_kv: int, n_rot: int, gated: bool, pos: int) -> None:
+    d, n_embd = 64, 128
+    n_gate = n_head * d if gated else 0
+    w_in = _rand((n_head + 2 * n_kv) * d + n_gate, n_embd, seed=14, scale=0.1)
+    w_out = _rand(n_embd, n_head * d, seed=15, scale=0.1)
+    h, norm = _rand(1, n_embd, seed=16), _rand(n_embd, seed=17)
+    qk_norm = _rand(n_head + n_kv, d, seed=18)
+    ang = torch.rand(n_rot // 2, generator=torch.Generator().manual_seed(19)) * 6
+    cos, sin = ang.cos(), ang.sin()
+    keys, values = _rand(n_kv, 256, d, seed=20), _rand(n_kv, 256, d, seed=21)
+    ref_k, ref_v = keys.clone(), values.clone()
+    out, x, att = ck.attention_step(
+        h,
+        norm,
+        1e-6,
+        w_in.numpy(),
+        n_head,
+        n_gate,
+        qk_norm.numpy(),
+        (cos, sin),
+        keys,
+        values,
+        pos,
+        w_out.numpy(),
+    )
+    want, want_x, want_att = _attention_reference(
+        h, norm, 1e-6, w_in, n_head, n_gate, qk_norm, cos, sin, ref_k, ref_v, pos, w_out
+    )
+    _close(keys, ref_k)
+    _close(values, ref_v)
+    _close(x, want_x)
+    _close(att, want_att)
+    _close(out, want)
+    assert torch.equal(keys[:, pos + 1 :], ref_k[:, pos + 1 :])
+
+
+def test_available_follows_device_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ck.available(torch.device("cpu"))
+    assert not ck.available(torch.device("meta"))
+    monkeypatch.setenv("FORGE_NO_NUMBA", "1")
+    assert not ck.available(torch.device("cpu"))
