@@ -120,7 +120,7 @@ def _routed_ffn(
         f = r - i * n_ff
         e = ids[i]
         g = _dot(gate_up[e, f], x)
-        act[i, f] = g / (np.float32(1) + np.exp(-g)) * _dot(gate_up[e, n_ff + f], x)
+        act[i, f] = _silu(g) * _dot(gate_up[e, n_ff + f], x)
     for d in prange(down.shape[1]):
         s = np.float32(0)
         for i in range(k):
@@ -197,6 +197,107 @@ def _attention_step(
         out[r] = h[r] + _dot(w_out[r], att)
 
 
+@njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
+def _silu(v: np.float32) -> np.float32:
+    return v / (np.float32(1) + np.exp(-v))
+
+
+@njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
+def _deltanet_step(
+    h: np.ndarray,
+    norm: np.ndarray,
+    eps: float,
+    w_in: np.ndarray,
+    n_k: int,
+    conv_state: np.ndarray,
+    conv_w: np.ndarray,
+    dt_bias: np.ndarray,
+    a: np.ndarray,
+    out_norm: np.ndarray,
+    recurrent: np.ndarray,
+    w_out: np.ndarray,
+    x: np.ndarray,
+    o: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """out = h + the Gated DeltaNet mixer for one token; conv_state (kernel - 1, channels) and recurrent
+    (n_v, d_k, d_v) are advanced in place. x receives the normed h, o the gated-norm output (the
+    projections' inputs).
+
+    w_in's rows: conv channels (q, k, v), z (n_v * d_v), beta (n_v), alpha (n_v); conv_w (kernel, channels).
+    """
+    n_v, d_k, d_v = recurrent.shape
+    channels, kernel = conv_state.shape[1], conv_w.shape[0]
+    key_dim = n_k * d_k
+    _rms_norm(h, norm, eps, x)
+    y = np.empty(w_in.shape[0], np.float32)
+    for r in prange(w_in.shape[0]):
+        y[r] = _dot(w_in[r], x)
+    conv = np.empty(channels, np.float32)
+    for c in range(channels):
+        acc = y[c] * conv_w[kernel - 1, c]
+        for t in range(kernel - 1):
+            acc += conv_state[t, c] * conv_w[t, c]
+        conv[c] = _silu(acc)
+    for t in range(kernel - 2):
+        conv_state[t] = conv_state[t + 1]
+    conv_state[kernel - 2] = y[:channels]
+    for i in range(2 * n_k):  # q heads (carrying the 1/sqrt(d_k) score scale) then k heads, l2-normalized
+        head = conv[i * d_k : (i + 1) * d_k]
+        scale = np.float32(1) / max(np.sqrt(_dot(head, head)), np.float32(eps))
+        if i < n_k:
+            scale *= np.float32(1) / np.sqrt(np.float32(d_k))
+        for d in range(d_k):
+            head[d] *= scale
+    z0 = channels
+    beta0 = z0 + n_v * d_v
+    alpha0 = beta0 + n_v
+    for hv in prange(n_v):
+        kh = hv % n_k  # value heads tiled over key heads
+        q = conv[kh * d_k : (kh + 1) * d_k]
+        k = conv[key_dim + kh * d_k : key_dim + (kh + 1) * d_k]
+        v = conv[2 * key_dim + hv * d_v : 2 * key_dim + (hv + 1) * d_v]
+        gate = y[alpha0 + hv] + dt_bias[hv]
+        softplus = gate if gate > 20 else np.log1p(np.exp(gate))
+        decay = np.exp(softplus * a[hv])
+        beta = np.float32(1) / (np.float32(1) + np.exp(-y[beta0 + hv]))
+        s = recurrent[hv]
+        pred = np.zeros(d_v, np.float32)
+        for i in range(d_k):
+            for j in range(d_v):
+                s[i, j] *= decay
+                pred[j] += k[i] * s[i, j]
+        for j in range(d_v):
+            pred[j] = (v[j] - pred[j]) * beta  # the delta
+        oh = o[hv * d_v : (hv + 1) * d_v]
+        oh[:] = 0
+        for i in range(d_k):
+            for j in range(d_v):
+                s[i, j] += k[i] * pred[j]
+                oh[j] += q[i] * s[i, j]
+        _rms_norm(oh, out_norm, eps, oh)
+        for j in range(d_v):
+            oh[j] *= _silu(y[z0 + hv * d_v + j])
+    for r in prange(w_out.shape[0]):
+        out[r] = h[r] + _dot(w_out[r], o)
+
+
+@njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
+def _shared_ffn(
+    x: np.ndarray, w_in: np.ndarray, w_down: np.ndarray, h: np.ndarray, act: np.ndarray, out: np.ndarray
+) -> None:
+    """out = h + sigmoid(gate_inp . x) * w_down @ (silu(gate @ x) * (up @ x)); act receives the SwiGLU output.
+
+    w_in's rows: gate (n_ff), up (n_ff), the one-row gate input.
+    """
+    n_ff = act.shape[0]
+    for f in prange(n_ff):
+        act[f] = _silu(_dot(w_in[f], x)) * _dot(w_in[n_ff + f], x)
+    scale = np.float32(1) / (np.float32(1) + np.exp(-_dot(w_in[2 * n_ff], x)))
+    for r in prange(w_down.shape[0]):
+        out[r] = h[r] + scale * _dot(w_down[r], act)
+
+
 def _vec(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy().reshape(-1)
 
@@ -271,3 +372,36 @@ def attention_step(
         keys.numpy(), values.numpy(), pos, w_out, x.numpy()[0], att.numpy()[0], out.numpy()[0],
     )  # fmt: skip
     return out, x, att
+
+
+def deltanet_step(
+    h: torch.Tensor,
+    norm: torch.Tensor,
+    eps: float,
+    w_in: np.ndarray,
+    n_k: int,
+    conv_state: torch.Tensor,
+    conv_w: np.ndarray,
+    dt_bias: torch.Tensor,
+    a: torch.Tensor,
+    out_norm: torch.Tensor,
+    recurrent: torch.Tensor,
+    w_out: np.ndarray,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h (1, n_embd) + the Gated DeltaNet mixer's output (see ``_deltanet_step``; the states advance in
+    place). Returns that, the normed h (1, n_embd) and the output projection's input (1, n_v * d_v)."""
+    out, x, o = torch.empty_like(h), torch.empty_like(h), torch.empty(1, w_out.shape[1])
+    _deltanet_step(
+        _vec(h), _vec(norm), eps, w_in, n_k, conv_state.numpy(), conv_w, _vec(dt_bias), _vec(a),
+        _vec(out_norm), recurrent.numpy(), w_out, x.numpy()[0], o.numpy()[0], out.numpy()[0],
+    )  # fmt: skip
+    return out, x, o
+
+
+def shared_ffn(
+    x: torch.Tensor, w_in: np.ndarray, w_down: np.ndarray, h: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h + the sigmoid-gated shared expert on x (1, n_embd) (see ``_shared_ffn``); also its SwiGLU output (1, n_ff)."""
+    act, out = torch.empty(1, w_down.shape[1]), torch.empty_like(h)
+    _shared_ffn(_vec(x), w_in, w_down, _vec(h), act.numpy()[0], out.numpy()[0])
+    return out, act

@@ -146,3 +146,61 @@ def test_available_follows_device_and_switch(monkeypatch: pytest.MonkeyPatch) ->
     assert not ck.available(torch.device("meta"))
     monkeypatch.setenv("FORGE_NO_NUMBA", "1")
     assert not ck.available(torch.device("cpu"))
+
+
+def _deltanet_reference(h, norm, eps, w_in, n_k, conv, conv_w, dt_bias, a, out_norm, s, w_out):  # noqa: ANN001, ANN202, PLR0913
+    n_v, d_k, d_v = s.shape
+    channels, key_dim = conv.shape[1], n_k * d_k
+    x = _rms(h, norm, eps).double()
+    y = (x @ w_in.double().T)[0]
+    window = torch.cat([conv.double(), y[None, :channels]])
+    c = F.silu((window * conv_w.double()).sum(0))
+    qk = c[: 2 * key_dim].view(2 * n_k, d_k)
+    qk = qk / qk.norm(dim=-1, keepdim=True).clamp_min(eps)
+    q, k = qk[:n_k] * d_k**-0.5, qk[n_k:]
+    v = c[2 * key_dim :].view(n_v, d_v)
+    z = y[channels : channels + n_v * d_v].view(n_v, d_v)
+    beta = torch.sigmoid(y[channels + n_v * d_v : channels + n_v * d_v + n_v])
+    g = F.softplus(y[channels + n_v * d_v + n_v :] + dt_bias.double()) * a.double()
+    s = s.double() * torch.exp(g)[:, None, None]
+    kt, qt = k[torch.arange(n_v) % n_k], q[torch.arange(n_v) % n_k]
+    delta = (v - torch.einsum("hk,hkv->hv", kt, s)) * beta[:, None]
+    s = s + kt[:, :, None] * delta[:, None, :]
+    o = torch.einsum("hk,hkv->hv", qt, s)
+    o = _rms(o.float(), out_norm, eps).double() * F.silu(z)
+    out = h.double() + o.reshape(1, -1) @ w_out.double().T
+    return out.float(), window[1:].float(), s.float(), o.reshape(1, -1).float()
+
+
+@pytest.mark.parametrize(("n_k", "n_v"), [(2, 4), (2, 2), (1, 3)])
+def test_deltanet_step_equals_reference(n_k: int, n_v: int) -> None:
+    d_k, d_v, n_embd, kernel = 16, 24, 64, 4
+    channels = 2 * n_k * d_k + n_v * d_v
+    w_in = _rand(channels + n_v * d_v + 2 * n_v, n_embd, seed=22, scale=0.2)
+    w_out = _rand(n_embd, n_v * d_v, seed=23, scale=0.2)
+    h, norm = _rand(1, n_embd, seed=24), _rand(n_embd, seed=25)
+    conv, conv_w = _rand(kernel - 1, channels, seed=26), _rand(kernel, channels, seed=27)
+    dt_bias, a, out_norm = _rand(n_v, seed=28), -_rand(n_v, seed=29).abs(), _rand(d_v, seed=30)
+    s = _rand(n_v, d_k, d_v, seed=31)
+    want, want_conv, want_s, want_o = _deltanet_reference(
+        h, norm, 1e-6, w_in, n_k, conv, conv_w, dt_bias, a, out_norm, s, w_out
+    )
+    out, x, o = ck.deltanet_step(
+        h, norm, 1e-6, w_in.numpy(), n_k, conv, conv_w.numpy(), dt_bias, a, out_norm, s, w_out.numpy()
+    )
+    _close(x, _rms(h, norm, 1e-6))
+    _close(conv, want_conv)
+    _close(s, want_s)
+    _close(o, want_o)
+    _close(out, want)
+
+
+def test_shared_ffn_equals_gated_swiglu() -> None:
+    n_ff, n_embd = 40, 64
+    w_in, w_down = _rand(2 * n_ff + 1, n_embd, seed=32), _rand(n_embd, n_ff, seed=33)
+    x, h = _rand(1, n_embd, seed=34), _rand(1, n_embd, seed=35)
+    out, act = ck.shared_ffn(x, w_in.numpy(), w_down.numpy(), h)
+    y = x.double() @ w_in.double().T
+    want_act = F.silu(y[:, :n_ff]) * y[:, n_ff : 2 * n_ff]
+    _close(act, want_act.float())
+    _close(out, (h.double() + torch.sigmoid(y[:, -1:]) * (want_act @ w_down.double().T)).float())

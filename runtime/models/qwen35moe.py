@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runtime import cpu_kernels
 from runtime.models.qwen3moe import (
     AttentionConfig,
     FusedLinear,
@@ -155,8 +156,21 @@ class GatedDeltaNet:
         o = rms_norm(o, self.norm, self.eps) * F.silu(z.reshape(t, self.n_v, self.d_v))
         return self.out(o.reshape(t, -1))
 
-    def step(self, x: torch.Tensor, h: torch.Tensor, st: DeltaNetState) -> torch.Tensor:
-        """One token (no ggml numerics): x (1, n_embd) the normed input, h the residual -> h + mixer."""
+    def step(self, h: torch.Tensor, norm: torch.Tensor, eps: torch.Tensor, st: DeltaNetState) -> torch.Tensor:
+        """One token (no ggml numerics): h (1, n_embd) the residual stream, norm the block's input RMSNorm
+        weight, eps a (1, 1) tensor -> h + mixer."""
+        if self.inputs.rows is not None:
+            st.conv, st.recurrent = st.conv.contiguous(), st.recurrent.contiguous()
+            out, x, o = cpu_kernels.deltanet_step(
+                h, norm, self.eps, self.inputs.rows, self.n_k, st.conv, self.conv_rows.numpy(), self.dt_bias,
+                self.a, self.norm, st.recurrent, self.out.rows,
+            )  # fmt: skip
+            if self.observers:
+                for name in self.inputs.names:
+                    notify_matmul(self.observers, name, x)
+                notify_matmul(self.observers, self.out.name, o)
+            return out
+        x = rms_norm_row(h, norm, eps)
         mixed, z, beta, alpha = self.inputs.step(x)
         window = torch.cat([st.conv, mixed[None]])
         st.conv = window[1:]
@@ -194,6 +208,13 @@ class SharedExpert:
 
     def step(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """One token: h + the shared expert's output (its gate applied before the down matmul)."""
+        if self.inputs.rows is not None:
+            for name in self.inputs.names if self.observers else ():
+                notify_matmul(self.observers, name, x)
+            out, act = cpu_kernels.shared_ffn(x, self.inputs.rows, self.down.rows, h)
+            if self.observers:
+                notify_matmul(self.observers, self.down.name, act)
+            return out
         gate, up, scale = self.inputs.step(x)
         act = F.silu(gate).mul_(up)
         if self.observers:
@@ -245,7 +266,7 @@ class Qwen35MoeBlock:
     ) -> torch.Tensor:
         if isinstance(self.mixer, GatedDeltaNet):
             assert isinstance(cache, DeltaNetState)
-            h = self.mixer.step(rms_norm_row(h, self.attn_norm, eps), h, cache)
+            h = self.mixer.step(h, self.attn_norm, eps, cache)
         else:
             assert isinstance(cache, KVCache)
             h = self.mixer.step(h, self.attn_norm, eps, cache, pos)
