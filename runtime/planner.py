@@ -25,8 +25,8 @@ from forge.errors import ForgeError
 
 # Python, torch and its libraries, numba's compiled CPU kernels, allocator slack and activations of a
 # decode step (measured on Linux x86-64: ~290 MB after importing torch and the runtime, ~50 MB more once the
-# decode kernels are loaded; the rest is margin).
-RUNTIME_OVERHEAD = 384 << 20
+# decode kernels are loaded, ~100 MB more while they compile on a first run; the rest is margin).
+RUNTIME_OVERHEAD = 448 << 20
 # The share of *measured* available memory AUTO leaves to the rest of the system.
 HEADROOM = 0.10
 DEFAULT_CONTEXT = 4096
