@@ -66,21 +66,14 @@ def _gemv_parallel(x: np.ndarray, w: np.ndarray, res: np.ndarray, has_res: bool,
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True)
-def _norm_gemv_serial(
-    h: np.ndarray, norm: np.ndarray, eps: float, w: np.ndarray, xn: np.ndarray, out: np.ndarray
+def _norm_gemv(
+    h: np.ndarray, norm: np.ndarray, eps: float, w: np.ndarray, xn: np.ndarray, out: np.ndarray, threads: bool
 ) -> None:
     _rms_norm(h, norm, eps, xn)
-    for r in range(w.shape[0]):
-        out[r] = _dot(w[r], xn)
-
-
-@njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
-def _norm_gemv_parallel(
-    h: np.ndarray, norm: np.ndarray, eps: float, w: np.ndarray, xn: np.ndarray, out: np.ndarray
-) -> None:
-    _rms_norm(h, norm, eps, xn)
-    for r in prange(w.shape[0]):
-        out[r] = _dot(w[r], xn)
+    if threads:
+        _gemv_parallel(xn, w, out, False, out)
+    else:
+        _gemv_serial(xn, w, out, False, out)
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
@@ -317,8 +310,7 @@ def norm_gemv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h (1, n) -> (rms_norm(h) * norm, that @ w.T), both (1, .)."""
     xn, out = torch.empty(1, h.shape[-1]), torch.empty(1, w.shape[0])
-    kernel = _norm_gemv_parallel if w.size >= PARALLEL_MIN else _norm_gemv_serial
-    kernel(_vec(h), norm, eps, w, xn.numpy()[0], out.numpy()[0])
+    _norm_gemv(_vec(h), norm, eps, w, xn.numpy()[0], out.numpy()[0], w.size >= PARALLEL_MIN)
     return xn, out
 
 
