@@ -19,7 +19,6 @@ from runtime.models.qwen3moe import (
     Linear,
     MoeCausalLM,
     RoutedExperts,
-    product_step,
     rms_norm,
     rms_norm_row,
 )
@@ -122,6 +121,7 @@ class GatedDeltaNet:
             weights.device
         )
         self.conv_rows = self.conv_w.T.contiguous()  # (kernel, channels)
+        self.conv_kernel_rows = self.conv_rows.numpy() if weights.cpu_kernels else None
 
     def new_state(self, device: torch.device) -> DeltaNetState:
         channels, kernel = self.conv_w.shape
@@ -162,7 +162,7 @@ class GatedDeltaNet:
         if self.inputs.rows is not None:
             st.conv, st.recurrent = st.conv.contiguous(), st.recurrent.contiguous()
             out, x, o = cpu_kernels.deltanet_step(
-                h, norm, self.eps, self.inputs.rows, self.n_k, st.conv, self.conv_rows.numpy(), self.dt_bias,
+                h, norm, self.eps, self.inputs.rows, self.n_k, st.conv, self.conv_kernel_rows, self.dt_bias,
                 self.a, self.norm, st.recurrent, self.out.rows,
             )  # fmt: skip
             if self.observers:
@@ -219,7 +219,7 @@ class SharedExpert:
         act = F.silu(gate).mul_(up)
         if self.observers:
             notify_matmul(self.observers, self.down.name, act[None])
-        return product_step(act.mul_(torch.sigmoid(scale))[None], self.down.weight_t, self.down.rows, h)
+        return torch.addmm(h, act.mul_(torch.sigmoid(scale))[None], self.down.weight_t)
 
 
 class Qwen35MoeBlock:

@@ -616,7 +616,7 @@ class GQAttention:
         if self.observers:
             for name in self.in_names:
                 notify_matmul(self.observers, name, x)
-        y = product_step(x, self.w_in_t, self.w_in_rows)[0]
+        y = torch.mm(x, self.w_in_t)[0]
         n_q, n_k, n_gate, _ = self.sizes
         qk = y[: n_q + n_k].view(c.n_head + c.n_head_kv, c.head_dim)
         qk = self.rope.step(rms_norm_heads(qk, self.qk_norm, self.qk_eps), pos)
