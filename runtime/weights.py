@@ -19,7 +19,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from forge.errors import ForgeError
 from forge.gguf_file import open_gguf
-from forge.quant.kernels import enabled as numba_enabled
 
 if TYPE_CHECKING:
     from runtime.experts import ExpertCache, LayerExperts
@@ -128,7 +127,7 @@ class Weights:
         # round matmul inputs as ggml's CPU backend does (to compare with llama.cpp's own figures)
         self.ggml_numerics = False
         # one-token steps run compiled kernels over row-major weights (runtime.cpu_kernels)
-        self.cpu_kernels = torch.device(device).type == "cpu" and numba_enabled()
+        self.cpu_kernels = cpu_kernels_available(torch.device(device))
         self.expert_cache: ExpertCache | None = None
         self._dense: dict[str, torch.Tensor] = {}
         arch = self.get("general.architecture", None)
@@ -363,6 +362,12 @@ class TensorWeights(Weights):
     def _experts(self, name: str) -> ExpertTensor:
         t = self.dense(name)  # already float32: resident at no cost
         return ExpertTensor(t.view(torch.uint8), GGMLQuantizationType.F32, t.shape[-1], resident=True)
+
+
+def cpu_kernels_available(device: torch.device) -> bool:
+    from runtime.cpu_kernels import available  # numba, imported only for a model
+
+    return available(device)
 
 
 def load_weights(
