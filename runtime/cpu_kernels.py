@@ -11,6 +11,8 @@ Used when the device is the CPU and numba is enabled (``FORGE_NO_NUMBA`` unset),
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 from numba import config as numba_config
@@ -397,3 +399,44 @@ def shared_ffn(
     act, out = torch.empty(1, w_down.shape[1]), torch.empty_like(h)
     _shared_ffn(_vec(x), w_in, w_down, _vec(h), act.numpy()[0], out.numpy()[0])
     return out, act
+
+
+def cached_on_disk() -> bool:
+    """Every kernel has an up-to-date compiled copy in numba's disk cache (False: the next use compiles)."""
+    kernels = (
+        _gemv_serial,
+        _gemv_parallel,
+        _norm_gemv,
+        _routed_ffn,
+        _attention_step,
+        _deltanet_step,
+        _shared_ffn,
+    )
+    try:
+        source = os.path.getmtime(__file__)
+        return all(os.path.getmtime(k._cache._cache_file._index_path) >= source for k in kernels)
+    except (AttributeError, OSError):  # numba's cache internals moved, or no index yet
+        return False
+
+
+def warm_up() -> None:
+    """Load (or, after an install, compile) every kernel now, so that no decode step pays for it."""
+    one = torch.ones(1, 64)
+    rows = np.ones((64, 64), np.float32)
+    gemv(one, rows)
+    gemv(one, np.ones((PARALLEL_MIN // 64, 64), np.float32), torch.ones(1, PARALLEL_MIN // 64))
+    norm_gemv(one, rows[0], 1e-6, rows)
+    routed_ffn(
+        one, torch.ones(1, 4), 2, np.ones((4, 64, 64), np.float32), np.ones((4, 64, 32), np.float32), one
+    )
+    kv = torch.zeros(1, 2, 32)
+    attention_step(
+        one, one[0], 1e-6, np.ones((4 * 32, 64), np.float32), 2, 0, np.ones((3, 32), np.float32),
+        (torch.ones(16), torch.zeros(16)), kv, kv.clone(), 0, np.ones((64, 64), np.float32),
+    )  # fmt: skip
+    deltanet_step(
+        one, one[0], 1e-6, np.ones((4 * 16 + 2, 64), np.float32), 1, torch.zeros(3, 48),
+        np.ones((4, 48), np.float32), torch.zeros(1), -torch.ones(1), torch.ones(16), torch.zeros(1, 16, 16),
+        np.ones((64, 16), np.float32),
+    )  # fmt: skip
+    shared_ffn(one, np.ones((65, 64), np.float32), np.ones((64, 32), np.float32), one)

@@ -189,20 +189,23 @@ def load_planned_model(
     log: Any = None,
 ) -> tuple[Any, Plan | None]:
     """Plan residency, print the decision (to ``log``, default stderr) and load the model accordingly."""
-    from runtime.models import build_model
+    from runtime.models import build_model, prepare_decode
     from runtime.weights import GGUFWeights, load_weights, open_expert_cache
 
+    say = log or (lambda s: sys.stderr.write(s + "\n"))
     weights = load_weights(path, device, expert_budget, ggml_numerics)
-    if not isinstance(weights, GGUFWeights):
-        if mode == "streaming":
-            raise ForgeError(f"{path}: expert streaming needs a GGUF file, not a Hugging Face folder")
-        return build_model(weights, observers), None
-    p = plan(weights, mode, memory_budget, cache_experts, cache_bytes, policy, expert_budget,
-             context or DEFAULT_CONTEXT)  # fmt: skip
-    (log or (lambda s: sys.stderr.write(s + "\n")))(p.describe())
-    if p.mode == "streaming":
-        weights.expert_cache = open_expert_cache(weights, p.cache_experts, policy)
-    return build_model(weights, observers), p
+    p = None
+    if isinstance(weights, GGUFWeights):
+        p = plan(weights, mode, memory_budget, cache_experts, cache_bytes, policy, expert_budget,
+                 context or DEFAULT_CONTEXT)  # fmt: skip
+        say(p.describe())
+        if p.mode == "streaming":
+            weights.expert_cache = open_expert_cache(weights, p.cache_experts, policy)
+    elif mode == "streaming":
+        raise ForgeError(f"{path}: expert streaming needs a GGUF file, not a Hugging Face folder")
+    model = build_model(weights, observers)
+    prepare_decode(model, say)
+    return model, p
 
 
 def format_stats(cache: Any) -> str:

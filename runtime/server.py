@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from forge.errors import ForgeError
 from forge.imatrix.live import LiveImatrix
 from runtime.generate import Sampling, generate
-from runtime.models import MoeCausalLM, load_model
+from runtime.models import MoeCausalLM, load_model, prepare_decode
 from runtime.observers import Observer
 from runtime.tokenizer import Tokenizer
 from runtime.weights import DEFAULT_EXPERT_BUDGET
@@ -479,6 +479,7 @@ def load_engine(
     """Load a GGUF file (or HF folder) for serving; with ``imatrix`` its prefill statistics are collected."""
     gate = PrefillGate(imatrix) if imatrix is not None else None
     m = load_model(model, device, observers=[gate] if gate else None, expert_budget=expert_budget)
+    prepare_decode(m)
     tok = Tokenizer.from_metadata(m.weights)
     return Engine(m, tok, name or Path(model).stem, context, imatrix, gate, max_queue)
 

@@ -204,3 +204,25 @@ def test_shared_ffn_equals_gated_swiglu() -> None:
     want_act = F.silu(y[:, :n_ff]) * y[:, n_ff : 2 * n_ff]
     _close(act, want_act.float())
     _close(out, (h.double() + torch.sigmoid(y[:, -1:]) * (want_act @ w_down.double().T)).float())
+
+
+def test_warm_up_leaves_every_kernel_compiled_on_disk() -> None:
+    ck.warm_up()
+    assert ck.cached_on_disk()
+
+
+def test_prepare_decode_says_when_it_compiles(example_bf16, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    from runtime.models import load_model, prepare_decode
+
+    model = load_model(example_bf16)
+    said: list[str] = []
+    monkeypatch.setattr(ck, "cached_on_disk", lambda: False)
+    prepare_decode(model, said.append)
+    assert len(said) == 1 and said[0].startswith("compiling the CPU decode kernels")
+    monkeypatch.setattr(ck, "cached_on_disk", lambda: True)
+    prepare_decode(model, said.append)
+    assert len(said) == 1
+    model.fast_decode = False  # e.g. --ggml-numerics: no one-token kernels to prepare
+    monkeypatch.setattr(ck, "cached_on_disk", lambda: False)
+    prepare_decode(model, said.append)
+    assert len(said) == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -14,7 +16,7 @@ from runtime.weights import DEFAULT_EXPERT_BUDGET, Weights, load_weights
 
 ARCHITECTURES: dict[str, type[MoeCausalLM]] = {"qwen3moe": Qwen3MoeModel, "qwen35moe": Qwen35MoeModel}
 
-__all__ = ["ARCHITECTURES", "MoeCausalLM", "State", "build_model", "load_model"]
+__all__ = ["ARCHITECTURES", "MoeCausalLM", "State", "build_model", "load_model", "prepare_decode"]
 
 
 def build_model(weights: Weights, observers: list[Observer] | None = None) -> MoeCausalLM:
@@ -48,3 +50,17 @@ def load_model(
         path, device, expert_budget, ggml_numerics, stream_experts, expert_policy, verify_experts
     )
     return build_model(weights, observers)
+
+
+def prepare_decode(model: MoeCausalLM, log: Callable[[str], None] | None = None) -> None:
+    """Load the compiled one-token kernels now (compiling them on a first run, said to ``log``), so that
+    no decode step, nor a printed tokens/s figure, pays for it."""
+    if not (model.weights.cpu_kernels and model.fast_decode):
+        return
+    from runtime import cpu_kernels
+
+    if not cpu_kernels.cached_on_disk():
+        (log or (lambda s: sys.stderr.write(s + "\n")))(
+            "compiling the CPU decode kernels (first run after an install, ~25 s; cached on disk)"
+        )
+    cpu_kernels.warm_up()
