@@ -79,6 +79,9 @@ class ExpertTensor:
     the others decode the experts a batch selects, on every use.
     """
 
+    #: the type ggml's matmul would see for these weights (ggml numerics round inputs for it); None: ``qtype``
+    ggml_qtype: GGMLQuantizationType | None = None
+
     def __init__(
         self, raw: torch.Tensor, qtype: GGMLQuantizationType, cols: int, resident: bool = False
     ) -> None:
@@ -342,13 +345,25 @@ class GGUFWeights(Weights):
 
 
 class TensorWeights(Weights):
-    """Weights held as float tensors in GGUF layout (a Hugging Face folder mapped by ``load_hf_folder``)."""
+    """Weights held as float tensors in GGUF layout (a Hugging Face folder mapped by ``load_hf_folder``).
+
+    ``qtypes``: the encoding each tensor would have in the GGUF (F32 where not given), for ggml numerics.
+    """
 
     def __init__(
-        self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], device: str | torch.device, source: str
+        self,
+        meta: dict[str, Any],
+        tensors: dict[str, torch.Tensor],
+        device: str | torch.device,
+        source: str,
+        qtypes: dict[str, GGMLQuantizationType] | None = None,
     ) -> None:
         super().__init__(meta, torch.device(device), source)
         self.tensors = tensors
+        self.qtypes = qtypes or {}
+
+    def qtype(self, name: str) -> GGMLQuantizationType:
+        return self.qtypes.get(name, GGMLQuantizationType.F32)
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -361,7 +376,9 @@ class TensorWeights(Weights):
 
     def _experts(self, name: str) -> ExpertTensor:
         t = self.dense(name)  # already float32: resident at no cost
-        return ExpertTensor(t.view(torch.uint8), GGMLQuantizationType.F32, t.shape[-1], resident=True)
+        expert = ExpertTensor(t.view(torch.uint8), GGMLQuantizationType.F32, t.shape[-1], resident=True)
+        expert.ggml_qtype = self.qtype(name)
+        return expert
 
 
 def cpu_kernels_available(device: torch.device) -> bool:
@@ -430,10 +447,17 @@ def _routed_parts(name: str) -> tuple[int, str]:
 
 def load_hf_folder(folder: str | Path, device: str | torch.device = "cpu") -> TensorWeights:
     """A Hugging Face checkpoint folder as float32 tensors with the GGUF names, layout and metadata
-    ``forge convert`` would write (the same architecture tables), so a folder and its GGUF run the same code."""
-    from forge.convert import ModelSource
+    ``forge convert`` would write (the same architecture tables), so a folder and its GGUF run the same code.
+    Tensors stored as BF16 that ``forge convert`` keeps BF16 report that type (for ggml numerics)."""
+    from forge.convert import ModelSource, float_type_for
 
+    bf16 = GGMLQuantizationType.BF16
     src = ModelSource.open(folder, mtp=False)
     meta = {kv.key: kv.value for kv in src.kvs(file_type=0)}
     tensors = {t.name: torch.from_numpy(np.ascontiguousarray(t.produce().float32())) for t in src.tensors}
-    return TensorWeights(meta, tensors, device, str(folder))
+    qtypes = {
+        t.name: bf16
+        for t in src.tensors
+        if float_type_for(t, bf16) == bf16 and all(s.dtype == "BF16" for s in t.sources)
+    }
+    return TensorWeights(meta, tensors, device, str(folder), qtypes)

@@ -426,13 +426,46 @@ def ref_dat_path():
     return oracle.llamacpp_dir("tiny-qwen3moe") / "tiny-qwen3moe-imatrix.dat"
 
 
+@pytest.fixture(scope="module")
+def collected_with_ggml_numerics(tmp_path_factory):
+    """The same run with llama.cpp's CPU roundings (--ggml-numerics): bf16 matmul inputs, fp16 K/V, RoPE table."""
+    from forge.imatrix.accumulate import collect
+    from tests import oracle
+
+    ref = oracle.llamacpp_dir("tiny-qwen3moe") / "tiny-qwen3moe-imatrix.gguf"
+    if not ref.is_file():
+        pytest.skip("llama.cpp's imatrix fixture is absent")
+    text = oracle.fixtures() / "text" / "calib.txt"
+    out = tmp_path_factory.mktemp("collect-ggml") / "ours.gguf"
+    rep = collect(_model_dir(), text, out, ctx=512, chunks=32, log=None, ggml_numerics=True)
+    return rep.imatrix, read_imatrix(ref)
+
+
+# llama.cpp at another commit (the llama-cpp-python 0.3.36 peer, same CPU and settings) routes this text with
+# a summed |count difference| of 210 from the fixture file over the 12 routed tensors.
+LLAMA_CPP_BUILD_SPREAD = 210
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the runtime routes ~0.1% of (token, slot) pairs differently from llama.cpp "
-                   "(near ties in the router's top-k, flipped by ulp-level differences: collection runs without ggml's "
-                   "input rounding, fp16 K/V and RoPE table; even another llama.cpp build differs from this file by "
-                   "a like amount)")  # fmt: skip
-def test_collection_expert_counts_equal_llama_imatrix(collected_like_llamacpp):
-    ours, ref, _ = collected_like_llamacpp
+def test_ggml_numerics_collection_is_as_close_as_another_llama_cpp_build(collected_with_ggml_numerics):
+    ours, ref = collected_with_ggml_numerics
+    routed = [n for n in ref.names() if ref.shape(n)[0] > 1]
+    for name in (n for n in routed if n.startswith("blk.0.")):  # layer 0: llama.cpp's routing exactly
+        assert ours.counts[name].tolist() == ref.counts[name].tolist(), name
+    spread = sum(int(np.abs(ours.counts[n] - ref.counts[n]).sum()) for n in routed)
+    assert spread <= LLAMA_CPP_BUILD_SPREAD
+    for name in ref.names():
+        if ref.shape(name)[0] == 1:
+            assert ours.counts[name].tolist() == ref.counts[name].tolist(), name
+            assert _rel_l2(ours.sums[name], ref.sums[name]) <= 1e-3, name
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="near ties in the router's top-k are flipped by ulp-level differences from "
+                   "layer 1 on: with --ggml-numerics ~0.03% of routed (token, slot) pairs differ, as between two "
+                   "llama.cpp builds (LLAMA_CPP_BUILD_SPREAD); equal counts need the fixture's exact binary")  # fmt: skip
+def test_collection_expert_counts_equal_llama_imatrix(collected_with_ggml_numerics):
+    ours, ref = collected_with_ggml_numerics
     for name in ref.names():
         assert ours.counts[name].tolist() == ref.counts[name].tolist(), name
         assert _rel_l2(ours.sums[name], ref.sums[name]) <= 1e-3, name

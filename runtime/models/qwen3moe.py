@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
@@ -156,8 +157,15 @@ class FusedLinear:
 class Rope:
     """NEOX-style rotary embedding on the first ``n_rot`` dims of each head (llama.cpp's rope type 2)."""
 
-    def __init__(self, n_rot: int, base: float, device: torch.device, head_dim: int | None = None) -> None:
-        self.n_rot, self.device = n_rot, device
+    def __init__(
+        self,
+        n_rot: int,
+        base: float,
+        device: torch.device,
+        head_dim: int | None = None,
+        ggml_table: bool = False,
+    ) -> None:
+        self.n_rot, self.device, self.base, self.ggml_table = n_rot, device, base, ggml_table
         self.head_dim = head_dim or n_rot
         self.inv_freq = 1.0 / (
             base ** (torch.arange(0, n_rot, 2, dtype=torch.float32, device=device) / n_rot)
@@ -174,8 +182,24 @@ class Rope:
     def _table(self, end: int) -> None:
         if end > self.cos.shape[0]:
             n = max(end, 2 * self.cos.shape[0], 1024)
-            ang = torch.arange(n, dtype=torch.float32, device=self.device)[:, None] * self.inv_freq[None, :]
-            self.cos, self.sin = ang.cos(), ang.sin()
+            if self.ggml_table:
+                ang = self._ggml_angles(n)
+                self.cos, self.sin = ang.cos().float(), ang.sin().float()
+            else:
+                ang = (
+                    torch.arange(n, dtype=torch.float32, device=self.device)[:, None] * self.inv_freq[None, :]
+                )
+                self.cos, self.sin = ang.cos(), ang.sin()
+
+    def _ggml_angles(self, n: int) -> torch.Tensor:
+        """ggml's rope cache: theta_0 = pos, theta_{i+1} = theta_i * base^(-2/n_rot), each step rounded to
+        float32; returned as float64 so that cos/sin round once (like a correctly rounded cosf/sinf)."""
+        scale = np.float32(np.float32(self.base) ** np.float32(-2.0 / self.n_rot))
+        theta = np.empty((n, self.n_rot // 2), np.float32)
+        theta[:, 0] = np.arange(n, dtype=np.float32)
+        for i in range(1, self.n_rot // 2):
+            theta[:, i] = theta[:, i - 1] * scale
+        return torch.from_numpy(theta).to(self.device, torch.float64)
 
     def __call__(self, x: torch.Tensor, pos0: int) -> torch.Tensor:
         """x: (T, H, D) at positions pos0..pos0+T-1."""
@@ -300,8 +324,8 @@ class RoutedExperts:
             up = self.gate_up or self.up
             assert up is not None
             self.round_in, self.round_act = (
-                ggml_input_rounding(up.qtype),
-                ggml_input_rounding(self.down.qtype),
+                ggml_input_rounding(up.ggml_qtype or up.qtype),
+                ggml_input_rounding(self.down.ggml_qtype or self.down.qtype),
             )
         # Resident gate and up are kept as one (n_expert, 2 n_ff, n_embd) tensor: one matmul per expert.
         # (Experts stay in their row layout: the transposed one reads faster for one token, but decoding per
@@ -547,8 +571,10 @@ class GQAttention:
         self.out = Linear(weights, p + "attn_output.weight", observers)
         self.q_norm = weights.dense(p + "attn_q_norm.weight")
         self.k_norm = weights.dense(p + "attn_k_norm.weight")
-        self.rope = Rope(cfg.n_rot, cfg.rope_base, weights.device, cfg.head_dim)
-        self.f16_cache = weights.ggml_numerics  # llama.cpp keeps K and V as fp16 and rounds Q to fp16
+        self.rope = Rope(cfg.n_rot, cfg.rope_base, weights.device, cfg.head_dim, weights.ggml_numerics)
+        # llama.cpp keeps K and V as fp16; its batched CPU attention takes Q in float32 (measured against
+        # the peer's intermediate tensors: rounding Q to fp16 moved the outputs 500x further away)
+        self.f16_cache = weights.ggml_numerics
         # one-token path: q and k heads normalized together, q's rows carrying the 1/sqrt(d) score scale
         n_qk = cfg.n_head + cfg.n_head_kv
         self.qk_norm = torch.cat(
@@ -585,7 +611,7 @@ class GQAttention:
         qk = self.rope(torch.cat([q, k], dim=1), pos0)
         q, k = qk[:, : c.n_head], qk[:, c.n_head :]
         if self.f16_cache:
-            q, k, v = q.half().float(), k.half().float(), v.half().float()
+            k, v = k.half().float(), v.half().float()
         keys, values = cache.append(k, v)
         out = attention(q, keys, values, pos0)
         if gate is not None:
