@@ -12,13 +12,15 @@ Used when the device is the CPU and numba is enabled (``FORGE_NO_NUMBA`` unset),
 from __future__ import annotations
 
 import os
+from functools import cache
 
 import numpy as np
 import torch
 from numba import config as numba_config
-from numba import get_num_threads, njit, prange, set_num_threads
+from numba import get_num_threads, njit, prange, set_num_threads, types
 
 from forge.quant.kernels import enabled as numba_enabled
+from runtime.cpu_rows import decode_row
 
 _FASTMATH = {"reassoc", "contract"}  # vectorized sums and FMA; no assumptions about NaN or infinity
 # weights (elements) from which a product is split across threads: below it, waking them costs more
@@ -78,6 +80,64 @@ def _norm_gemv(
         _gemv_serial(xn, w, out, False, out)
 
 
+@njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
+def _top_k_softmax(logits: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> None:
+    """ids: the top-k of ``logits`` (descending, first index on ties, like torch.topk), k = ids.shape[0];
+    weights: the softmax of those logits."""
+    taken = np.zeros(logits.shape[0], np.bool_)
+    for i in range(ids.shape[0]):
+        best = -1
+        for e in range(logits.shape[0]):
+            if not taken[e] and (best < 0 or logits[e] > logits[best]):
+                best = e
+        taken[best] = True
+        ids[i] = best
+    total = np.float32(0)
+    for i in range(ids.shape[0]):
+        weights[i] = np.exp(logits[ids[i]] - logits[ids[0]])
+        total += weights[i]
+    for i in range(ids.shape[0]):
+        weights[i] /= total
+
+
+def _routed_ffn_encoded(
+    x: np.ndarray,
+    logits: np.ndarray,
+    gate: np.ndarray,
+    gate_type: int,
+    up: np.ndarray,
+    up_type: int,
+    down: np.ndarray,
+    down_type: int,
+    h: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray,
+    act: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """``_routed_ffn`` over encoded experts: gate/up (n_expert, n_ff, row bytes), down (n_expert, n_embd,
+    row bytes) uint8, each row decoded (``decode_row``) into a small buffer just before its dot product.
+    Compiled by ``_encoded_kernel`` for strided expert arrays only (one machine-code copy for all layouts)."""
+    k, n_ff = act.shape
+    _top_k_softmax(logits, ids, weights)
+    for r in prange(k * n_ff):
+        i = r // n_ff
+        f = r - i * n_ff
+        e = ids[i]
+        row = np.empty(x.shape[0], np.float32)
+        decode_row(gate[e, f], gate_type, row)
+        g = _dot(row, x)
+        decode_row(up[e, f], up_type, row)
+        act[i, f] = _silu(g) * _dot(row, x)
+    for d in prange(out.shape[0]):
+        row = np.empty(n_ff, np.float32)
+        s = np.float32(0)
+        for i in range(k):
+            decode_row(down[ids[i], d], down_type, row)
+            s += weights[i] * _dot(row, act[i])
+        out[d] = h[d] + s
+
+
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
 def _routed_ffn(
     x: np.ndarray,
@@ -96,20 +156,7 @@ def _routed_ffn(
     of those logits; k = ids.shape[0]. act (k, n_ff) receives the SwiGLU outputs.
     """
     k, n_ff = act.shape
-    taken = np.zeros(logits.shape[0], np.bool_)
-    for i in range(k):
-        best = -1
-        for e in range(logits.shape[0]):
-            if not taken[e] and (best < 0 or logits[e] > logits[best]):
-                best = e
-        taken[best] = True
-        ids[i] = best
-    total = np.float32(0)
-    for i in range(k):
-        weights[i] = np.exp(logits[ids[i]] - logits[ids[0]])
-        total += weights[i]
-    for i in range(k):
-        weights[i] /= total
+    _top_k_softmax(logits, ids, weights)
     for r in prange(k * n_ff):
         i = r // n_ff
         f = r - i * n_ff
@@ -293,6 +340,16 @@ def _shared_ffn(
         out[r] = h[r] + scale * _dot(w_down[r], act)
 
 
+class EncodedExperts:
+    """A layer's routed experts as encoded rows (numpy uint8 views of the file's bytes) and their types."""
+
+    def __init__(
+        self, gate: np.ndarray, gate_type: int, up: np.ndarray, up_type: int, down: np.ndarray, down_type: int
+    ) -> None:
+        self.arrays = (gate, int(gate_type), up, int(up_type), down, int(down_type))
+        self.n_ff = gate.shape[1]
+
+
 def _vec(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy().reshape(-1)
 
@@ -314,6 +371,40 @@ def norm_gemv(
     xn, out = torch.empty(1, h.shape[-1]), torch.empty(1, w.shape[0])
     _norm_gemv(_vec(h), norm, eps, w, xn.numpy()[0], out.numpy()[0], w.size >= PARALLEL_MIN)
     return xn, out
+
+
+_ENCODED_FLAGS = {"fastmath": _FASTMATH, "nogil": True, "cache": True, "parallel": True}
+
+
+@cache
+def _encoded_kernel():  # noqa: ANN202
+    f32, i64, rows = (
+        types.Array(types.float32, 1, "C"),
+        types.Array(types.int64, 1, "C"),
+        types.Array(types.uint8, 3, "A"),
+    )
+    sig = (f32, f32, rows, types.int64, rows, types.int64, rows, types.int64, f32, i64, f32,
+           types.Array(types.float32, 2, "C"), f32)  # fmt: skip
+    return njit(sig, **_ENCODED_FLAGS)(_routed_ffn_encoded)
+
+
+def routed_ffn_encoded(
+    x: torch.Tensor, logits: torch.Tensor, k: int, experts: EncodedExperts, h: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``routed_ffn`` with the experts kept encoded (see ``EncodedExperts``); same returns."""
+    ids, weights = torch.empty(k, dtype=torch.int64), torch.empty(k)
+    act, out = torch.empty(k, experts.n_ff), torch.empty(1, h.shape[-1])
+    _encoded_kernel()(
+        _vec(x),
+        _vec(logits),
+        *experts.arrays,
+        _vec(h),
+        ids.numpy(),
+        weights.numpy(),
+        act.numpy(),
+        out.numpy()[0],
+    )
+    return out, ids, weights, act
 
 
 def routed_ffn(
@@ -408,6 +499,7 @@ def cached_on_disk() -> bool:
         _gemv_parallel,
         _norm_gemv,
         _routed_ffn,
+        njit(**_ENCODED_FLAGS)(_routed_ffn_encoded),  # _encoded_kernel's cache entry, not compiled here
         _attention_step,
         _deltanet_step,
         _shared_ffn,
@@ -440,3 +532,5 @@ def warm_up() -> None:
         np.ones((64, 16), np.float32),
     )  # fmt: skip
     shared_ffn(one, np.ones((65, 64), np.float32), np.ones((64, 32), np.float32), one)
+    experts = np.zeros((4, 64, 256), np.uint8)  # float32 rows (type 0) of 64 values
+    routed_ffn_encoded(one, torch.ones(1, 4), 2, EncodedExperts(experts, 0, experts, 0, experts, 0), one)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -226,3 +227,81 @@ def test_prepare_decode_says_when_it_compiles(example_bf16, monkeypatch: pytest.
     monkeypatch.setattr(ck, "cached_on_disk", lambda: False)
     prepare_decode(model, said.append)
     assert len(said) == 1
+
+
+# experts kept encoded --------------------------------------------------------------------------------------
+
+_SCALE_OFFSETS = {"Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def _encoded_rows(qtype, rows: int, n: int, seed: int) -> np.ndarray:  # noqa: ANN001
+    """Random rows of ``qtype`` with finite, small fp16 scales (float types: random values)."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as Q
+
+    rng = np.random.default_rng(seed)
+    if qtype in (Q.F32, Q.F16):
+        return (
+            rng.standard_normal((rows, n)).astype(np.float32 if qtype == Q.F32 else np.float16).view(np.uint8)
+        )
+    if qtype == Q.BF16:
+        return (
+            (rng.standard_normal((rows, n)).astype(np.float32).view(np.uint32) >> 16)
+            .astype(np.uint16)
+            .view(np.uint8)
+        )
+    block, size = GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, size=(rows, n // block, size), dtype=np.uint8)
+    for off in _SCALE_OFFSETS[qtype.name]:
+        scales = (rng.random((rows, n // block)) * 0.01 + 1e-4).astype(np.float16)
+        data[..., off : off + 2] = scales[..., None].view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_decode_row_equals_dequantize(name: str) -> None:
+    from gguf import GGMLQuantizationType as Q
+
+    from runtime.cpu_rows import ROW_TYPES, decode_row
+    from runtime.dequant import dequantize
+
+    qtype = Q[name]
+    assert qtype in ROW_TYPES
+    raw = _encoded_rows(qtype, 6, 512, seed=40)
+    want = dequantize(torch.from_numpy(raw), qtype, 512).numpy()
+    got = np.empty(512, np.float32)
+    for r in range(raw.shape[0]):
+        decode_row(raw[r], int(qtype), got)
+        assert np.array_equal(got.view(np.uint32), want[r].view(np.uint32)), (name, r)
+
+
+@pytest.mark.parametrize(
+    "types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"), ("BF16", "BF16", "Q5_K")]
+)
+def test_routed_ffn_encoded_equals_decoded(types: tuple[str, str, str]) -> None:
+    from gguf import GGMLQuantizationType as Q
+
+    from runtime.dequant import dequantize
+
+    n_expert, n_ff, n_embd, k = 8, 256, 256, 3
+    qt = [Q[t] for t in types]
+    gate = _encoded_rows(qt[0], n_expert * n_ff, n_embd, 41).reshape(n_expert, n_ff, -1)
+    up = _encoded_rows(qt[1], n_expert * n_ff, n_embd, 42).reshape(n_expert, n_ff, -1)
+    down = _encoded_rows(qt[2], n_expert * n_embd, n_ff, 43).reshape(n_expert, n_embd, -1)
+    x, h, logits = _rand(1, n_embd, seed=44), _rand(1, n_embd, seed=45), _rand(1, n_expert, seed=46)
+    experts = ck.EncodedExperts(gate, qt[0], up, qt[1], down, qt[2])
+    out, ids, w, act = ck.routed_ffn_encoded(x, logits, k, experts, h)
+    dec = [
+        dequantize(torch.from_numpy(a), t, c)
+        for a, t, c in zip((gate, up, down), qt, (n_embd, n_embd, n_ff), strict=True)
+    ]
+    want, want_ids, want_w, want_act = _routed_reference(x, logits, k, torch.cat(dec[:2], dim=1), dec[2], h)
+    assert torch.equal(ids, want_ids)
+    _close(w, want_w)
+    _close(act, want_act)
+    _close(out, want)
+    # a gate|up tensor stored fused: the two halves are strided views of one array
+    fused = np.concatenate([gate, up], axis=1) if qt[0] == qt[1] else None
+    if fused is not None:
+        halves = ck.EncodedExperts(fused[:, :n_ff], qt[0], fused[:, n_ff:], qt[1], down, qt[2])
+        assert torch.equal(ck.routed_ffn_encoded(x, logits, k, halves, h)[0], out)

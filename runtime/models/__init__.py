@@ -61,6 +61,6 @@ def prepare_decode(model: MoeCausalLM, log: Callable[[str], None] | None = None)
 
     if not cpu_kernels.cached_on_disk():
         (log or (lambda s: sys.stderr.write(s + "\n")))(
-            "compiling the CPU decode kernels (first run after an install, ~25 s; cached on disk)"
+            "compiling the CPU decode kernels (first run after an install, ~30 s; cached on disk)"
         )
     cpu_kernels.warm_up()

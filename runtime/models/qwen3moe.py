@@ -346,6 +346,10 @@ class RoutedExperts:
             self.down_t = [w.T for w in self.down.decoded().unbind(0)]
             if weights.cpu_kernels:
                 self.kernel_rows = (self.fused.contiguous().numpy(), self.down.decoded().contiguous().numpy())
+        # experts decoded per use: the compiled path reads their encoded rows (for the types it decodes)
+        self.encoded = None
+        if weights.cpu_kernels and self.kernel_rows is None and self.round_in is None:
+            self.encoded = encoded_experts(self.gate_up, self.gate, self.up, self.down)
 
     def set_mask(self, pruned: torch.Tensor | None) -> None:
         """pruned: (n_expert,) bool, True = never route to this expert; None removes the mask.
@@ -425,12 +429,15 @@ class RoutedExperts:
 
     def _compiled(self) -> bool:
         """The compiled one-token path serves this layer (resident experts; no observer of expert outputs)."""
-        return self.kernel_rows is not None and not (
+        return (self.kernel_rows is not None or self.encoded is not None) and not (
             self.observers and expert_output_observers(self.observers)
         )
 
     def _compiled_step(self, x: torch.Tensor, logits: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        out, ids, w, act = cpu_kernels.routed_ffn(x, logits, self.n_used, *self.kernel_rows, h)  # type: ignore[misc]
+        if self.encoded is not None:
+            out, ids, w, act = cpu_kernels.routed_ffn_encoded(x, logits, self.n_used, self.encoded, h)
+        else:
+            out, ids, w, act = cpu_kernels.routed_ffn(x, logits, self.n_used, *self.kernel_rows, h)  # type: ignore[misc]
         if self.observers:
             notify_routing(self.observers, self.layer, ids[None], w[None], logits)
             self._report(x.expand(len(ids), -1), act, ids)
@@ -499,6 +506,25 @@ class RoutedExperts:
             notify_expert_output(watch, self.layer, sorted_ids, ys, w[order])
         ys *= w[order, None]
         return torch.zeros_like(x).index_add_(0, token, ys)
+
+
+def encoded_experts(
+    gate_up: ExpertTensor | None, gate: ExpertTensor | None, up: ExpertTensor | None, down: ExpertTensor
+) -> cpu_kernels.EncodedExperts | None:
+    """A layer's per-use routed experts as the compiled path's encoded rows; None when one of them is held
+    otherwise (decoded, streamed by an expert cache) or of a type the kernels do not decode."""
+    from runtime.cpu_rows import ROW_TYPES
+
+    parts = [p for p in (gate_up, gate, up, down) if p is not None]
+    if any(p.resident or p.raw.numel() == 0 or p.qtype not in ROW_TYPES for p in parts):
+        return None
+    if gate_up is not None:
+        raw, n_ff = gate_up.raw.numpy(), gate_up.rows // 2
+        g, gt, u, ut = raw[:, :n_ff], gate_up.qtype, raw[:, n_ff:], gate_up.qtype
+    else:
+        assert gate is not None and up is not None
+        g, gt, u, ut = gate.raw.numpy(), gate.qtype, up.raw.numpy(), up.qtype
+    return cpu_kernels.EncodedExperts(g, gt, u, ut, down.raw.numpy(), down.qtype)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,112 @@
+"""Compiled (numba) decoders of one encoded row to float32, for the CPU decode path's routed experts that
+stay encoded (decoded per use): the row is decoded into a small buffer and consumed at once, never
+stored whole as float32.
+
+The float operations are ggml's ``dequantize_row_*`` (and ``gguf.quants``) in the same order, without
+fastmath, so a decoded row equals ``runtime.dequant.dequantize``'s bit for bit (tests).
+
+Caveat when editing: numba's disk cache of the kernels in ``runtime.cpu_kernels`` that call
+``decode_row`` is invalidated by changes to that file only; after editing this one, delete
+``runtime/__pycache__/*.nbi``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from numba import njit
+
+from forge.quant.kernels._core import bits_f32, fp16_to_f32
+
+#: types whose rows ``decode_row`` decodes (the float types and those of the common K-quant mixes)
+ROW_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+_F32, _F16, _BF16, _Q8_0, _Q4_K, _Q5_K, _Q6_K = (
+    int(t) for t in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+)
+_JIT = {"cache": True, "nogil": True, "error_model": "numpy"}
+F32 = np.float32
+
+
+@njit(inline="always", **_JIT)
+def _u16(b: np.ndarray, i: int) -> int:
+    return np.int64(b[i]) | (np.int64(b[i + 1]) << 8)
+
+
+@njit(inline="always", **_JIT)
+def _bits(u: int) -> float:
+    """The float32 with bit pattern ``u`` (0 <= u < 2**32)."""
+    return bits_f32(np.int32(u - (np.int64(1) << 32) if u >= 0x80000000 else u))
+
+
+@njit(inline="always", **_JIT)
+def _scale_min_k4(j: int, s: np.ndarray, base: int) -> tuple[int, int]:
+    """ggml's get_scale_min_k4 over the 12 scale bytes at b[base:]."""
+    if j < 4:
+        return np.int64(s[base + j]) & 63, np.int64(s[base + j + 4]) & 63
+    sc = (np.int64(s[base + j + 4]) & 0xF) | ((np.int64(s[base + j - 4]) >> 6) << 4)
+    m = (np.int64(s[base + j + 4]) >> 4) | ((np.int64(s[base + j]) >> 6) << 4)
+    return sc, m
+
+
+@njit(**_JIT)
+def decode_row(b: np.ndarray, qtype: int, out: np.ndarray) -> None:  # noqa: C901, PLR0912
+    """Decode the encoded row ``b`` (uint8) of ``qtype`` (a ROW_TYPES value) into ``out`` (float32)."""
+    n = out.shape[0]
+    if qtype == _F32:
+        for j in range(n):
+            out[j] = _bits(_u16(b, 4 * j) | (_u16(b, 4 * j + 2) << 16))
+    elif qtype == _F16:
+        for j in range(n):
+            out[j] = fp16_to_f32(_u16(b, 2 * j))
+    elif qtype == _BF16:
+        for j in range(n):
+            out[j] = _bits(_u16(b, 2 * j) << 16)
+    elif qtype == _Q8_0:
+        for blk in range(n // 32):
+            o = 34 * blk
+            d = fp16_to_f32(_u16(b, o))
+            for j in range(32):
+                q = np.int64(b[o + 2 + j])
+                out[32 * blk + j] = F32(q - 256 if q > 127 else q) * d
+    elif qtype == _Q4_K:
+        for blk in range(n // 256):
+            o, y = 144 * blk, 256 * blk
+            d, dmin = fp16_to_f32(_u16(b, o)), fp16_to_f32(_u16(b, o + 2))
+            for j in range(4):
+                sc, m = _scale_min_k4(2 * j, b, o + 4)
+                d1, m1 = d * F32(sc), dmin * F32(m)
+                sc, m = _scale_min_k4(2 * j + 1, b, o + 4)
+                d2, m2 = d * F32(sc), dmin * F32(m)
+                for lane in range(32):
+                    q = np.int64(b[o + 16 + 32 * j + lane])
+                    out[y + 64 * j + lane] = d1 * F32(q & 0xF) - m1
+                    out[y + 64 * j + 32 + lane] = d2 * F32(q >> 4) - m2
+    elif qtype == _Q5_K:
+        for blk in range(n // 256):
+            o, y = 176 * blk, 256 * blk
+            d, dmin = fp16_to_f32(_u16(b, o)), fp16_to_f32(_u16(b, o + 2))
+            for j in range(4):
+                sc, m = _scale_min_k4(2 * j, b, o + 4)
+                d1, m1 = d * F32(sc), dmin * F32(m)
+                sc, m = _scale_min_k4(2 * j + 1, b, o + 4)
+                d2, m2 = d * F32(sc), dmin * F32(m)
+                for lane in range(32):
+                    q = np.int64(b[o + 48 + 32 * j + lane])
+                    hi = np.int64(b[o + 16 + lane]) >> (2 * j)
+                    out[y + 64 * j + lane] = d1 * F32((q & 0xF) + ((hi & 1) << 4)) - m1
+                    out[y + 64 * j + 32 + lane] = d2 * F32((q >> 4) + ((hi & 2) << 3)) - m2
+    elif qtype == _Q6_K:
+        for blk in range(n // 256):
+            o, y = 210 * blk, 256 * blk
+            d = fp16_to_f32(_u16(b, o + 208))
+            for half in range(2):
+                ql, qh, sc, yh = o + 64 * half, o + 128 + 32 * half, o + 192 + 8 * half, y + 128 * half
+                for lane in range(32):
+                    i = lane // 16
+                    a, c, h = np.int64(b[ql + lane]), np.int64(b[ql + lane + 32]), np.int64(b[qh + lane])
+                    for part, q in enumerate(
+                        ((a & 0xF) | ((h & 3) << 4), (c & 0xF) | (((h >> 2) & 3) << 4),
+                         (a >> 4) | (((h >> 4) & 3) << 4), (c >> 4) | (((h >> 6) & 3) << 4))
+                    ):  # fmt: skip
+                        s = np.int64(b[sc + i + 2 * part])
+                        out[yh + 32 * part + lane] = d * F32(s - 256 if s > 127 else s) * F32(q - 32)
