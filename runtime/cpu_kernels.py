@@ -110,16 +110,18 @@ def _routed_ffn_encoded(
     down: np.ndarray,
     down_type: int,
     h: np.ndarray,
+    route: bool,
     ids: np.ndarray,
     weights: np.ndarray,
     act: np.ndarray,
     out: np.ndarray,
 ) -> None:
-    """``_routed_ffn`` over encoded experts: gate/up (n_expert, n_ff, row bytes), down (n_expert, n_embd,
+    """``_routed_ffn`` over encoded experts (``route`` False: ids/weights are given, logits unused): gate/up (n_expert, n_ff, row bytes), down (n_expert, n_embd,
     row bytes) uint8, each row decoded (``decode_row``) into a small buffer just before its dot product.
     Compiled by ``_encoded_kernel`` for strided expert arrays only (one machine-code copy for all layouts)."""
     k, n_ff = act.shape
-    _top_k_softmax(logits, ids, weights)
+    if route:
+        _top_k_softmax(logits, ids, weights)
     for r in prange(k * n_ff):
         i = r // n_ff
         f = r - i * n_ff
@@ -383,28 +385,42 @@ def _encoded_kernel():  # noqa: ANN202
         types.Array(types.int64, 1, "C"),
         types.Array(types.uint8, 3, "A"),
     )
-    sig = (f32, f32, rows, types.int64, rows, types.int64, rows, types.int64, f32, i64, f32,
+    sig = (f32, f32, rows, types.int64, rows, types.int64, rows, types.int64, f32, types.boolean, i64, f32,
            types.Array(types.float32, 2, "C"), f32)  # fmt: skip
     return njit(sig, **_ENCODED_FLAGS)(_routed_ffn_encoded)
 
 
 def routed_ffn_encoded(
-    x: torch.Tensor, logits: torch.Tensor, k: int, experts: EncodedExperts, h: torch.Tensor
+    x: torch.Tensor,
+    logits: torch.Tensor | None,
+    k: int,
+    experts: EncodedExperts,
+    h: torch.Tensor,
+    routes: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``routed_ffn`` with the experts kept encoded (see ``EncodedExperts``); same returns."""
-    ids, weights = torch.empty(k, dtype=torch.int64), torch.empty(k)
+    """``routed_ffn`` with the experts kept encoded (see ``EncodedExperts``); same returns. ``routes``:
+    given (ids, weights) instead of the top-k of ``logits`` (ids index ``experts``' first axis)."""
+    ids, weights = (torch.empty(k, dtype=torch.int64), torch.empty(k)) if routes is None else routes
     act, out = torch.empty(k, experts.n_ff), torch.empty(1, h.shape[-1])
     _encoded_kernel()(
         _vec(x),
-        _vec(logits),
+        _vec(logits) if logits is not None else np.empty(0, np.float32),
         *experts.arrays,
         _vec(h),
+        routes is None,
         ids.numpy(),
         weights.numpy(),
         act.numpy(),
         out.numpy()[0],
     )
     return out, ids, weights, act
+
+
+def top_k_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing the kernels compute: top-k ids of logits (1, n_expert) and the softmax of those logits."""
+    ids, weights = torch.empty(k, dtype=torch.int64), torch.empty(k)
+    _top_k_softmax(_vec(logits), ids.numpy(), weights.numpy())
+    return ids, weights
 
 
 def routed_ffn(
@@ -499,6 +515,7 @@ def cached_on_disk() -> bool:
         _gemv_parallel,
         _norm_gemv,
         _routed_ffn,
+        _top_k_softmax,
         njit(**_ENCODED_FLAGS)(_routed_ffn_encoded),  # _encoded_kernel's cache entry, not compiled here
         _attention_step,
         _deltanet_step,
@@ -532,5 +549,6 @@ def warm_up() -> None:
         np.ones((64, 16), np.float32),
     )  # fmt: skip
     shared_ffn(one, np.ones((65, 64), np.float32), np.ones((64, 32), np.float32), one)
+    top_k_softmax(torch.ones(1, 4), 2)
     experts = np.zeros((4, 64, 256), np.uint8)  # float32 rows (type 0) of 64 values
     routed_ffn_encoded(one, torch.ones(1, 4), 2, EncodedExperts(experts, 0, experts, 0, experts, 0), one)

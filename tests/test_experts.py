@@ -132,6 +132,23 @@ def test_llamacpp_streaming_equals_resident(model: str, name: str, tmp_path: Pat
         assert torch.equal(_logits(path, stream_experts=_floor(path)), resident), path.name
 
 
+def test_cpu_decode_kernels_read_per_use_and_streamed_experts_encoded(
+    forge_q8: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    native = _expert_major(forge_q8, tmp_path, "v2")
+    for path in (forge_q8, native):
+        per_use = load_model(path, expert_budget=0, verify_experts=False)
+        streamed = load_model(path, stream_experts=_floor(path), verify_experts=False)
+        for a, b in zip(per_use.blocks, streamed.blocks, strict=True):  # type: ignore[attr-defined]
+            assert a.moe.encoded is not None and a.moe.streamed is None
+            assert b.moe.streamed is not None and b.moe.encoded is None
+    monkeypatch.setenv("FORGE_NO_NUMBA", "1")  # the torch path (CUDA, MPS) gives the same logits within 1e-4
+    plain = _logits(forge_q8, stream_experts=_floor(forge_q8))
+    monkeypatch.delenv("FORGE_NO_NUMBA")
+    compiled = _logits(forge_q8, stream_experts=_floor(forge_q8))
+    assert (compiled - plain).abs().max() <= 1e-4 * plain.abs().max()
+
+
 def test_cache_below_floor_is_refused(forge_q8: Path) -> None:
     floor = _floor(forge_q8)
     with pytest.raises(ForgeError, match=f"below the floor of {floor}"):

@@ -350,6 +350,10 @@ class RoutedExperts:
         self.encoded = None
         if weights.cpu_kernels and self.kernel_rows is None and self.round_in is None:
             self.encoded = encoded_experts(self.gate_up, self.gate, self.up, self.down)
+        # experts streamed by an expert cache: the compiled path reads the records it serves
+        self.streamed = (
+            streamed_layer(weights, layer) if weights.cpu_kernels and self.round_in is None else None
+        )
 
     def set_mask(self, pruned: torch.Tensor | None) -> None:
         """pruned: (n_expert,) bool, True = never route to this expert; None removes the mask.
@@ -417,37 +421,41 @@ class RoutedExperts:
     def normed_step(self, h: torch.Tensor, norm: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
         """One token: h (1, n_embd) the residual stream -> h + the routed experts' output on rms_norm(h) * norm;
         eps: a (1, 1) tensor."""
-        if not self._compiled():
-            return self.step(rms_norm_row(h, norm, eps), h)
         router = self.router if self.kept_router is None else self.kept_router
+        if router.rows is None:
+            return self.step(rms_norm_row(h, norm, eps), h)
         x, logits = cpu_kernels.norm_gemv(h, norm.numpy(), float(eps), router.rows)  # type: ignore[arg-type]
         if self.observers:
             notify_matmul(self.observers, self.router.name, x)
         if self.kept_router is not None:
             logits = self._scatter(logits)
-        return self._compiled_step(x, logits, h)
-
-    def _compiled(self) -> bool:
-        """The compiled one-token path serves this layer (resident experts; no observer of expert outputs)."""
-        return (self.kernel_rows is not None or self.encoded is not None) and not (
-            self.observers and expert_output_observers(self.observers)
-        )
-
-    def _compiled_step(self, x: torch.Tensor, logits: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        if self.encoded is not None:
-            out, ids, w, act = cpu_kernels.routed_ffn_encoded(x, logits, self.n_used, self.encoded, h)
-        else:
-            out, ids, w, act = cpu_kernels.routed_ffn(x, logits, self.n_used, *self.kernel_rows, h)  # type: ignore[misc]
-        if self.observers:
-            notify_routing(self.observers, self.layer, ids[None], w[None], logits)
-            self._report(x.expand(len(ids), -1), act, ids)
-        return out
+        return self._experts_step(x, logits, h)
 
     def step(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """One token: x (1, n_embd) the normed input, h the residual -> h + the routed experts' output."""
         logits = self.router.step(x) if self.kept_router is None else self._scatter(self.kept_router.step(x))
-        if self._compiled():
-            return self._compiled_step(x, logits, h)
+        return self._experts_step(x, logits, h)
+
+    def _experts_step(self, x: torch.Tensor, logits: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """h + the routed experts' output for one token given its router logits (1, n_expert).
+
+        The compiled path serves resident, per-use and streamed experts alike (same routing, same sums:
+        the three give identical logits) unless an observer wants each expert's output."""
+        compiled = not (self.observers and expert_output_observers(self.observers))
+        if compiled and (self.kernel_rows is not None or self.encoded is not None):
+            if self.encoded is not None:
+                out, ids, w, act = cpu_kernels.routed_ffn_encoded(x, logits, self.n_used, self.encoded, h)
+            else:
+                out, ids, w, act = cpu_kernels.routed_ffn(x, logits, self.n_used, *self.kernel_rows, h)  # type: ignore[misc]
+            if self.observers:
+                notify_routing(self.observers, self.layer, ids[None], w[None], logits)
+                self._report(x.expand(len(ids), -1), act, ids)
+            return out
+        if compiled and self.streamed is not None:
+            ids, w = cpu_kernels.top_k_softmax(logits, self.n_used)
+            if self.observers:
+                notify_routing(self.observers, self.layer, ids[None], w[None], logits)
+            return self._streamed_step(x, ids, w, h)
         top_logits, top_ids = torch.topk(logits, self.n_used, dim=-1)
         top_w = torch.softmax(top_logits, dim=-1)
         if self.observers:
@@ -459,6 +467,27 @@ class RoutedExperts:
             gu = torch.mm(x, self.gate_up_t[e])
             act = F.silu(gu[:, :n_ff]).mul_(gu[:, n_ff:])
             out = torch.addmm(out, act, self.down_t[e], alpha=w)
+        return out
+
+    def _streamed_step(
+        self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, h: torch.Tensor
+    ) -> torch.Tensor:
+        """h + experts ``ids`` (weights ``w``) computed on the encoded records the expert cache serves."""
+        cache, lay = self.streamed  # type: ignore[misc]
+        k = len(ids)
+        records = cache.rows(self.layer, ids.tolist()).numpy()  # (k, slot bytes): a copy, slots may be reused
+        cache.stats.peak_decoded = max(cache.stats.peak_decoded, k)
+        part = {
+            c.role: (
+                records[:, c.slot_offset : c.slot_offset + c.expert_bytes].reshape(k, c.rows, -1),
+                c.qtype,
+            )
+            for c in lay.components
+        }
+        experts = cpu_kernels.EncodedExperts(*part["gate"], *part["up"], *part["down"])
+        out, _, _, act = cpu_kernels.routed_ffn_encoded(x, None, k, experts, h, (torch.arange(k), w))
+        if self.observers:
+            self._report(x.expand(k, -1), act, ids)
         return out
 
     def _one_token(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -525,6 +554,21 @@ def encoded_experts(
         assert gate is not None and up is not None
         g, gt, u, ut = gate.raw.numpy(), gate.qtype, up.raw.numpy(), up.qtype
     return cpu_kernels.EncodedExperts(g, gt, u, ut, down.raw.numpy(), down.qtype)
+
+
+def streamed_layer(weights: Weights, layer: int) -> tuple[object, object] | None:
+    """(expert cache, its LayerExperts) when ``layer``'s routed experts are streamed as separate gate, up
+    and down parts of types the compiled path decodes; else None."""
+    from runtime.cpu_rows import ROW_TYPES
+
+    cache = weights.expert_cache
+    lay = None if cache is None else cache.layers.get(layer)
+    if lay is None:
+        return None
+    roles = {c.role: c.qtype for c in lay.components}
+    if sorted(roles) != ["down", "gate", "up"] or any(t not in ROW_TYPES for t in roles.values()):
+        return None
+    return cache, lay
 
 
 @dataclass(frozen=True)
