@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -490,6 +491,23 @@ class ExpertCache:
 
     def release(self) -> None:
         self.pinned[:] = False
+
+    @contextmanager
+    def held(self, layer: int, ids: list[int]) -> Iterator[tuple[np.ndarray, list[int]]]:
+        """The host slab (slots, slot bytes) and the slots holding experts ``ids`` (misses read), pinned
+        for the block: nothing is evicted or prefetched into them until it ends. Host slabs only."""
+        assert self.slab_device is None, "a device slab has no host view"
+        with self._lock:
+            try:
+                slots = self.slots(layer, ids)
+            except BaseException:
+                self.release()
+                raise
+        try:
+            yield self.slab, slots
+        finally:
+            with self._lock:
+                self.release()
 
     def rows(self, layer: int, ids: list[int]) -> torch.Tensor:
         """(len(ids), slot_bytes) uint8 copies of the experts' records, on the cache's device."""

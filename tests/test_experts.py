@@ -183,10 +183,13 @@ def _small_synth(tmp: Path, layers: int = 2, experts: int = 64, used: int = 4) -
     return path
 
 
-def test_device_slab_path_equals_resident(forge_q8: Path) -> None:
-    """The slab as a torch tensor filled through a staging row (what --device cuda uses), run on the CPU."""
+def test_device_slab_path_equals_resident(forge_q8: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slab as a torch tensor filled through a staging row (what --device cuda uses), run on the CPU
+    with torch ops as on CUDA (no compiled CPU kernels)."""
     from runtime.models import build_model
     from runtime.weights import load_weights
+
+    monkeypatch.setenv("FORGE_NO_NUMBA", "1")
 
     w = load_weights(forge_q8)
     assert isinstance(w, GGUFWeights)

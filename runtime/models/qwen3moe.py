@@ -475,17 +475,17 @@ class RoutedExperts:
         """h + experts ``ids`` (weights ``w``) computed on the encoded records the expert cache serves."""
         cache, lay = self.streamed  # type: ignore[misc]
         k = len(ids)
-        records = cache.rows(self.layer, ids.tolist()).numpy()  # (k, slot bytes): a copy, slots may be reused
         cache.stats.peak_decoded = max(cache.stats.peak_decoded, k)
-        part = {
-            c.role: (
-                records[:, c.slot_offset : c.slot_offset + c.expert_bytes].reshape(k, c.rows, -1),
-                c.qtype,
-            )
-            for c in lay.components
-        }
-        experts = cpu_kernels.EncodedExperts(*part["gate"], *part["up"], *part["down"])
-        out, _, _, act = cpu_kernels.routed_ffn_encoded(x, None, k, experts, h, (torch.arange(k), w))
+        with cache.held(self.layer, ids.tolist()) as (slab, slots):  # computed in place, no copy
+            part = {
+                c.role: (
+                    slab[:, c.slot_offset : c.slot_offset + c.expert_bytes].reshape(len(slab), c.rows, -1),
+                    c.qtype,
+                )
+                for c in lay.components
+            }
+            experts = cpu_kernels.EncodedExperts(*part["gate"], *part["up"], *part["down"])
+            out, _, _, act = cpu_kernels.routed_ffn_encoded(x, None, k, experts, h, (torch.tensor(slots), w))
         if self.observers:
             self._report(x.expand(k, -1), act, ids)
         return out
@@ -562,7 +562,7 @@ def streamed_layer(weights: Weights, layer: int) -> tuple[object, object] | None
     from runtime.cpu_rows import ROW_TYPES
 
     cache = weights.expert_cache
-    lay = None if cache is None else cache.layers.get(layer)
+    lay = None if cache is None or cache.slab_device is not None else cache.layers.get(layer)
     if lay is None:
         return None
     roles = {c.role: c.qtype for c in lay.components}
