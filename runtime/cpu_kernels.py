@@ -12,15 +12,14 @@ Used when the device is the CPU and numba is enabled (``FORGE_NO_NUMBA`` unset),
 from __future__ import annotations
 
 import os
-from functools import cache
 
 import numpy as np
 import torch
 from numba import config as numba_config
-from numba import get_num_threads, njit, prange, set_num_threads, types
+from numba import get_num_threads, njit, prange, set_num_threads
 
 from forge.quant.kernels import enabled as numba_enabled
-from runtime.cpu_rows import decode_row
+from runtime.cpu_rows import dot_row, group_sums
 
 _FASTMATH = {"reassoc", "contract"}  # vectorized sums and FMA; no assumptions about NaN or infinity
 # weights (elements) from which a product is split across threads: below it, waking them costs more
@@ -100,15 +99,20 @@ def _top_k_softmax(logits: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> 
         weights[i] /= total
 
 
+@njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
+def _encoded_row(buf: np.ndarray, meta: np.ndarray, part: int, expert: int, row: int) -> np.ndarray:
+    start = meta[part, 0] + expert * meta[part, 1] + row * meta[part, 2]
+    return buf[start : start + meta[part, 3]]
+
+
+@njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
 def _routed_ffn_encoded(
     x: np.ndarray,
     logits: np.ndarray,
     gate: np.ndarray,
-    gate_type: int,
     up: np.ndarray,
-    up_type: int,
     down: np.ndarray,
-    down_type: int,
+    meta: np.ndarray,
     h: np.ndarray,
     route: bool,
     ids: np.ndarray,
@@ -116,27 +120,33 @@ def _routed_ffn_encoded(
     act: np.ndarray,
     out: np.ndarray,
 ) -> None:
-    """``_routed_ffn`` over encoded experts (``route`` False: ids/weights are given, logits unused): gate/up (n_expert, n_ff, row bytes), down (n_expert, n_embd,
-    row bytes) uint8, each row decoded (``decode_row``) into a small buffer just before its dot product.
-    Compiled by ``_encoded_kernel`` for strided expert arrays only (one machine-code copy for all layouts)."""
+    """``_routed_ffn`` over encoded experts (``route`` False: ids/weights are given, logits unused).
+
+    gate, up, down: flat uint8 buffers; meta (3, 5): per part the offset, expert stride, row stride, row bytes
+    and type of its rows (see ``EncodedExperts``). Each row's dot product is taken from its bytes (``dot_row``).
+    """
     k, n_ff = act.shape
     if route:
         _top_k_softmax(logits, ids, weights)
+    x_sums = np.empty(x.shape[0] // 32, np.float32)
+    group_sums(x, x_sums)
     for r in prange(k * n_ff):
         i = r // n_ff
         f = r - i * n_ff
         e = ids[i]
         row = np.empty(x.shape[0], np.float32)
-        decode_row(gate[e, f], gate_type, row)
-        g = _dot(row, x)
-        decode_row(up[e, f], up_type, row)
-        act[i, f] = _silu(g) * _dot(row, x)
+        g = dot_row(_encoded_row(gate, meta, 0, e, f), meta[0, 4], x, x_sums, row)
+        act[i, f] = _silu(g) * dot_row(_encoded_row(up, meta, 1, e, f), meta[1, 4], x, x_sums, row)
+    act_sums = np.empty((k, n_ff // 32), np.float32)
+    for i in range(k):
+        group_sums(act[i], act_sums[i])
     for d in prange(out.shape[0]):
         row = np.empty(n_ff, np.float32)
         s = np.float32(0)
         for i in range(k):
-            decode_row(down[ids[i], d], down_type, row)
-            s += weights[i] * _dot(row, act[i])
+            s += weights[i] * dot_row(
+                _encoded_row(down, meta, 2, ids[i], d), meta[2, 4], act[i], act_sums[i], row
+            )
         out[d] = h[d] + s
 
 
@@ -343,13 +353,32 @@ def _shared_ffn(
 
 
 class EncodedExperts:
-    """A layer's routed experts as encoded rows (numpy uint8 views of the file's bytes) and their types."""
+    """A layer's routed experts as encoded rows: per part (gate, up, down) a flat uint8 buffer over its bytes
+    and where expert e's row r starts in it (offset + e * expert stride + r * row stride); no bytes are copied.
+
+    Each part is given as an (n_expert, rows, row bytes) array whose rows are contiguous (a tensor's bytes, a
+    strided view of an expert-major store or of an expert cache's slab).
+    """
 
     def __init__(
         self, gate: np.ndarray, gate_type: int, up: np.ndarray, up_type: int, down: np.ndarray, down_type: int
     ) -> None:
-        self.arrays = (gate, int(gate_type), up, int(up_type), down, int(down_type))
+        parts = ((gate, gate_type), (up, up_type), (down, down_type))
+        self.buffers = tuple(_flat_bytes(a) for a, _ in parts)
+        self.meta = np.array(
+            [[0, a.strides[0], a.strides[1], a.shape[2], int(t)] for a, t in parts], np.int64
+        )
         self.n_ff = gate.shape[1]
+
+
+def _flat_bytes(a: np.ndarray) -> np.ndarray:
+    """A 1-D view from a's first byte to its last (a: 3-D uint8, non-negative strides, contiguous rows)."""
+    if a.dtype != np.uint8 or a.ndim != 3 or a.strides[2] != 1 or min(a.strides) < 0:
+        raise ValueError(
+            f"encoded experts need (experts, rows, row bytes) uint8 rows, got {a.dtype} {a.strides}"
+        )
+    span = (a.shape[0] - 1) * a.strides[0] + (a.shape[1] - 1) * a.strides[1] + a.shape[2]
+    return np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(1,))
 
 
 def _vec(t: torch.Tensor) -> np.ndarray:
@@ -375,21 +404,6 @@ def norm_gemv(
     return xn, out
 
 
-_ENCODED_FLAGS = {"fastmath": _FASTMATH, "nogil": True, "cache": True, "parallel": True}
-
-
-@cache
-def _encoded_kernel():  # noqa: ANN202
-    f32, i64, rows = (
-        types.Array(types.float32, 1, "C"),
-        types.Array(types.int64, 1, "C"),
-        types.Array(types.uint8, 3, "A"),
-    )
-    sig = (f32, f32, rows, types.int64, rows, types.int64, rows, types.int64, f32, types.boolean, i64, f32,
-           types.Array(types.float32, 2, "C"), f32)  # fmt: skip
-    return njit(sig, **_ENCODED_FLAGS)(_routed_ffn_encoded)
-
-
 def routed_ffn_encoded(
     x: torch.Tensor,
     logits: torch.Tensor | None,
@@ -402,10 +416,11 @@ def routed_ffn_encoded(
     given (ids, weights) instead of the top-k of ``logits`` (ids index ``experts``' first axis)."""
     ids, weights = (torch.empty(k, dtype=torch.int64), torch.empty(k)) if routes is None else routes
     act, out = torch.empty(k, experts.n_ff), torch.empty(1, h.shape[-1])
-    _encoded_kernel()(
+    _routed_ffn_encoded(
         _vec(x),
         _vec(logits) if logits is not None else np.empty(0, np.float32),
-        *experts.arrays,
+        *experts.buffers,
+        experts.meta,
         _vec(h),
         routes is None,
         ids.numpy(),
@@ -516,7 +531,7 @@ def cached_on_disk() -> bool:
         _norm_gemv,
         _routed_ffn,
         _top_k_softmax,
-        njit(**_ENCODED_FLAGS)(_routed_ffn_encoded),  # _encoded_kernel's cache entry, not compiled here
+        _routed_ffn_encoded,
         _attention_step,
         _deltanet_step,
         _shared_ffn,

@@ -110,3 +110,112 @@ def decode_row(b: np.ndarray, qtype: int, out: np.ndarray) -> None:  # noqa: C90
                     ):  # fmt: skip
                         s = np.int64(b[sc + i + 2 * part])
                         out[yh + 32 * part + lane] = d * F32(s - 256 if s > 127 else s) * F32(q - 32)
+
+
+# dot products straight from encoded rows --------------------------------------------------------------------
+# sum_j x_j * (d * sc * q_j - dmin * m) = d * sc * sum_j q_j x_j - dmin * m * sum_j x_j: the inner loops are integer
+# quants times x, which the compiler vectorizes; the per-32 sums of x (``xsum``) are computed once per input.
+_FAST = {"fastmath": {"reassoc", "contract"}, "nogil": True, "cache": True, "error_model": "numpy"}
+
+
+@njit(**_FAST)
+def group_sums(x: np.ndarray, out: np.ndarray) -> None:
+    """out[g] = sum of x[32 g : 32 g + 32]."""
+    for g in range(out.shape[0]):
+        s = F32(0)
+        for j in range(32):
+            s += x[32 * g + j]
+        out[g] = s
+
+
+@njit(**_FAST)
+def _dot_q8_0(b: np.ndarray, x: np.ndarray) -> float:
+    acc = F32(0)
+    for blk in range(x.shape[0] // 32):
+        o = 34 * blk
+        s = F32(0)
+        for j in range(32):
+            q = np.int32(b[o + 2 + j])
+            s += F32(q - ((q >> 7) << 8)) * x[32 * blk + j]
+        acc += fp16_to_f32(_u16(b, o)) * s
+    return acc
+
+
+@njit(**_FAST)
+def _dot_q4_k(b: np.ndarray, x: np.ndarray, xsum: np.ndarray) -> float:
+    acc = F32(0)
+    for blk in range(x.shape[0] // 256):
+        o, y = 144 * blk, 256 * blk
+        d, dmin = fp16_to_f32(_u16(b, o)), fp16_to_f32(_u16(b, o + 2))
+        for j in range(4):
+            s0 = F32(0)
+            s1 = F32(0)
+            for lane in range(32):
+                q = np.int32(b[o + 16 + 32 * j + lane])
+                s0 += F32(q & 0xF) * x[y + 64 * j + lane]
+                s1 += F32(q >> 4) * x[y + 64 * j + 32 + lane]
+            sc, m = _scale_min_k4(2 * j, b, o + 4)
+            acc += d * F32(sc) * s0 - dmin * F32(m) * xsum[(y + 64 * j) // 32]
+            sc, m = _scale_min_k4(2 * j + 1, b, o + 4)
+            acc += d * F32(sc) * s1 - dmin * F32(m) * xsum[(y + 64 * j + 32) // 32]
+    return acc
+
+
+@njit(**_FAST)
+def _dot_q5_k(b: np.ndarray, x: np.ndarray, xsum: np.ndarray) -> float:
+    acc = F32(0)
+    for blk in range(x.shape[0] // 256):
+        o, y = 176 * blk, 256 * blk
+        d, dmin = fp16_to_f32(_u16(b, o)), fp16_to_f32(_u16(b, o + 2))
+        for j in range(4):
+            s0 = F32(0)
+            s1 = F32(0)
+            for lane in range(32):
+                q = np.int32(b[o + 48 + 32 * j + lane])
+                hi = np.int32(b[o + 16 + lane]) >> (2 * j)
+                s0 += F32((q & 0xF) | ((hi & 1) << 4)) * x[y + 64 * j + lane]
+                s1 += F32((q >> 4) | ((hi & 2) << 3)) * x[y + 64 * j + 32 + lane]
+            sc, m = _scale_min_k4(2 * j, b, o + 4)
+            acc += d * F32(sc) * s0 - dmin * F32(m) * xsum[(y + 64 * j) // 32]
+            sc, m = _scale_min_k4(2 * j + 1, b, o + 4)
+            acc += d * F32(sc) * s1 - dmin * F32(m) * xsum[(y + 64 * j + 32) // 32]
+    return acc
+
+
+@njit(**_FAST)
+def _dot_q6_k(b: np.ndarray, x: np.ndarray) -> float:
+    acc = F32(0)
+    for blk in range(x.shape[0] // 256):
+        o, y = 210 * blk, 256 * blk
+        d = fp16_to_f32(_u16(b, o + 208))
+        for half in range(2):
+            ql, qh, sc, yh = o + 64 * half, o + 128 + 32 * half, o + 192 + 8 * half, y + 128 * half
+            for part in range(4):
+                for g in range(2):  # 16 values per scale
+                    s = F32(0)
+                    for lane in range(16 * g, 16 * g + 16):
+                        a = np.int32(b[ql + lane + 32 * (part & 1)])
+                        nib = (a >> 4) if part >= 2 else (a & 0xF)
+                        q = nib | (((np.int32(b[qh + lane]) >> (2 * part)) & 3) << 4)
+                        s += F32(q - 32) * x[yh + 32 * part + lane]
+                    c = np.int32(b[sc + g + 2 * part])
+                    acc += d * F32(c - ((c >> 7) << 8)) * s
+    return acc
+
+
+@njit(**_FAST)
+def dot_row(b: np.ndarray, qtype: int, x: np.ndarray, xsum: np.ndarray, buf: np.ndarray) -> float:
+    """sum_j row_j * x_j for the encoded row ``b`` of ``qtype``; xsum: ``group_sums(x)``; buf: scratch of len(x)."""
+    if qtype == _Q4_K:
+        return _dot_q4_k(b, x, xsum)
+    if qtype == _Q6_K:
+        return _dot_q6_k(b, x)
+    if qtype == _Q5_K:
+        return _dot_q5_k(b, x, xsum)
+    if qtype == _Q8_0:
+        return _dot_q8_0(b, x)
+    decode_row(b, qtype, buf)
+    s = F32(0)
+    for j in range(x.shape[0]):
+        s += buf[j] * x[j]
+    return s
