@@ -142,39 +142,25 @@ def _dot_q8_0(b: np.ndarray, x: np.ndarray) -> float:
 
 
 @njit(**_FAST)
-def _dot_q4_k(b: np.ndarray, x: np.ndarray, xsum: np.ndarray) -> float:
+def _dot_k4(
+    b: np.ndarray, x: np.ndarray, xsum: np.ndarray, block_bytes: int, qs_at: int, qh_at: int
+) -> float:
+    """Q4_K (qh_at < 0) and Q5_K rows: fp16 d, dmin, 12 scale bytes, then [32 high-bit bytes at qh_at], nibbles."""
     acc = F32(0)
     for blk in range(x.shape[0] // 256):
-        o, y = 144 * blk, 256 * blk
+        o, y = block_bytes * blk, 256 * blk
         d, dmin = fp16_to_f32(_u16(b, o)), fp16_to_f32(_u16(b, o + 2))
         for j in range(4):
             s0 = F32(0)
             s1 = F32(0)
             for lane in range(32):
-                q = np.int32(b[o + 16 + 32 * j + lane])
-                s0 += F32(q & 0xF) * x[y + 64 * j + lane]
-                s1 += F32(q >> 4) * x[y + 64 * j + 32 + lane]
-            sc, m = _scale_min_k4(2 * j, b, o + 4)
-            acc += d * F32(sc) * s0 - dmin * F32(m) * xsum[(y + 64 * j) // 32]
-            sc, m = _scale_min_k4(2 * j + 1, b, o + 4)
-            acc += d * F32(sc) * s1 - dmin * F32(m) * xsum[(y + 64 * j + 32) // 32]
-    return acc
-
-
-@njit(**_FAST)
-def _dot_q5_k(b: np.ndarray, x: np.ndarray, xsum: np.ndarray) -> float:
-    acc = F32(0)
-    for blk in range(x.shape[0] // 256):
-        o, y = 176 * blk, 256 * blk
-        d, dmin = fp16_to_f32(_u16(b, o)), fp16_to_f32(_u16(b, o + 2))
-        for j in range(4):
-            s0 = F32(0)
-            s1 = F32(0)
-            for lane in range(32):
-                q = np.int32(b[o + 48 + 32 * j + lane])
-                hi = np.int32(b[o + 16 + lane]) >> (2 * j)
-                s0 += F32((q & 0xF) | ((hi & 1) << 4)) * x[y + 64 * j + lane]
-                s1 += F32((q >> 4) | ((hi & 2) << 3)) * x[y + 64 * j + 32 + lane]
+                q = np.int32(b[o + qs_at + 32 * j + lane])
+                lo, hi = q & 0xF, q >> 4
+                if qh_at >= 0:
+                    bits = np.int32(b[o + qh_at + lane]) >> (2 * j)
+                    lo, hi = lo | ((bits & 1) << 4), hi | ((bits & 2) << 3)
+                s0 += F32(lo) * x[y + 64 * j + lane]
+                s1 += F32(hi) * x[y + 64 * j + 32 + lane]
             sc, m = _scale_min_k4(2 * j, b, o + 4)
             acc += d * F32(sc) * s0 - dmin * F32(m) * xsum[(y + 64 * j) // 32]
             sc, m = _scale_min_k4(2 * j + 1, b, o + 4)
@@ -207,11 +193,11 @@ def _dot_q6_k(b: np.ndarray, x: np.ndarray) -> float:
 def dot_row(b: np.ndarray, qtype: int, x: np.ndarray, xsum: np.ndarray, buf: np.ndarray) -> float:
     """sum_j row_j * x_j for the encoded row ``b`` of ``qtype``; xsum: ``group_sums(x)``; buf: scratch of len(x)."""
     if qtype == _Q4_K:
-        return _dot_q4_k(b, x, xsum)
+        return _dot_k4(b, x, xsum, 144, 16, -1)
     if qtype == _Q6_K:
         return _dot_q6_k(b, x)
     if qtype == _Q5_K:
-        return _dot_q5_k(b, x, xsum)
+        return _dot_k4(b, x, xsum, 176, 48, 16)
     if qtype == _Q8_0:
         return _dot_q8_0(b, x)
     decode_row(b, qtype, buf)
