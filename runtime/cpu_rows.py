@@ -135,8 +135,7 @@ def _dot_q8_0(b: np.ndarray, x: np.ndarray) -> float:
         o = 34 * blk
         s = F32(0)
         for j in range(32):
-            q = np.int32(b[o + 2 + j])
-            s += F32(q - ((q >> 7) << 8)) * x[32 * blk + j]
+            s += F32(_i8(np.int32(b[o + 2 + j]))) * x[32 * blk + j]
         acc += fp16_to_f32(_u16(b, o)) * s
     return acc
 
@@ -168,6 +167,11 @@ def _dot_k4(
     return acc
 
 
+@njit(inline="always", **_FAST)
+def _i8(v: int) -> int:
+    return v - ((v >> 7) << 8)
+
+
 @njit(**_FAST)
 def _dot_q6_k(b: np.ndarray, x: np.ndarray) -> float:
     acc = F32(0)
@@ -176,16 +180,20 @@ def _dot_q6_k(b: np.ndarray, x: np.ndarray) -> float:
         d = fp16_to_f32(_u16(b, o + 208))
         for half in range(2):
             ql, qh, sc, yh = o + 64 * half, o + 128 + 32 * half, o + 192 + 8 * half, y + 128 * half
-            for part in range(4):
-                for g in range(2):  # 16 values per scale
-                    s = F32(0)
-                    for lane in range(16 * g, 16 * g + 16):
-                        a = np.int32(b[ql + lane + 32 * (part & 1)])
-                        nib = (a >> 4) if part >= 2 else (a & 0xF)
-                        q = nib | (((np.int32(b[qh + lane]) >> (2 * part)) & 3) << 4)
-                        s += F32(q - 32) * x[yh + 32 * part + lane]
-                    c = np.int32(b[sc + g + 2 * part])
-                    acc += d * F32(c - ((c >> 7) << 8)) * s
+            for g in range(2):  # lanes 16 g .. 16 g + 15 of each of the four 32-value parts share a scale
+                s1 = s2 = s3 = s4 = F32(0)
+                for lane in range(16 * g, 16 * g + 16):
+                    a, c, h = np.int32(b[ql + lane]), np.int32(b[ql + lane + 32]), np.int32(b[qh + lane])
+                    s1 += F32(((a & 0xF) | ((h & 3) << 4)) - 32) * x[yh + lane]
+                    s2 += F32(((c & 0xF) | (((h >> 2) & 3) << 4)) - 32) * x[yh + 32 + lane]
+                    s3 += F32(((a >> 4) | (((h >> 4) & 3) << 4)) - 32) * x[yh + 64 + lane]
+                    s4 += F32(((c >> 4) | (((h >> 6) & 3) << 4)) - 32) * x[yh + 96 + lane]
+                acc += d * (
+                    F32(_i8(np.int32(b[sc + g]))) * s1
+                    + F32(_i8(np.int32(b[sc + g + 2]))) * s2
+                    + F32(_i8(np.int32(b[sc + g + 4]))) * s3
+                    + F32(_i8(np.int32(b[sc + g + 6]))) * s4
+                )
     return acc
 
 
