@@ -2,6 +2,7 @@
 the compiled CPU kernels against torch's dequantize-then-matmul path (``FORGE_NO_NUMBA=1``).
 
     python benchmarks/encoded_decode.py [--layers 2] [--experts 64] [--threads 2] [--tokens 32] [--json OUT]
+    python benchmarks/encoded_decode.py --dots      # ns per weight of one dot product from encoded bytes, per type
 
 Synthesizes (once, under the temp folder) a Q4_K file in Qwen3.6-35B-A3B's expert geometry with fewer layers
 and experts and a 4,096-token vocabulary (so that the output matrix does not dominate), then measures one-token decode after 8 warm-up tokens. The expert cache holds every expert, so
@@ -48,6 +49,46 @@ def measure(path: Path, mode: str, threads: int, tokens: int) -> float:
     return tokens / (time.perf_counter() - t)
 
 
+def dot_speeds(n: int = 2048, rows: int = 256, reps: int = 20) -> dict[str, float]:
+    """ns per weight of ``dot_row`` on one core, per type (random rows with small finite scales)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from numba import njit
+
+    from runtime.cpu_rows import dot_row, group_sums
+
+    @njit
+    def run(raw, qtype, x, x_sums, buf, reps):  # noqa: ANN001, ANN202
+        s = np.float32(0)
+        for _ in range(reps):
+            for r in range(raw.shape[0]):
+                s += dot_row(raw[r], qtype, x, x_sums, buf)
+        return s
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(n).astype(np.float32)
+    x_sums, buf = np.empty(n // 32, np.float32), np.empty(n, np.float32)
+    group_sums(x, x_sums)
+    out = {}
+    for name, scale_at in (("Q4_K", (0, 2)), ("Q5_K", (0, 2)), ("Q6_K", (208,)), ("Q8_0", (0,))):
+        qtype = GGMLQuantizationType[name]
+        block, size = GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (rows, n // block, size), dtype=np.uint8)
+        for at in scale_at:
+            raw[..., at : at + 2] = np.full((rows, n // block, 1), 0.001, np.float16).view(np.uint8)
+        raw = raw.reshape(rows, -1)
+        run(raw, int(qtype), x, x_sums, buf, 1)
+        best = min(_timed(run, raw, int(qtype), x, x_sums, buf, reps) for _ in range(3))
+        out[name] = round(best / (reps * rows * n) * 1e9, 3)
+    return out
+
+
+def _timed(fn, *args) -> float:  # noqa: ANN001
+    t = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=2)
@@ -55,10 +96,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--dots", action="store_true", help="only the per-type dot-product speeds")
     ap.add_argument("--one", nargs=2, metavar=("FILE", "MODE"), help=argparse.SUPPRESS)  # a child run
     args = ap.parse_args()
     if args.one:
         print(json.dumps(measure(Path(args.one[0]), args.one[1], args.threads, args.tokens)))
+        return
+    if args.dots:
+        print(json.dumps({"ns_per_weight_one_core": dot_speeds()}))
         return
     from runtime.synth import GEOMETRIES, SynthGeometry, synthesize
 
