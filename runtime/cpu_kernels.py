@@ -1,5 +1,6 @@
-"""Compiled (numba) one-token kernels for the CPU decode path: matrix-vector products over row-major
-float32 weights, RMSNorm folded into them, and the routed-expert FFN with its top-k routing.
+"""Compiled (numba) one-token kernels for the CPU decode path: one call per block and token (attention,
+Gated DeltaNet, shared expert, routed experts with their top-k routing, matrix-vector products with RMSNorm
+folded in) over row-major float32 weights, and routed experts kept encoded (``runtime.cpu_rows``).
 
 For one input row, torch's CPU matmul runs these shapes on one core well below memory speed (a 256 x 512
 product took 56 us inside the model, i.e. 9 GB/s); these kernels read each weight row once as a
@@ -7,6 +8,8 @@ vectorized dot product, spread over the threads for the larger matrices (28 GB/s
 Dot products may be reassociated (vectorized) by the compiler: results differ from torch's matmul in
 the last bits only (the decode tests hold the step path to the batch path at 1e-4 of the logit scale).
 Used when the device is the CPU and numba is enabled (``FORGE_NO_NUMBA`` unset), see ``available``.
+Compiled once per install into numba's disk cache (``warm_up``); a change to ``runtime/cpu_rows.py`` alone
+does not invalidate the kernels here that call it: delete ``runtime/__pycache__/*.nbi`` after editing it.
 """
 
 from __future__ import annotations
