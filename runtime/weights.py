@@ -79,9 +79,6 @@ class ExpertTensor:
     the others decode the experts a batch selects, on every use.
     """
 
-    #: the type ggml's matmul would see for these weights (ggml numerics round inputs for it); None: ``qtype``
-    ggml_qtype: GGMLQuantizationType | None = None
-
     def __init__(
         self, raw: torch.Tensor, qtype: GGMLQuantizationType, cols: int, resident: bool = False
     ) -> None:
@@ -376,9 +373,7 @@ class TensorWeights(Weights):
 
     def _experts(self, name: str) -> ExpertTensor:
         t = self.dense(name)  # already float32: resident at no cost
-        expert = ExpertTensor(t.view(torch.uint8), GGMLQuantizationType.F32, t.shape[-1], resident=True)
-        expert.ggml_qtype = self.qtype(name)
-        return expert
+        return ExpertTensor(t.view(torch.uint8), GGMLQuantizationType.F32, t.shape[-1], resident=True)
 
 
 def cpu_kernels_available(device: torch.device) -> bool:

@@ -320,13 +320,10 @@ class RoutedExperts:
         self.down = weights.experts(self.names[2])
         self.n_ff = self.down.cols
         self.round_in = self.round_act = None
-        if weights.ggml_numerics:
-            up = self.gate_up or self.up
-            assert up is not None
-            self.round_in, self.round_act = (
-                ggml_input_rounding(up.ggml_qtype or up.qtype),
-                ggml_input_rounding(self.down.ggml_qtype or self.down.qtype),
-            )
+        if weights.ggml_numerics:  # the types as the file stores them (a HF folder: as forge convert would)
+            up_name = p + "ffn_gate_up_exps.weight" if self.gate_up is not None else self.names[1]
+            self.round_in = ggml_input_rounding(weights.qtype(up_name))
+            self.round_act = ggml_input_rounding(weights.qtype(self.names[2]))
         # Resident gate and up are kept as one (n_expert, 2 n_ff, n_embd) tensor: one matmul per expert.
         # (Experts stay in their row layout: the transposed one reads faster for one token, but decoding per
         # use would then need a transposing copy to give bit-identical results, a larger loss.)
