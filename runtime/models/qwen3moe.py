@@ -102,7 +102,9 @@ class Linear:
         """One token (no ggml numerics): x (1, n_in) -> (1, n_out), plus ``residual`` (1, n_out) if given."""
         if self.observers:
             notify_matmul(self.observers, self.name, x)
-        return product_step(x, self.weight_t, self.rows, residual)
+        if self.rows is not None:
+            return cpu_kernels.gemv(x, self.rows, residual)
+        return torch.mm(x, self.weight_t) if residual is None else torch.addmm(residual, x, self.weight_t)
 
     def normed_step(self, h: torch.Tensor, norm: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
         """One token: rms_norm(h) * norm, then this product; eps: a (1, 1) tensor."""
@@ -112,15 +114,6 @@ class Linear:
         if self.observers:
             notify_matmul(self.observers, self.name, x)
         return y
-
-
-def product_step(
-    x: torch.Tensor, weight_t: torch.Tensor, rows: object, residual: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x (1, n_in) @ weight_t (+ residual): the compiled kernel over ``rows`` (weight_t.T as numpy) when set."""
-    if rows is not None:
-        return cpu_kernels.gemv(x, rows, residual)  # type: ignore[arg-type]
-    return torch.mm(x, weight_t) if residual is None else torch.addmm(residual, x, weight_t)
 
 
 class FusedLinear:
@@ -147,11 +140,12 @@ class FusedLinear:
         return torch.split(F.linear(x, self.weight), self.sizes, dim=-1)
 
     def step(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """One token (no ggml numerics): x (1, n_in) -> each weight's (n_out,) product."""
+        """One token on torch ops (the compiled kernels read ``rows`` themselves): x (1, n_in) -> each
+        weight's (n_out,) product."""
         if self.observers:
             for name in self.names:
                 notify_matmul(self.observers, name, x)
-        return torch.split(product_step(x, self.weight_t, self.rows)[0], self.sizes)
+        return torch.split(torch.mm(x, self.weight_t)[0], self.sizes)
 
 
 class Rope:
@@ -334,15 +328,17 @@ class RoutedExperts:
             self.fused = torch.cat([self.gate.decoded(), self.up.decoded()], dim=1)
             self.gate.release()
             self.up.release()
-        # one-token path over resident experts: per expert, its (n_embd, 2 n_ff) and (n_ff, n_embd) views
+        # one-token path over resident experts: the compiled kernels' (gate_up, down) arrays, or for torch
+        # ops, per expert, its (n_embd, 2 n_ff) and (n_ff, n_embd) views
         self.gate_up_t: list[torch.Tensor] | None = None
         self.down_t: list[torch.Tensor] | None = None
-        self.kernel_rows: tuple[object, object] | None = None  # the compiled path's (gate_up, down) arrays
+        self.kernel_rows: tuple[np.ndarray, np.ndarray] | None = None
         if self.fused is not None and self.down.resident and self.round_in is None:
-            self.gate_up_t = [w.T for w in self.fused.unbind(0)]
-            self.down_t = [w.T for w in self.down.decoded().unbind(0)]
             if weights.cpu_kernels:
                 self.kernel_rows = (self.fused.contiguous().numpy(), self.down.decoded().contiguous().numpy())
+            else:
+                self.gate_up_t = [w.T for w in self.fused.unbind(0)]
+                self.down_t = [w.T for w in self.down.decoded().unbind(0)]
         # experts decoded per use: the compiled path reads their encoded rows (for the types it decodes)
         self.encoded = None
         if weights.cpu_kernels and self.kernel_rows is None and self.round_in is None:
@@ -443,7 +439,7 @@ class RoutedExperts:
             if self.encoded is not None:
                 out, ids, w, act = cpu_kernels.routed_ffn_encoded(x, logits, self.n_used, self.encoded, h)
             else:
-                out, ids, w, act = cpu_kernels.routed_ffn(x, logits, self.n_used, *self.kernel_rows, h)  # type: ignore[misc]
+                out, ids, w, act = cpu_kernels.routed_ffn(x, logits, self.n_used, *self.kernel_rows, h)
             if self.observers:
                 notify_routing(self.observers, self.layer, ids[None], w[None], logits)
                 self._report(x.expand(len(ids), -1), act, ids)
