@@ -48,8 +48,35 @@ def _scale_min_k4(j: int, s: np.ndarray, base: int) -> tuple[int, int]:
     return sc, m
 
 
+@njit(inline="always", **_JIT)
+def _i8(v: int) -> int:
+    """A byte read as int8."""
+    return v - ((v >> 7) << 8)
+
+
 @njit(**_JIT)
-def decode_row(b: np.ndarray, qtype: int, out: np.ndarray) -> None:  # noqa: C901, PLR0912
+def _decode_k4(b: np.ndarray, out: np.ndarray, block_bytes: int, qs_at: int, qh_at: int) -> None:
+    """Q4_K (qh_at < 0) and Q5_K rows: fp16 d, dmin, 12 scale bytes, [32 high-bit bytes at qh_at], nibbles."""
+    for blk in range(out.shape[0] // 256):
+        o, y = block_bytes * blk, 256 * blk
+        d, dmin = fp16_to_f32(_u16(b, o)), fp16_to_f32(_u16(b, o + 2))
+        for j in range(4):
+            sc, m = _scale_min_k4(2 * j, b, o + 4)
+            d1, m1 = d * F32(sc), dmin * F32(m)
+            sc, m = _scale_min_k4(2 * j + 1, b, o + 4)
+            d2, m2 = d * F32(sc), dmin * F32(m)
+            for lane in range(32):
+                q = np.int64(b[o + qs_at + 32 * j + lane])
+                lo, hi = q & 0xF, q >> 4
+                if qh_at >= 0:
+                    bits = np.int64(b[o + qh_at + lane]) >> (2 * j)
+                    lo, hi = lo | ((bits & 1) << 4), hi | ((bits & 2) << 3)
+                out[y + 64 * j + lane] = d1 * F32(lo) - m1
+                out[y + 64 * j + 32 + lane] = d2 * F32(hi) - m2
+
+
+@njit(**_JIT)
+def decode_row(b: np.ndarray, qtype: int, out: np.ndarray) -> None:
     """Decode the encoded row ``b`` (uint8) of ``qtype`` (a ROW_TYPES value) into ``out`` (float32)."""
     n = out.shape[0]
     if qtype == _F32:
@@ -67,34 +94,11 @@ def decode_row(b: np.ndarray, qtype: int, out: np.ndarray) -> None:  # noqa: C90
             d = fp16_to_f32(_u16(b, o))
             for j in range(32):
                 q = np.int64(b[o + 2 + j])
-                out[32 * blk + j] = F32(q - 256 if q > 127 else q) * d
+                out[32 * blk + j] = F32(_i8(q)) * d
     elif qtype == _Q4_K:
-        for blk in range(n // 256):
-            o, y = 144 * blk, 256 * blk
-            d, dmin = fp16_to_f32(_u16(b, o)), fp16_to_f32(_u16(b, o + 2))
-            for j in range(4):
-                sc, m = _scale_min_k4(2 * j, b, o + 4)
-                d1, m1 = d * F32(sc), dmin * F32(m)
-                sc, m = _scale_min_k4(2 * j + 1, b, o + 4)
-                d2, m2 = d * F32(sc), dmin * F32(m)
-                for lane in range(32):
-                    q = np.int64(b[o + 16 + 32 * j + lane])
-                    out[y + 64 * j + lane] = d1 * F32(q & 0xF) - m1
-                    out[y + 64 * j + 32 + lane] = d2 * F32(q >> 4) - m2
+        _decode_k4(b, out, 144, 16, -1)
     elif qtype == _Q5_K:
-        for blk in range(n // 256):
-            o, y = 176 * blk, 256 * blk
-            d, dmin = fp16_to_f32(_u16(b, o)), fp16_to_f32(_u16(b, o + 2))
-            for j in range(4):
-                sc, m = _scale_min_k4(2 * j, b, o + 4)
-                d1, m1 = d * F32(sc), dmin * F32(m)
-                sc, m = _scale_min_k4(2 * j + 1, b, o + 4)
-                d2, m2 = d * F32(sc), dmin * F32(m)
-                for lane in range(32):
-                    q = np.int64(b[o + 48 + 32 * j + lane])
-                    hi = np.int64(b[o + 16 + lane]) >> (2 * j)
-                    out[y + 64 * j + lane] = d1 * F32((q & 0xF) + ((hi & 1) << 4)) - m1
-                    out[y + 64 * j + 32 + lane] = d2 * F32((q >> 4) + ((hi & 2) << 3)) - m2
+        _decode_k4(b, out, 176, 48, 16)
     elif qtype == _Q6_K:
         for blk in range(n // 256):
             o, y = 210 * blk, 256 * blk
@@ -109,7 +113,7 @@ def decode_row(b: np.ndarray, qtype: int, out: np.ndarray) -> None:  # noqa: C90
                          (a >> 4) | (((h >> 4) & 3) << 4), (c >> 4) | (((h >> 6) & 3) << 4))
                     ):  # fmt: skip
                         s = np.int64(b[sc + i + 2 * part])
-                        out[yh + 32 * part + lane] = d * F32(s - 256 if s > 127 else s) * F32(q - 32)
+                        out[yh + 32 * part + lane] = d * F32(_i8(s)) * F32(q - 32)
 
 
 # dot products straight from encoded rows --------------------------------------------------------------------
@@ -165,11 +169,6 @@ def _dot_k4(
             sc, m = _scale_min_k4(2 * j + 1, b, o + 4)
             acc += d * F32(sc) * s1 - dmin * F32(m) * xsum[(y + 64 * j + 32) // 32]
     return acc
-
-
-@njit(inline="always", **_FAST)
-def _i8(v: int) -> int:
-    return v - ((v >> 7) << 8)
 
 
 @njit(**_FAST)
