@@ -20,8 +20,7 @@ pytest.importorskip("numba")
 
 from numba import njit  # noqa: E402
 
-from forge.quant.kernels import KERNELS as BY_TYPE  # noqa: E402
-from forge.quant.kernels import _core, enabled, kernel, warm_up  # noqa: E402
+from forge.quant.kernels import _core, enabled, kernel, kernel_table, warm_up  # noqa: E402
 
 # kernel name -> (numpy reference encoder, reads importance, needs importance)
 KERNELS = {
@@ -180,6 +179,7 @@ def test_iq2_xxs_kernel_zero_row_is_all_zero() -> None:
 
 
 def test_every_kernel_is_tested_and_wired(monkeypatch: pytest.MonkeyPatch) -> None:
+    BY_TYPE = kernel_table()  # noqa: N806
     assert set(BY_TYPE.values()) == set(KERNELS)
     for type_name, name in BY_TYPE.items():
         assert get_type(type_name)._encode_chunk.__doc__.startswith(name), type_name

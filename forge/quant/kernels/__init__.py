@@ -54,31 +54,20 @@ def accelerated(name: str, fallback: Encoder) -> Encoder:
     encode.__name__ = getattr(fallback, "__name__", name)
     encode.__doc__ = f"{name} kernel when numba is enabled, else {encode.__name__}"
     encode.fallback = fallback  # type: ignore[attr-defined]
+    encode.kernel_name = name  # type: ignore[attr-defined]
     return encode
 
 
-#: Every kernel entry point, by the quant type it encodes.
-KERNELS = {
-    "Q8_0": "q8.q8_0",
-    "Q4_0": "legacy.q4_0",
-    "Q4_1": "legacy.q4_1",
-    "Q5_0": "legacy.q5_0",
-    "Q5_1": "legacy.q5_1",
-    "Q2_K": "kquants.q2_k",
-    "Q3_K": "kquants.q3_k",
-    "Q4_K": "kquants.q4_k",
-    "Q5_K": "kquants.q5_k",
-    "Q6_K": "kquants.q6_k",
-    "IQ2_XXS": "iq2.iq2_xxs",
-    "IQ2_XS": "iq2.iq2_xs",
-    "IQ2_S": "iq2.iq2_s",
-    "IQ3_XXS": "iq3.iq3_xxs",
-    "IQ3_S": "iq3.iq3_s",
-    "IQ4_NL": "iq4.iq4_nl",
-    "IQ4_XS": "iq4.iq4_xs",
-    "IQ1_S": "iq1.iq1_s",
-    "IQ1_M": "iq1.iq1_m",
-}
+def kernel_table() -> dict[str, str]:
+    """Every kernel entry point, by the quant type whose codec runs it (read off the codecs)."""
+    from forge.quant.types import get_type, known_type_names
+
+    table = {}
+    for name in known_type_names():
+        kernel_name = getattr(getattr(get_type(name), "_encode_chunk", None), "kernel_name", None)
+        if kernel_name is not None:
+            table[name] = kernel_name
+    return table
 
 
 def warm_up(type_names: list[str] | None = None) -> list[str]:
@@ -87,15 +76,16 @@ def warm_up(type_names: list[str] | None = None) -> list[str]:
     before starting encoder workers, so that they do not all compile the same kernels at once."""
     if not enabled():
         return []
-    names = [n.upper() for n in (type_names or KERNELS)]
+    from forge.quant.types import get_type
+
+    table = kernel_table()
+    names = [n.upper() for n in (type_names or table)]
     x = np.linspace(-1, 1, 512, dtype=np.float32).reshape(2, 256)
     w = np.ones(256, np.float32)
     done = []
     for name in names:
-        if name in KERNELS:
-            for imp in (None, w):
-                if imp is None and name in ("IQ2_XXS", "IQ2_XS", "IQ1_S"):
-                    continue  # these encoders always take importance weights
-                kernel(KERNELS[name])(x, imp)
+        if name in table:
+            for imp in (None, w) if not get_type(name).requires_importance else (w,):
+                kernel(table[name])(x, imp)
             done.append(name)
     return done
