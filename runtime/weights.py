@@ -126,8 +126,10 @@ class Weights:
         self.expert_budget = DEFAULT_EXPERT_BUDGET
         # round matmul inputs as ggml's CPU backend does (to compare with llama.cpp's own figures)
         self.ggml_numerics = False
-        # one-token steps run compiled kernels over row-major weights (runtime.cpu_kernels)
-        self.cpu_kernels = cpu_kernels_available(torch.device(device))
+        from runtime.cpu_kernels import available  # numba: imported when a model is loaded, not before
+
+        # one-token steps run compiled kernels over row-major weights
+        self.cpu_kernels = available(torch.device(device))
         self.expert_cache: ExpertCache | None = None
         self._dense: dict[str, torch.Tensor] = {}
         arch = self.get("general.architecture", None)
@@ -374,12 +376,6 @@ class TensorWeights(Weights):
     def _experts(self, name: str) -> ExpertTensor:
         t = self.dense(name)  # already float32: resident at no cost
         return ExpertTensor(t.view(torch.uint8), GGMLQuantizationType.F32, t.shape[-1], resident=True)
-
-
-def cpu_kernels_available(device: torch.device) -> bool:
-    from runtime.cpu_kernels import available  # numba, imported only for a model
-
-    return available(device)
 
 
 def load_weights(
