@@ -23,18 +23,57 @@ _AT_EMPTY_PATH = 0x1000
 
 
 def check_output_path(dest: str | os.PathLike[str], need_bytes: int = 0) -> Path:
-    """Refuse a destination whose folder is missing, or that lacks ``need_bytes`` of free space."""
+    """Refuse a destination whose folder is missing or not writable, or that lacks ``need_bytes`` of space."""
     dest = Path(dest)
     parent = dest.parent if str(dest.parent) else Path(".")
     if not parent.is_dir():
         raise ForgeError(f"{dest}: output folder {parent} does not exist")
     if dest.is_dir():
         raise ForgeError(f"{dest}: is a folder, expected a file name")
+    if not os.access(parent, os.W_OK):
+        reason = "read-only file system" if _read_only_fs(parent) else "permission denied"
+        raise ForgeError(f"{dest}: cannot write to folder {parent} ({reason})")
     if need_bytes:
         free = shutil.disk_usage(parent).free
         if free < need_bytes:
             raise ForgeError(f"{dest}: needs {need_bytes:,} bytes, only {free:,} free in {parent}")
     return dest
+
+
+def _read_only_fs(folder: Path) -> bool:
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """``a`` and ``b`` name one file: the same path after links, or one inode (a hard link)."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        sa, sb = a.stat(), b.stat()
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def refuse_overwriting_inputs(outputs: dict[str, Path], inputs: dict[str, Path]) -> None:
+    """The output guard of every writing command, checked before any work.
+
+    An output may not be an input (same path, symlink or hard link), nor lie inside an input folder where
+    it would replace one of its files or write into a Hugging Face checkpoint (a folder with config.json).
+    Keys name the options, for the message.
+    """
+    for out_opt, out in outputs.items():
+        for in_opt, src in inputs.items():
+            inside = src.is_dir() and out.resolve().is_relative_to(src.resolve())
+            if same_file(out, src) or (
+                inside and (out.exists() or out.resolve() == src.resolve() or (src / "config.json").is_file())
+            ):
+                raise ForgeError(
+                    f"{out_opt} {out} would overwrite the input {in_opt} {src}; choose another output path"
+                )
 
 
 def fsync_dir(folder: Path) -> None:
@@ -99,6 +138,8 @@ def atomic_output(dest: str | os.PathLike[str], need_bytes: int = 0) -> Iterator
         os.replace(tmp_name, dest)
         tmp_name = ""
         fsync_dir(folder)
+    except OSError as e:  # disk full, quota, I/O error: name the file being written, not a temp inode
+        raise ForgeError(f"{e.filename or dest}: {e.strerror or e} (nothing written)") from None
     finally:
         if tmp_name:
             with contextlib.suppress(FileNotFoundError):

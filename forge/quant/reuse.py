@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from forge.atomic import same_file
 from forge.errors import ForgeError
 from forge.fileio import copy_ranges
 from forge.gguf_file import KV, GGUFFile, T, TensorWriter, open_gguf
@@ -168,7 +169,7 @@ def load_priors(paths: Iterable[str | Path], out: Path | None) -> Priors:
     """Open every prior; a prior that cannot be used is a warning (and a full build), not an error."""
     priors = Priors({}, {}, [])
     for path in _prior_files(paths):
-        if out is not None and _same_file(path, out):
+        if out is not None and same_file(path, out):
             raise ForgeError(f"--reuse {path} is the output file itself; choose another output name")
         try:
             f = open_gguf(path)
@@ -190,16 +191,6 @@ def load_priors(paths: Iterable[str | Path], out: Path | None) -> Priors:
             priors.by_key.setdefault(stamp.key, pt)
             priors.by_name.setdefault(name, pt)
     return priors
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    if a.resolve() == b.resolve():
-        return True
-    try:
-        sa, sb = a.stat(), b.stat()
-    except OSError:
-        return False
-    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 def why_regenerated(stamp: TensorStamp, out_type: str, prior: PriorTensor | None) -> str:
