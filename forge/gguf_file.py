@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -69,6 +70,149 @@ _SCALAR_FMT = {
     T.FLOAT32: "<f", T.UINT64: "<Q", T.INT64: "<q", T.FLOAT64: "<d", T.BOOL: "<?",
 }  # fmt: skip
 
+GGUF_MAGIC_BYTES = b"GGUF"
+HEADER_BYTES = 24  # magic, version, tensor count, KV count
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+_MIN_KV_BYTES = 8 + 4 + 1  # empty key, value type, one-byte value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # empty name, n_dims, one dim, type, offset
+_INT64_MAX = (1 << 63) - 1
+
+
+def check_input_file(path: Path, what: str = "a GGUF file") -> int:
+    """The size of the regular file ``path``; ForgeError for a missing path, a folder or an empty file."""
+    try:
+        st = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        raise ForgeError(f"{path}: no such file") from None
+    except OSError as e:
+        raise ForgeError(f"{path}: cannot read ({e.strerror or e})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ForgeError(f"{path}: is a folder, not {what}")
+    if not stat.S_ISREG(st.st_mode):
+        raise ForgeError(f"{path}: not a regular file, not {what}")
+    if st.st_size == 0:
+        raise ForgeError(f"{path}: empty file")
+    return st.st_size
+
+
+def read_header(path: Path, buf: Any, size: int) -> tuple[int, int, int]:
+    """(version, tensor count, KV count) from a GGUF's first 24 bytes.
+
+    ForgeError for a bad magic, a file shorter than the header, or counts that the file could not hold
+    (so that no parser loops over billions of entries of a damaged header).
+    """
+    if size < 4 or bytes(buf[:4]) != GGUF_MAGIC_BYTES:
+        raise ForgeError(f"{path}: not a GGUF file (bad magic)")
+    if size < HEADER_BYTES:
+        raise ForgeError(f"{path}: truncated GGUF ({size} bytes)")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    least = HEADER_BYTES + n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_INFO_BYTES
+    if least > size:
+        raise ForgeError(
+            f"{path}: truncated or damaged GGUF (the header announces {n_tensors:,} tensors and {n_kv:,} "
+            f"metadata keys, more than a file of {size:,} bytes can hold)"
+        )
+    return version, n_tensors, n_kv
+
+
+@dataclass(frozen=True)
+class DirectoryEntry:
+    """One validated tensor directory entry, as stored (GGUF order, offset relative to the data section)."""
+
+    name: str
+    ne: tuple[int, ...]  # fastest dimension first
+    ggml_type: int
+    offset: int
+    nbytes: int
+
+
+def read_tensor_directory(
+    path: Path, buf: Any, pos: int, n_tensors: int, alignment: object, size: int
+) -> tuple[list[DirectoryEntry], int, int]:
+    """Parse the tensor directory at ``pos`` and check it against the file (both GGUF readers use this).
+
+    Returns (entries, directory end, data section start). Every tensor must have 1..4 dimensions of at
+    least 1 element, a known GGML type, rows that are whole blocks, an element count that fits int64,
+    an offset aligned to ``general.alignment`` (a power of two), and bytes inside the file that no
+    other tensor's bytes overlap. Any failure is one ForgeError naming the file and the tensor.
+    """
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0:
+        raise ForgeError(f"{path}: general.alignment {alignment!r} is not a power of two")
+    if alignment & (alignment - 1):
+        raise ForgeError(f"{path}: general.alignment {alignment} is not a power of two")
+    raw = []
+    for i in range(n_tensors):
+        if pos + 12 > size:
+            raise ForgeError(f"{path}: truncated GGUF (tensor directory entry {i + 1} of {n_tensors})")
+        (n,) = struct.unpack_from("<Q", buf, pos)
+        if pos + 8 + n + 4 > size:
+            raise ForgeError(f"{path}: truncated GGUF (tensor directory entry {i + 1} of {n_tensors})")
+        try:
+            name = bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ForgeError(f"{path}: tensor name at byte {pos:,} is not UTF-8 (damaged GGUF)") from None
+        pos += 8 + n
+        (n_dims,) = struct.unpack_from("<I", buf, pos)
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise ForgeError(f"{path}: tensor {name} has {n_dims} dimensions (1..{MAX_DIMS} allowed)")
+        if pos + 4 + 8 * n_dims + 12 > size:
+            raise ForgeError(f"{path}: truncated GGUF (in the directory entry of tensor {name})")
+        ne = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+        ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        raw.append((name, ne, ggml_type, offset))
+    dir_end = pos
+    data_start = align_up(dir_end, alignment)
+    return _check_tensors(path, raw, alignment, data_start, size), dir_end, data_start
+
+
+def _check_tensors(
+    path: Path, raw: list[tuple[str, tuple[int, ...], int, int]], alignment: int, data_start: int, size: int
+) -> list[DirectoryEntry]:
+    entries, seen = [], set()
+    for name, ne, ggml_type, offset in raw:
+        if name in seen:
+            raise ForgeError(f"{path}: tensor {name} appears twice in the tensor directory")
+        seen.add(name)
+        shape = "x".join(str(d) for d in ne)
+        if min(ne) < 1:
+            raise ForgeError(f"{path}: tensor {name} has an empty dimension (ne {shape})")
+        try:
+            qtype = GGMLQuantizationType(ggml_type)
+        except ValueError:
+            raise ForgeError(f"{path}: tensor {name} has unknown GGML type id {ggml_type}") from None
+        block, block_bytes = GGML_QUANT_SIZES[qtype]
+        if ne[0] % block:
+            raise ForgeError(
+                f"{path}: tensor {name}: row length {ne[0]} is not a multiple of {qtype.name}'s block size {block}"
+            )
+        count = 1
+        for d in ne:
+            count *= d
+        if count > _INT64_MAX:
+            raise ForgeError(f"{path}: tensor {name}: element count (ne {shape}) overflows int64")
+        start = data_start + offset
+        if offset % alignment:
+            raise ForgeError(
+                f"{path}: tensor {name} at offset {start:,} is not aligned to {alignment} bytes "
+                "(damaged or not a GGUF)"
+            )
+        nbytes = count // block * block_bytes
+        if start + nbytes > size:
+            raise ForgeError(
+                f"{path}: truncated or damaged GGUF: tensor {name} (bytes {start:,}..{start + nbytes:,}) "
+                f"ends past the end of the file ({size:,} bytes)"
+            )
+        entries.append(DirectoryEntry(name, tuple(ne), ggml_type, offset, nbytes))
+    ordered = sorted(entries, key=lambda e: e.offset)
+    for a, b in zip(ordered, ordered[1:], strict=False):
+        if a.offset + a.nbytes > b.offset:
+            raise ForgeError(
+                f"{path}: tensors {a.name} and {b.name} overlap (bytes {data_start + b.offset:,}.."
+                f"{data_start + min(a.offset + a.nbytes, b.offset + b.nbytes):,}; damaged GGUF)"
+            )
+    return entries
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -85,58 +229,61 @@ class GGUFFile:
     """A fast read-only GGUF parser (header in one pass, tensor data as mmap views).
 
     The ``gguf`` package's reader builds a numpy view per array element, which takes seconds per
-    hundred thousand vocabulary entries; this one decodes arrays in bulk.
+    hundred thousand vocabulary entries; this one decodes arrays in bulk. Opening validates the
+    header and every tensor's directory entry (``read_tensor_directory``).
     """
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
-        if not self.path.is_file():
-            raise ForgeError(f"{self.path}: no such file")
-        self.size = self.path.stat().st_size
+        self.size = check_input_file(self.path)
         try:
-            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r") if self.size else np.zeros(0, np.uint8)
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
             with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as self._buf:
                 self._parse()
         except ForgeError:
             raise
+        except OSError as e:
+            raise ForgeError(f"{self.path}: cannot read ({e.strerror or e})") from None
         except Exception as e:
             raise ForgeError(f"{self.path}: malformed or truncated GGUF ({type(e).__name__}: {e})") from None
 
     def _parse(self) -> None:
         buf = self._buf
-        if self.size < 24 or struct.unpack_from("<I", buf, 0)[0] != GGUF_MAGIC:
-            raise ForgeError(f"{self.path}: not a GGUF file (bad magic)")
-        self.version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        self.version, n_tensors, n_kv = read_header(self.path, buf, self.size)
         if self.version not in (2, 3):
             raise ForgeError(f"{self.path}: unsupported GGUF version {self.version}")
-        pos = 24
+        pos = HEADER_BYTES
         self.kvs: dict[str, KV] = {}
         for _ in range(n_kv):
             key, pos = self._string(pos)
             (vtype,) = struct.unpack_from("<I", buf, pos)
-            value, item, pos = self._value(T(vtype), pos + 4)
+            value, item, pos = self._value(self._vtype(vtype, key), pos + 4)
             self.kvs[key] = KV(key, value, T(vtype), item)
         self.kv_end = pos
-        infos = []
-        for _ in range(n_tensors):
-            name, pos = self._string(pos)
-            (n_dims,) = struct.unpack_from("<I", buf, pos)
-            ne = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
-            gtype, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
-            pos += 4 + 8 * n_dims + 12
-            infos.append((name, tuple(int(d) for d in reversed(ne)), GGMLQuantizationType(gtype), offset))
-        self.header_end = pos
-        self.alignment = int(self.kv("general.alignment", DEFAULT_ALIGNMENT))
-        self.data_offset = align_up(pos, self.alignment)
-        self.tensors: dict[str, TensorInfo] = {}
-        for name, shape, gtype, offset in infos:
-            nbytes = tensor_nbytes(shape, gtype)
-            info = TensorInfo(name, shape, gtype, self.data_offset + offset, nbytes)
-            if info.offset + nbytes > self.size:
-                raise ForgeError(f"{self.path}: truncated GGUF (tensor {name} ends past the end of the file)")
-            self.tensors[name] = info
+        self.alignment = self.kv("general.alignment", DEFAULT_ALIGNMENT)
+        entries, self.header_end, self.data_offset = read_tensor_directory(
+            self.path, buf, pos, n_tensors, self.alignment, self.size
+        )
+        self.tensors: dict[str, TensorInfo] = {
+            e.name: TensorInfo(
+                e.name,
+                tuple(reversed(e.ne)),
+                GGMLQuantizationType(e.ggml_type),
+                self.data_offset + e.offset,
+                e.nbytes,
+            )
+            for e in entries
+        }
+
+    def _vtype(self, vtype: int, key: str) -> GGUFValueType:
+        try:
+            return T(vtype)
+        except ValueError:
+            raise ForgeError(f"{self.path}: unknown GGUF value type {vtype} for key {key!r}") from None
 
     def _string(self, pos: int) -> tuple[str, int]:
+        if pos + 8 > self.size:
+            raise ForgeError(f"{self.path}: truncated GGUF header")
         (n,) = struct.unpack_from("<Q", self._buf, pos)
         if pos + 8 + n > self.size:
             raise ForgeError(f"{self.path}: truncated GGUF header")
@@ -150,7 +297,10 @@ class GGUFFile:
             fmt = _SCALAR_FMT[vtype]
             return struct.unpack_from(fmt, self._buf, pos)[0], None, pos + struct.calcsize(fmt)
         item, count = struct.unpack_from("<IQ", self._buf, pos)
-        item, pos = T(item), pos + 12
+        item, pos = self._vtype(item, "(array item)"), pos + 12
+        least = 8 if item == T.STRING else np.dtype(_NUMPY_ITEM.get(item, "u1")).itemsize
+        if pos + least * count > self.size:
+            raise ForgeError(f"{self.path}: truncated GGUF header (an array of {count:,} items)")
         if item == T.STRING:
             out = []
             for _ in range(count):

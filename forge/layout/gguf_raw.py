@@ -17,9 +17,16 @@ from pathlib import Path
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from forge.errors import ForgeError
-from forge.gguf_file import align_up
+from forge.gguf_file import (
+    GGUF_MAGIC_BYTES,
+    HEADER_BYTES,
+    align_up,
+    check_input_file,
+    read_header,
+    read_tensor_directory,
+)
 
-GGUF_MAGIC = b"GGUF"
+GGUF_MAGIC = GGUF_MAGIC_BYTES  # the layout tools' name for it
 DEFAULT_ALIGNMENT = 32
 
 # Fixed byte sizes of the scalar GGUF value types (8 = string, 9 = array are variable).
@@ -164,6 +171,8 @@ class _Cursor:
             if etype in _SCALAR_SIZES:
                 self.take(_SCALAR_SIZES[etype] * count)
             else:
+                if self.pos + 8 * count > self.end:  # every item is at least a string length
+                    raise ForgeError(f"{self.path}: truncated GGUF (an array of {count:,} items)")
                 for _ in range(count):
                     self.skip_value(etype)
             return None
@@ -173,30 +182,25 @@ class _Cursor:
 def open_gguf(path: str | os.PathLike[str]) -> RawGGUF:
     """Parse ``path``'s header, KV block and tensor directory; check every tensor lies in the file."""
     path = Path(path)
+    check_input_file(path)
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            mm: mmap.mmap | bytes = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-    except FileNotFoundError:
-        raise ForgeError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise ForgeError(f"{path}: is a folder, expected a GGUF file") from None
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as e:  # ValueError: mmap of a file emptied since the check
+        raise ForgeError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
     try:
         return _parse(path, mm, size)
     except BaseException:
-        if isinstance(mm, mmap.mmap):
-            mm.close()
+        mm.close()
         raise
 
 
 def _parse(path: Path, mm: mmap.mmap | bytes, size: int) -> RawGGUF:
-    if size < 24 or mm[:4] != GGUF_MAGIC:
-        raise ForgeError(f"{path}: not a GGUF file (bad magic or shorter than a GGUF header)")
-    cur = _Cursor(mm, 4, path)
-    version = cur.u32()
+    version, n_tensors, n_kv = read_header(path, mm, size)
     if version != 3:
         raise ForgeError(f"{path}: GGUF version {version} is not supported (only 3)")
-    n_tensors, n_kv = cur.u64(), cur.u64()
+    cur = _Cursor(mm, HEADER_BYTES, path)
     kv_start = cur.pos
     kv: dict[str, object] = {}
     for _ in range(n_kv):
@@ -204,28 +208,22 @@ def _parse(path: Path, mm: mmap.mmap | bytes, size: int) -> RawGGUF:
         kv[key] = cur.skip_value(cur.u32())
     kv_end = cur.pos
     alignment = kv.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise ForgeError(f"{path}: general.alignment {alignment!r} is not a power of two")
-    tensors = []
-    for _ in range(n_tensors):
-        name = cur.string()
-        n_dims = cur.u32()
-        if not 1 <= n_dims <= 4:
-            raise ForgeError(f"{path}: tensor {name} has {n_dims} dimensions (1..4 allowed)")
-        dims = tuple(cur.u64() for _ in range(n_dims))
-        ggml_type, offset = cur.u32(), cur.u64()
-        nbytes = tensor_nbytes(ggml_type, dims, f"{path}: tensor {name}")
-        tensors.append(RawTensor(name, dims, ggml_type, offset, nbytes))
-    dir_end = cur.pos
-    data_start = align_up(dir_end, alignment)
-    for t in tensors:
-        if t.offset % alignment:
-            raise ForgeError(f"{path}: tensor {t.name} offset {t.offset} is not aligned to {alignment}")
-        end = data_start + t.offset + t.nbytes
-        if end > size:
-            raise ForgeError(f"{path}: truncated: tensor {t.name} ends at byte {end:,}, file has {size:,}")
+    entries, dir_end, data_start = read_tensor_directory(path, mm, kv_end, n_tensors, alignment, size)
+    assert isinstance(alignment, int)  # checked by read_tensor_directory
+    tensors = [RawTensor(e.name, e.ne, e.ggml_type, e.offset, e.nbytes) for e in entries]
     return RawGGUF(
-        path, size, version, n_kv, kv_start, kv_end, dir_end, data_start, alignment, tensors, kv, mm
+        path,
+        size,
+        version,
+        n_kv,
+        kv_start,
+        kv_end,
+        dir_end,
+        data_start,
+        alignment,
+        tensors,
+        kv,
+        mm,
     )
 
 
