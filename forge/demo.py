@@ -1,20 +1,70 @@
-"""``forge demo``: the main job end to end on the bundled example model."""
+"""``forge demo``: the main job end to end on the example model.
+
+In a checkout the example is ``examples/tiny-qwen3moe`` (trained, 54 MB). An installed package does not
+carry those weights: it ships the example's config and tokenizer (``forge/example/``) and writes random
+weights of the same geometry next to them, so every step runs the same way (the figures mean nothing).
+"""
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from rich.console import Console
 
 from forge.errors import ForgeError
 
+#: the checkout's trained example model (absent from an installed wheel)
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3moe"
+#: package data: the example's config.json and tokenizer files, and the text the demo evaluates on
+EXAMPLE_FILES = resources.files("forge") / "example"
 #: the first 24 kB of the fixtures' held-out validation text (Python sources the model never saw)
-EXAMPLE_TEXT = EXAMPLE.parent / "tiny-qwen3moe-val-excerpt.txt"
+EXAMPLE_TEXT = EXAMPLE_FILES / "val-excerpt.txt"
+_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "chat_template.jinja")  # fmt: skip
+
+
+def write_random_example(dest: Path, seed: int = 0) -> Path:
+    """An HF folder in the example's geometry (Qwen3-MoE, 28 M parameters) with random bf16 weights."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in _MODEL_FILES:
+        (dest / name).write_bytes((EXAMPLE_FILES / name).read_bytes())
+    cfg = json.loads((dest / "config.json").read_text())
+    d, hd = cfg["hidden_size"], cfg["head_dim"]
+    ff, n_exp = cfg["moe_intermediate_size"], cfg["num_local_experts"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    layer = {"input_layernorm": (d,), "post_attention_layernorm": (d,), "self_attn.q_proj": (q, d),
+             "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d), "self_attn.o_proj": (d, q),
+             "self_attn.q_norm": (hd,), "self_attn.k_norm": (hd,), "mlp.gate": (n_exp, d)}  # fmt: skip
+    expert = {"gate_proj": (ff, d), "up_proj": (ff, d), "down_proj": (d, ff)}
+    shapes = {
+        "model.embed_tokens": (cfg["vocab_size"], d),
+        "lm_head": (cfg["vocab_size"], d),
+        "model.norm": (d,),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        shapes |= {f"model.layers.{i}.{k}": v for k, v in layer.items()}
+        shapes |= {
+            f"model.layers.{i}.mlp.experts.{e}.{k}": v for e in range(n_exp) for k, v in expert.items()
+        }
+    gen = torch.Generator().manual_seed(seed)
+    std = cfg["initializer_range"]
+    tensors = {  # norms at 1, matrices N(0, initializer_range) like a freshly initialised HF model
+        f"{name}.weight": (torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=gen) * std)
+        for name, shape in shapes.items()
+    }
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(dest / "model.safetensors"))
+    return dest
 
 
 @dataclass
@@ -44,12 +94,19 @@ def run_demo(model: Path | None, keep: Path | None, console: Console) -> list[St
     from runtime.models import load_model
     from runtime.tokenizer import Tokenizer
 
-    model = model or EXAMPLE
-    if not (model / "config.json").is_file():
-        raise ForgeError(f"{model}: example model not found (pass --model HF_DIR)")
+    if model is not None and not (model / "config.json").is_file():
+        raise ForgeError(f"{model}: not a Hugging Face model folder (no config.json)")
     with tempfile.TemporaryDirectory(prefix="forge-demo-") as tmp:
         work = keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
+        if model is None and (EXAMPLE / "config.json").is_file():
+            model = EXAMPLE
+        elif model is None:
+            model = work / "tiny-qwen3moe-random"
+            shutil.rmtree(model, ignore_errors=True)
+            console.print("[bold]>[/bold] no trained example in this install (it lives in the repository's "
+                          f"examples/): random weights in its geometry at {model}; the figures mean nothing")  # fmt: skip
+            write_random_example(model)
         bf16, q4 = work / "model-bf16.gguf", work / "model-Q4_K_M.gguf"
         boost, em = work / "model-Q4_K_M-boost.gguf", work / "model-Q4_K_M-v2.gguf"
 

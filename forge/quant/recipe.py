@@ -20,6 +20,7 @@ import operator
 import re
 import sys
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+#: the presets: package data (``forge/recipes/*.toml``), read the same from a checkout or an installed wheel
+PRESETS = resources.files("forge") / "recipes"
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.floordiv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}  # fmt: skip
@@ -167,17 +169,18 @@ def _check_type(name: str, source: str, line: int) -> None:
 
 
 def available_recipes() -> list[str]:
-    return sorted(p.stem for p in RECIPES_DIR.glob("*.toml"))
+    return sorted(p.name.removesuffix(".toml") for p in PRESETS.iterdir() if p.name.endswith(".toml"))
 
 
 def load_recipe(name_or_path: str) -> Recipe:
     """A shipped preset by name (``q4_k_m``) or a TOML file path."""
     path = Path(name_or_path)
     if path.suffix != ".toml":
-        path = RECIPES_DIR / f"{name_or_path.lower()}.toml"
-        if not path.is_file():
+        preset = PRESETS / f"{name_or_path.lower()}.toml"
+        if not preset.is_file():
             raise ForgeError(f"unknown recipe {name_or_path!r}; presets: {', '.join(available_recipes())}")
-    elif not path.is_file():
+        return parse_recipe(preset.read_text(encoding="utf-8"), str(preset))
+    if not path.is_file():
         raise ForgeError(f"{path}: no such recipe file")
     return parse_recipe(path.read_text(encoding="utf-8"), str(path))
 
