@@ -36,7 +36,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 
 from forge.atomic import atomic_output
 from forge.errors import ForgeError
-from forge.gguf_file import KV, TensorSpec, open_gguf, write_gguf
+from forge.gguf_file import KV, TensorSpec, check_input_file, open_gguf, write_gguf
 from forge.imatrix.model import Imatrix
 
 Format = Literal["gguf", "dat"]
@@ -53,8 +53,7 @@ _F32 = GGMLQuantizationType.F32
 def detect_format(path: str | os.PathLike[str]) -> Format:
     """``gguf`` when the file starts with the GGUF magic, else ``dat`` (llama.cpp tries GGUF first too)."""
     path = Path(path)
-    if not path.is_file():
-        raise ForgeError(f"{path}: no such file")
+    check_input_file(path, "an imatrix file")
     with open(path, "rb") as f:
         return "gguf" if f.read(4) == b"GGUF" else "dat"
 
@@ -195,16 +194,35 @@ class _Cursor:
         return len(self.buf) - self.pos
 
 
+def _check_dat_start(cur: _Cursor, path: Path) -> None:
+    """A file that does not start like a ``.dat`` (entry count, first name) is neither format.
+
+    A plausible start cut short (count and name length fine, name incomplete) stays a truncated ``.dat``.
+    """
+    try:
+        n_entries = cur.i32("the entry count")
+        if n_entries < 1:
+            raise ForgeError(f"entry count {n_entries}")
+        n = cur.i32("entry 1's name length")
+        if not 1 <= n <= _MAX_NAME:
+            raise ForgeError(f"entry 1's name length {n}")
+        name = cur.take(n, "entry 1's name") if cur.left >= n else None
+        if name is not None:
+            bytes(name).decode("utf-8")
+    except (ForgeError, UnicodeDecodeError) as e:
+        why = str(e).removeprefix(f"{path}: ") if isinstance(e, ForgeError) else "entry 1's name is not UTF-8"
+        raise ForgeError(f"{path}: neither a GGUF nor a .dat imatrix ({why})") from None
+    cur.pos = 0
+
+
 def read_dat_imatrix(path: str | os.PathLike[str]) -> Imatrix:
     """Entries come back flat, (1, nval) with counts [ncall]: ``.dat`` does not record n_mat."""
     path = Path(path)
-    if not path.is_file():
-        raise ForgeError(f"{path}: no such file")
+    check_input_file(path, "an imatrix file")
     data = path.read_bytes()
     cur = _Cursor(memoryview(data), path)
+    _check_dat_start(cur, path)
     n_entries = cur.i32("the entry count")
-    if n_entries < 1:
-        raise ForgeError(f"{path}: not an imatrix (entry count {n_entries})")
     im = Imatrix(chunk_size=0)
     for i in range(n_entries):
         n = cur.i32(f"entry {i + 1}'s name length")
