@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import sys
@@ -12,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from forge.atomic import refuse_overwriting_inputs
 from forge.errors import ForgeError
 
 app = typer.Typer(
@@ -226,8 +228,54 @@ def _register_subcommands() -> None:
 _register_subcommands()
 
 
-def _terminate(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds through atomic_output, which removes its temp file
+# Options that name files a command writes; every other path option or argument is an input.
+OUTPUT_OPTIONS = {
+    "output": "-o",
+    "save_logits": "--save-logits",
+    "imatrix_out": "--imatrix-out",
+    "keep": "--keep",
+}
+
+
+def _paths(value: Any) -> list[Path]:
+    items = value if isinstance(value, list | tuple) else [value]
+    return [Path(v) for v in items if isinstance(v, Path)]
+
+
+def _guarded(callback: Any) -> Any:
+    """``callback`` preceded by the output guard: no output may replace or write into an input."""
+
+    @functools.wraps(callback)
+    def command(**params: Any) -> Any:
+        outputs = [
+            (OUTPUT_OPTIONS[k], p) for k, v in params.items() if k in OUTPUT_OPTIONS for p in _paths(v)
+        ]
+        inputs = [
+            (k.replace("_", "-"), p) for k, v in params.items() if k not in OUTPUT_OPTIONS for p in _paths(v)
+        ]
+        refuse_overwriting_inputs(outputs, inputs)
+        return callback(**params)
+
+    return command
+
+
+def _guard_all(command: Any) -> None:
+    for sub in getattr(command, "commands", {}).values():
+        _guard_all(sub)
+    if getattr(command, "callback", None) is not None and not getattr(command, "commands", None):
+        command.callback = _guarded(command.callback)
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM: unwinds like an exception (outputs in progress are discarded), never caught as one."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
 
 
 def main() -> None:
@@ -235,16 +283,26 @@ def main() -> None:
 
 
 def run_app(typer_app: typer.Typer) -> None:
-    """Run a typer app the forge way: ForgeError -> one ``error:`` line and exit 1, SIGTERM unwinds."""
-    signal.signal(signal.SIGTERM, _terminate)
+    """Run a typer app the forge way: the output guard before every command; ForgeError and OS errors ->
+    one ``error:`` line and exit 1; SIGINT/SIGTERM -> ``interrupted`` and exit 130/143, outputs untouched."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupt)
+    command = typer.main.get_command(typer_app)
+    _guard_all(command)
     try:
-        typer_app(standalone_mode=False)
+        code = command.main(standalone_mode=False)
     except ForgeError as e:
-        sys.stderr.write(f"error: {e}\n")
-        sys.exit(1)
+        _fail(str(e))
+    except Interrupted as e:
+        sys.stderr.write("interrupted\n")
+        sys.exit(128 + e.signum)
     except KeyboardInterrupt:
-        err.print("interrupted")
+        sys.stderr.write("interrupted\n")
         sys.exit(130)
+    except OSError as e:
+        _fail(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
+    except MemoryError:
+        _fail("out of memory")
     except typer.Abort:
         sys.exit(1)
     except Exception as e:  # click's usage errors and exits arrive here in non-standalone mode
@@ -253,3 +311,10 @@ def run_app(typer_app: typer.Typer) -> None:
         if hasattr(e, "show"):
             e.show()
         sys.exit(e.exit_code)
+    if isinstance(code, int) and code:
+        sys.exit(code)
+
+
+def _fail(message: str) -> None:
+    sys.stderr.write(f"error: {' '.join(message.split())}\n")
+    sys.exit(1)

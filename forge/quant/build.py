@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -36,6 +35,7 @@ from forge.quant.reuse import (
 from forge.quant.source import QuantSource, SourceRef
 from forge.quant.torch_codecs import encode_on_device, supported_on_device
 from forge.quant.types import get_type
+from forge.workers import stop_pool, worker_pool
 
 #: rows encoded per call: bounds the float32 working set of one job to ~64 MB
 CHUNK_ELEMENTS = 16 << 20
@@ -124,13 +124,17 @@ class Executor:
     def close(self) -> None:
         pass
 
+    def abort(self) -> None:
+        """Stop now: the build failed or was interrupted."""
+        self.close()
+
 
 class ProcessExecutor(Executor):
     """A pool of worker processes; at most 2 x workers jobs in flight to bound memory."""
 
     def __init__(self, workers: int):
         self.workers = workers
-        self.pool = ProcessPoolExecutor(max_workers=workers)
+        self.pool = worker_pool(workers)
 
     def map(self, jobs: list[EncodeJob]) -> Iterator[EncodeResult]:
         pending = []
@@ -148,6 +152,9 @@ class ProcessExecutor(Executor):
 
     def close(self) -> None:
         self.pool.shutdown(cancel_futures=True)
+
+    def abort(self) -> None:
+        stop_pool(self.pool)
 
 
 def make_executor(
@@ -305,7 +312,11 @@ def build(
 
             finalize = _digest_patcher(digests) if stamps is not None else None
             write_gguf(out, kvs, specs, data(), finalize=finalize)
-    finally:
+    except BaseException:
+        if owned:
+            executor.abort()
+        raise
+    else:
         if owned:
             executor.close()
     report.seconds = time.perf_counter() - start
