@@ -10,13 +10,21 @@ runtime runs end to end. Qwen3.6-35B-A3B itself is a ``qwen35moe`` (Gated DeltaN
 expert); its routed experts - what streaming is about - are reproduced exactly (40 layers x 256 experts,
 top 8, hidden 2048, expert FFN 512), the rest approximately: every layer has full attention
 (16 heads, 2 KV heads, head dim 256) and the shared expert is left out (the qwen3moe graph has none).
+
+The file carries a small byte-level BPE tokenizer (``gpt2`` model, ``qwen2`` pre-tokenizer) so llama.cpp and
+``forge run`` load it: the 256 byte tokens, ``<|endoftext|>`` (BOS and EOS), ``<|im_start|>``,
+``<|im_end|>`` and a ChatML template, then lowercase "words" ("ab", " ab", "abc", ...) built by merges
+until the geometry's vocabulary size is reached, so the embedding and output keep their real shapes and
+random logits decode to random words rather than nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import count, islice, product
 from pathlib import Path
+from string import ascii_lowercase
 from typing import Annotated, Any
 
 import numpy as np
@@ -25,6 +33,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from forge.errors import ForgeError
 from forge.gguf_file import KV, TensorSpec, write_gguf
+from forge.options import require_choice, require_int, require_seed
+from runtime.tokenizer import _byte_to_unicode
 
 Q = GGMLQuantizationType
 
@@ -135,26 +145,27 @@ def synth_tensors(g: SynthGeometry, qtype: Q) -> list[TensorSpec]:
 
 def synthesize(
     dest: str | Path, geometry: str | SynthGeometry, qtype: str = "q4_k", layers: int | None = None,
-    vocab: int | None = None, seed: int = 0,
+    vocab: int | None = None, seed: int = 0, **overrides: int | None,
 ) -> int:  # fmt: skip
-    """Write the synthetic GGUF; returns its size in bytes."""
+    """Write the synthetic GGUF; returns its size in bytes.
+
+    ``layers``, ``vocab`` and ``overrides`` (any other SynthGeometry field) replace the geometry's values
+    where not None. Everything is checked before any work.
+    """
     g = GEOMETRIES.get(geometry) if isinstance(geometry, str) else geometry
     if g is None:
         raise ForgeError(f"unknown geometry {geometry!r} (known: {', '.join(GEOMETRIES)})")
-    if layers is not None:
-        if layers < 1:
-            raise ForgeError("--layers must be >= 1")
-        g = SynthGeometry(**{**g.__dict__, "layers": layers})
-    if vocab is not None:
-        g = SynthGeometry(**{**g.__dict__, "vocab": vocab})
-    try:
-        t = Q[qtype.upper()]
-    except KeyError:
-        raise ForgeError(f"unknown quant type {qtype!r}") from None
+    changes = {k: v for k, v in {"layers": layers, "vocab": vocab, **overrides}.items() if v is not None}
+    g = replace(g, **changes)
+    require_choice("--type", qtype.lower(), [t.name.lower() for t in _FP16_FIELDS])
+    t = Q[qtype.upper()]
+    check_geometry(g, t)
+    require_seed("--seed", seed)
     rng = np.random.default_rng(seed)
     pool = _BlockPool(t, rng)
     # Attention of random weights adds nearly the same vector to every token; kept small, the residual
-    # stream stays token-specific and so does routing (as in a trained model).
+    # stream stays token-specific and so does routing (as in a trained model). A small output keeps the
+    # logits in a trained model's range (std ~3, not ~300), so sampling gives varied text.
     quiet = _BlockPool(t, rng, scale=1e-4)
     specs = synth_tensors(g, t)
 
@@ -168,10 +179,86 @@ def synthesize(
             elif s.ggml_type == Q.F32:
                 yield np.ones(s.shape, np.float32)  # norms: 1 keeps the common component out of routing
             else:
-                yield (quiet if "attn_output" in s.name or "attn_v" in s.name else pool).writer(s.nbytes)
+                small = s.name == "output.weight" or ".attn_output." in s.name or ".attn_v." in s.name
+                yield (quiet if small else pool).writer(s.nbytes)
 
     name = geometry if isinstance(geometry, str) else "custom"
-    return write_gguf(dest, _kvs(g, name), specs, data())
+    return write_gguf(dest, _kvs(g, name) + tokenizer_kvs(g.vocab), specs, data())
+
+
+# Upper bounds keep a typo from asking for a file no disk holds; experts: llama.cpp's LLAMA_MAX_EXPERTS.
+MAX_LAYERS, MAX_EXPERTS, MAX_DIM, MAX_HEADS = 1024, 512, 65536, 1024
+
+
+def check_geometry(g: SynthGeometry, t: Q) -> None:
+    """Every dimension in range and a whole number of ``t``'s blocks where it is a row length."""
+    block = GGML_QUANT_SIZES[t][0]
+    require_int("--layers", g.layers, 1, MAX_LAYERS)
+    require_int("--experts", g.experts, 1, MAX_EXPERTS)
+    require_int("--experts-used", g.experts_used, 1, g.experts)
+    require_int("--heads", g.heads, 1, MAX_HEADS)
+    require_int("--kv-heads", g.kv_heads, 1, g.heads)
+    if g.heads % g.kv_heads:
+        raise ForgeError(f"--heads ({g.heads}) must be a multiple of --kv-heads ({g.kv_heads})")
+    require_int("--head-dim", g.head_dim, 2, MAX_DIM)
+    if g.head_dim % 2:
+        raise ForgeError(f"--head-dim must be even (RoPE rotates pairs), not {g.head_dim}")
+    require_int("--vocab", g.vocab, MIN_VOCAB, MAX_VOCAB)
+    require_int("context", g.context, 1, 2**31 - 1)
+    rows = {"--hidden": g.hidden, "--expert-ff": g.expert_ff, "--heads x --head-dim": g.heads * g.head_dim}
+    for option, n in rows.items():
+        require_int(option, n, block, MAX_DIM)
+        if n % block:
+            raise ForgeError(f"{option} must be a multiple of {block} ({t.name} blocks), not {n}")
+
+
+# --- tokenizer ----------------------------------------------------------------------------------------------
+NORMAL, CONTROL = 1, 3  # llama.cpp's token types
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+MIN_VOCAB, MAX_VOCAB = 256 + len(SPECIALS), 1 << 20
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _words() -> Iterator[str]:
+    """ " a".." z", then "aa", " aa" .. "zz", " zz", then three letters, ...: each one merge from a shorter one."""
+    space = _byte_to_unicode()[ord(" ")]
+    for n in count(1):
+        for letters in product(ascii_lowercase, repeat=n):
+            word = "".join(letters)
+            yield space + word
+            if n > 1:
+                yield word
+
+
+def synth_tokens(vocab: int) -> tuple[list[str], list[int], list[str]]:
+    """Tokens, token types and merges of the synthetic byte-level BPE vocabulary of ``vocab`` entries."""
+    byte_map = _byte_to_unicode()
+    tokens = [byte_map[b] for b in range(256)] + list(SPECIALS)
+    types = [NORMAL] * 256 + [CONTROL] * len(SPECIALS)
+    words = list(islice(_words(), max(vocab - len(tokens), 0)))
+    merges = [f"{w[:-1]} {w[-1]}" for w in words]
+    return tokens + words, types + [NORMAL] * len(words), merges
+
+
+def tokenizer_kvs(vocab: int) -> list[KV]:
+    tokens, types, merges = synth_tokens(vocab)
+    eot = SPECIALS.index("<|endoftext|>") + 256
+    arr, s, u = GGUFValueType.ARRAY, GGUFValueType.STRING, GGUFValueType.UINT32
+    return [
+        KV("tokenizer.ggml.model", "gpt2", s),
+        KV("tokenizer.ggml.pre", "qwen2", s),
+        KV("tokenizer.ggml.tokens", tokens, arr, s),
+        KV("tokenizer.ggml.token_type", types, arr, GGUFValueType.INT32),
+        KV("tokenizer.ggml.merges", merges, arr, s),
+        KV("tokenizer.ggml.bos_token_id", eot, u),  # explicit: llama.cpp's gpt2 default is token 11
+        KV("tokenizer.ggml.eos_token_id", eot, u),
+        KV("tokenizer.ggml.padding_token_id", eot, u),
+        KV("tokenizer.ggml.add_bos_token", False, GGUFValueType.BOOL),
+        KV("tokenizer.chat_template", CHATML, s),
+    ]
 
 
 def synth(
@@ -181,7 +268,20 @@ def synth(
     layers: Annotated[int | None, typer.Option(help="fewer layers than the geometry's")] = None,
     vocab: Annotated[int | None, typer.Option(help="vocabulary size (default: the geometry's)")] = None,
     seed: Annotated[int, typer.Option(help="random seed")] = 0,
+    experts: Annotated[int | None, typer.Option(help="routed experts per layer")] = None,
+    experts_used: Annotated[int | None, typer.Option(help="experts chosen per token")] = None,
+    hidden: Annotated[int | None, typer.Option(help="embedding length")] = None,
+    expert_ff: Annotated[int | None, typer.Option(help="expert FFN length")] = None,
+    heads: Annotated[int | None, typer.Option(help="attention heads")] = None,
+    kv_heads: Annotated[int | None, typer.Option(help="KV heads")] = None,
+    head_dim: Annotated[int | None, typer.Option(help="head dimension")] = None,
 ) -> None:
-    """Write a GGUF with random well-formed quantized weights in a real model's geometry (benchmarks)."""
-    size = synthesize(output, geometry, type_, layers, vocab, seed)
+    """Write a GGUF with random well-formed quantized weights in a real model's geometry (benchmarks).
+
+    The geometry options (default: the geometry's own) make small custom models, e.g. for tests.
+    """
+    size = synthesize(
+        output, geometry, type_, layers, vocab, seed, experts=experts, experts_used=experts_used,
+        hidden=hidden, expert_ff=expert_ff, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+    )  # fmt: skip
     typer.echo(f"{output}: {size / 1e9:.2f} GB, {geometry}, {type_}")
