@@ -1,0 +1,584 @@
+"""Triton kernels that compute directly on GGUF blocks (the ``cuda`` backend's weight products).
+
+    linear(x, raw, qtype)                 x (T, K) @ W.T, W (N, K) held as GGUF rows uint8 (N, row_bytes)
+    moe_linear(x, raw, qtype, ids)        per (token, slot): x @ W[ids[t, s]].T, raw (E, N, row_bytes)
+
+Both pick a GEMV kernel for decode (T <= 8: the weights are read once, every token's products are
+summed from the same dequantized registers) and a dequant-in-kernel GEMM (``tl.dot``) for prefill.
+MoE prefill groups the (token, slot) pairs by expert on the device (sort, scatter counts, a tile ->
+expert table with a fixed upper bound on the tile count), so no call synchronizes with the host.
+
+The blocks are decoded in registers by the same formulas as runtime/dequant_*.py (ggml's layouts
+and order of operations), in float32; products accumulate in float32. A weight tile is handled as
+[rows, groups, group] where a group is the run of values that shares one scale, so per-group fields
+(scales, minimums, sign words) are loaded once per group rather than once per value.
+
+Types without a kernel fall back to ``runtime.dequant.dequantize`` + ``torch.matmul`` (logged once).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+try:  # CI machines have no triton; the module still imports so callers can ask ``available()``
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+    tl = None
+
+T = GGMLQuantizationType
+log = logging.getLogger(__name__)
+
+# Values per group that shares one scale (the tile's innermost axis); floats use one 64-value group.
+_GROUP = {
+    T.F32: 64,
+    T.F16: 64,
+    T.BF16: 64,
+    T.Q8_0: 32,
+    T.Q2_K: 16,
+    T.Q3_K: 16,
+    T.Q4_K: 32,
+    T.Q5_K: 32,
+    T.Q6_K: 16,
+    T.IQ4_NL: 32,
+    T.IQ4_XS: 32,
+    T.IQ2_XXS: 32,
+    T.IQ2_XS: 16,
+    T.IQ3_XXS: 32,
+}
+_FLOAT_DTYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
+_PRECISIONS = {"tf32": 0, "ieee": 1, "fp16": 2, "bf16": 3}
+# Largest unit roundoff of each product precision's operands (tf32 may truncate: 2^-10, not 2^-11).
+UNIT_ROUNDOFF = {"tf32": 2.0**-10, "ieee": 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8}
+DECODE_TOKENS = 8
+_warned: set[str] = set()
+
+
+def available() -> bool:
+    """Triton imports and CUDA is present."""
+    return triton is not None and torch.cuda.is_available()
+
+
+def supported_types() -> list[GGMLQuantizationType]:
+    return sorted(_GROUP, key=int)
+
+
+def supports(qtype: GGMLQuantizationType | int) -> bool:
+    return int(qtype) in {int(t) for t in _GROUP}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decoding one tile of blocks in registers
+# ---------------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _u8(ptr):
+        return tl.load(ptr).to(tl.int32)
+
+    @triton.jit
+    def _f16(ptr):
+        lo = tl.load(ptr).to(tl.uint16)
+        hi = tl.load(ptr + 1).to(tl.uint16)
+        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _i8(ptr):
+        return tl.load(ptr).to(tl.int8, bitcast=True).to(tl.int32)
+
+    @triton.jit
+    def _parity_sign(bits, p):
+        """+1/-1 of value p (0..7) for a 7-bit sign index (ggml's ksigns_iq2xs: bit 7 = parity)."""
+        v = bits ^ (bits >> 4)
+        v = v ^ (v >> 2)
+        v = v ^ (v >> 1)
+        bit = tl.where(p < 7, (bits >> p) & 1, v & 1)
+        return (1 - 2 * bit).to(tl.float32)
+
+    @triton.jit
+    def _k4_scale_min(w, bp, g):
+        """get_scale_min_k4 for group g (0..7) of the 12 scale bytes at bp + 4."""
+        gl = g % 4
+        a = _u8(w + bp + 4 + gl)
+        b = _u8(w + bp + 8 + gl)
+        c = _u8(w + bp + 12 + gl)
+        sc = tl.where(g < 4, a & 63, (c & 15) | ((a >> 6) << 4))
+        m = tl.where(g < 4, b & 63, (c >> 4) | ((b >> 6) << 4))
+        return sc.to(tl.float32), m.to(tl.float32)
+
+    @triton.jit
+    def _decode(w, bp, jg, si, kmask, tab, QT: tl.constexpr):
+        """Values of a tile: bp [R, G, 1] byte offset of each group's block, jg [1, G, 1] the group's
+        first value within its block, si [1, 1, S] the value within the group -> float32 [R, G, S].
+        For the float types bp is the element offset of the group's first value."""
+        if QT == 0 or QT == 1 or QT == 30:  # F32, F16, BF16
+            return tl.load(w + bp + si, mask=kmask, other=0.0).to(tl.float32)
+        elif QT == 8:  # Q8_0: fp16 d | int8 q[32]
+            return _i8(w + bp + 2 + si).to(tl.float32) * _f16(w + bp)
+        elif QT == 12 or QT == 13:  # Q4_K / Q5_K: d | dmin | scales[12] | (Q5_K: qh[32]) | qs[128]
+            g = jg // 32
+            sc, m = _k4_scale_min(w, bp, g)
+            dl = _f16(w + bp) * sc
+            ml = _f16(w + bp + 2) * m
+            if QT == 12:
+                q = (_u8(w + bp + 16 + (g // 2) * 32 + si) >> ((g % 2) * 4)) & 15
+            else:
+                q = (_u8(w + bp + 48 + (g // 2) * 32 + si) >> ((g % 2) * 4)) & 15
+                q = q | (((_u8(w + bp + 16 + si) >> g) & 1) << 4)
+            return dl * q.to(tl.float32) - ml
+        elif QT == 14:  # Q6_K: ql[128] | qh[64] | int8 scales[16] | d
+            j = jg + si
+            r = j // 128
+            jj = j % 128
+            ql = (_u8(w + bp + r * 64 + jj % 64) >> ((jj // 64) * 4)) & 15
+            qh = (_u8(w + bp + 128 + r * 32 + jj % 32) >> (2 * (jj // 32))) & 3
+            dl = _f16(w + bp + 208) * _i8(w + bp + 192 + jg // 16).to(tl.float32)
+            return dl * ((ql | (qh << 4)) - 32).to(tl.float32)
+        elif QT == 10:  # Q2_K: scales[16] | qs[64] | d | dmin
+            j = jg + si
+            scb = _u8(w + bp + jg // 16)
+            dl = _f16(w + bp + 80) * (scb & 15).to(tl.float32)
+            ml = _f16(w + bp + 82) * (scb >> 4).to(tl.float32)
+            jj = j % 128
+            q = (_u8(w + bp + 16 + (j // 128) * 32 + jj % 32) >> (2 * (jj // 32))) & 3
+            return dl * q.to(tl.float32) - ml
+        elif QT == 11:  # Q3_K: hmask[32] | qs[64] | scales[12] | d
+            j = jg + si
+            i = jg // 16
+            low = (_u8(w + bp + 96 + i % 8) >> ((i // 8) * 4)) & 15
+            high = (_u8(w + bp + 104 + i % 4) >> (2 * (i // 4))) & 3
+            dl = _f16(w + bp + 108) * ((low | (high << 4)) - 32).to(tl.float32)
+            jj = j % 128
+            q2 = (_u8(w + bp + 32 + (j // 128) * 32 + jj % 32) >> (2 * (jj // 32))) & 3
+            hb = (_u8(w + bp + j % 32) >> (j // 32)) & 1
+            return dl * (q2 + 4 * hb - 4).to(tl.float32)
+        elif QT == 20:  # IQ4_NL: d | 16 B nibbles
+            nib = (_u8(w + bp + 2 + si % 16) >> ((si // 16) * 4)) & 15
+            return _f16(w + bp) * tl.load(tab + nib)
+        elif QT == 23:  # IQ4_XS: d | scales_h u16 | scales_l[4] | qs[128]
+            g = jg // 32
+            low = (_u8(w + bp + 4 + g // 2) >> ((g % 2) * 4)) & 15
+            high = (_u8(w + bp + 2 + g // 4) >> ((g % 4) * 2)) & 3
+            dl = _f16(w + bp) * ((low | (high << 4)) - 32).to(tl.float32)
+            nib = (_u8(w + bp + 8 + g * 16 + si % 16) >> ((si // 16) * 4)) & 15
+            return dl * tl.load(tab + nib)
+        elif QT == 16:  # IQ2_XXS: d | 8 x (4 grid-index bytes, u32: 4 x 7 sign bits + 4-bit scale)
+            sub = bp + 2 + (jg // 32) * 8
+            aux = (
+                _u8(w + sub + 4)
+                | (_u8(w + sub + 5) << 8)
+                | (_u8(w + sub + 6) << 16)
+                | (_u8(w + sub + 7) << 24)
+            )
+            db = _f16(w + bp) * (0.5 + (_u8(w + sub + 7) >> 4).to(tl.float32)) * 0.25
+            k = si // 8
+            gv = tl.load(tab + _u8(w + sub + k) * 8 + si % 8)
+            return db * gv * _parity_sign((aux >> (7 * k)) & 127, si % 8)
+        elif QT == 17:  # IQ2_XS: d | 32 x u16 (9-bit grid index, 7-bit sign index) | scales[8]
+            i16 = jg // 16
+            sc = (_u8(w + bp + 66 + i16 // 2) >> ((i16 % 2) * 4)) & 15
+            db = _f16(w + bp) * (0.5 + sc.to(tl.float32)) * 0.25
+            pair = (jg + si) // 8
+            qs = _u8(w + bp + 2 + 2 * pair) | (_u8(w + bp + 3 + 2 * pair) << 8)
+            gv = tl.load(tab + (qs & 511) * 8 + si % 8)
+            return db * gv * _parity_sign(qs >> 9, si % 8)
+        elif QT == 18:  # IQ3_XXS: d | qs[64] (grid indices, 4 values each) | 8 x u32 (signs + scale)
+            s = jg // 32
+            ap = bp + 66 + 4 * s
+            aux = (
+                _u8(w + ap)
+                | (_u8(w + ap + 1) << 8)
+                | (_u8(w + ap + 2) << 16)
+                | ((_u8(w + ap + 3) & 15) << 24)
+            )
+            db = _f16(w + bp) * (0.5 + (_u8(w + ap + 3) >> 4).to(tl.float32)) * 0.5
+            gv = tl.load(tab + _u8(w + bp + 2 + s * 8 + si // 4) * 4 + si % 4)
+            return db * gv * _parity_sign((aux >> (7 * (si // 8))) & 127, si % 8)
+        else:
+            tl.static_assert(False, "no kernel for this GGUF type")
+
+    @triton.jit
+    def _tile_offsets(k0, row_off, K, G: tl.constexpr, S: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr):
+        """Block offsets for the K-tile starting at k0: bp [R, G, 1], jg [1, G, 1], si [1, 1, S], kg, kmask."""
+        gi = tl.arange(0, G)[None, :, None]
+        si = tl.arange(0, S)[None, None, :]
+        kg = k0 + gi * S
+        bp = row_off[:, None, None] + (kg // BS).to(tl.int64) * TS
+        kmask = (kg + si) < K
+        return bp, kg % BS, si, kg, kmask
+
+    # ------------------------------------------------------------------------------------------------
+    # Decode: GEMV over a few tokens; grouped MoE GEMV
+    # ------------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _gemv_kernel(
+        x,
+        w,
+        y,
+        tab,
+        ids,
+        N,
+        K,
+        row_stride,
+        sx_tok,
+        sx_slot,
+        sy_tok,
+        TOPK: tl.constexpr,
+        NT: tl.constexpr,
+        NTP: tl.constexpr,
+        QT: tl.constexpr,
+        BS: tl.constexpr,
+        TS: tl.constexpr,
+        S: tl.constexpr,
+        G: tl.constexpr,
+        BN: tl.constexpr,
+        MOE: tl.constexpr,
+    ):
+        """Dense: one program covers BN rows for all NT tokens. MoE (NT = 1): program axis 1 is the
+        (token, slot) pair; its expert id is read on the device."""
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nc = tl.minimum(n, N - 1).to(tl.int64)
+        if MOE:
+            pair = tl.program_id(1)
+            e = tl.load(ids + pair).to(tl.int64)
+            row_off = (e * N + nc) * row_stride
+            x = x + (pair // TOPK) * sx_tok + (pair % TOPK) * sx_slot
+            y = y + pair.to(tl.int64) * sy_tok
+        else:
+            row_off = nc * row_stride
+        tcol = tl.arange(0, NTP)
+        acc = tl.zeros([BN, NTP], dtype=tl.float32)
+        for k0 in range(0, K, G * S):
+            bp, jg, si, kg, kmask = _tile_offsets(k0, row_off, K, G, S, BS, TS)
+            wt = _decode(w, bp, jg, si, kmask, tab, QT)
+            for t in tl.static_range(NT):
+                xt = tl.load(x + t * sx_tok + kg + si, mask=kmask, other=0.0).to(tl.float32)
+                part = tl.sum(tl.sum(wt * xt, axis=2), axis=1)
+                acc += tl.where(tcol[None, :] == t, part[:, None], 0.0)
+        out = y + tcol[None, :] * sy_tok + n[:, None]
+        tl.store(out, acc, mask=(n[:, None] < N) & (tcol[None, :] < NT))
+
+    # ------------------------------------------------------------------------------------------------
+    # Prefill: GEMM with the weight tile decoded in registers; grouped MoE GEMM
+    # ------------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _dot(a, b, acc, PREC: tl.constexpr):
+        if PREC == 0:
+            return tl.dot(a, b, acc, input_precision="tf32")
+        elif PREC == 1:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        elif PREC == 2:
+            return tl.dot(a.to(tl.float16), b.to(tl.float16), acc)
+        else:
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+
+    @triton.jit
+    def _gemm_kernel(
+        x,
+        w,
+        y,
+        tab,
+        order,
+        tile_expert,
+        tile_start,
+        tile_rows,
+        M,
+        N,
+        K,
+        row_stride,
+        sx_tok,
+        sx_slot,
+        sy,
+        TOPK: tl.constexpr,
+        QT: tl.constexpr,
+        BS: tl.constexpr,
+        TS: tl.constexpr,
+        S: tl.constexpr,
+        G: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        PREC: tl.constexpr,
+        MOE: tl.constexpr,
+    ):
+        """Dense: rows m of x. MoE: tile pid_m holds up to BM (token, slot) pairs of one expert, listed
+        by ``order[tile_start : tile_start + tile_rows]``; tiles past the last have 0 rows."""
+        pid_m = tl.program_id(1)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nc = tl.minimum(n, N - 1).to(tl.int64)
+        r = tl.arange(0, BM)
+        if MOE:
+            rows = tl.load(tile_rows + pid_m)
+            if rows == 0:
+                return
+            e = tl.load(tile_expert + pid_m).to(tl.int64)
+            rmask = r < rows
+            pair = tl.load(order + tl.load(tile_start + pid_m) + r, mask=rmask, other=0).to(tl.int64)
+            xrow = (pair // TOPK) * sx_tok + (pair % TOPK) * sx_slot
+            yrow = pair * sy
+            row_off = (e * N + nc) * row_stride
+        else:
+            m = pid_m * BM + r
+            rmask = m < M
+            xrow = m.to(tl.int64) * sx_tok
+            yrow = m.to(tl.int64) * sy
+            row_off = nc * row_stride
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, G * S):
+            bp, jg, si, kg, kmask = _tile_offsets(k0, row_off, K, G, S, BS, TS)
+            wt = tl.reshape(_decode(w, bp, jg, si, kmask, tab, QT), (BN, G * S))
+            k = k0 + tl.arange(0, G * S)
+            xt = tl.load(x + xrow[:, None] + k[None, :], mask=rmask[:, None] & (k[None, :] < K), other=0.0)
+            acc = _dot(xt.to(tl.float32), tl.trans(wt), acc, PREC)
+        tl.store(y + yrow[:, None] + n[None, :], acc, mask=rmask[:, None] & (n[None, :] < N))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------------
+
+_TABLES: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _table(qtype: GGMLQuantizationType, device: torch.device) -> torch.Tensor:
+    """The codebook a type decodes through (float32, on ``device``); a 1-value dummy for the others."""
+    key = (int(qtype), str(device))
+    if key not in _TABLES:
+        from gguf import quants as gq
+
+        from runtime import dequant_iquants as iq
+
+        if qtype in (T.IQ4_NL, T.IQ4_XS):
+            t = torch.tensor(iq._IQ4_VALUES, dtype=torch.float32)
+        elif qtype in (T.IQ2_XXS, T.IQ2_XS, T.IQ3_XXS):
+            cls = {T.IQ2_XXS: gq.IQ2_XXS, T.IQ2_XS: gq.IQ2_XS, T.IQ3_XXS: gq.IQ3_XXS}[qtype]
+            t = iq._grid(cls, torch.device("cpu")).reshape(-1)
+        else:
+            t = torch.zeros(1, dtype=torch.float32)
+        _TABLES[key] = t.contiguous().to(device)
+    return _TABLES[key]
+
+
+def _geometry(qtype: GGMLQuantizationType, raw: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int, int]:
+    """(weights as the kernel reads them, K, row stride in its elements, BS, TS, S)."""
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    row_bytes = raw.shape[-1]
+    if row_bytes % ts:
+        raise ValueError(f"{qtype.name}: rows of {row_bytes} bytes are not whole {ts}-byte blocks")
+    k = row_bytes // ts * bs
+    if qtype in _FLOAT_DTYPES:
+        w = raw.view(_FLOAT_DTYPES[qtype])
+        return w, k, w.shape[-1], 1, 1, _GROUP[qtype]
+    return raw, k, row_bytes, bs, ts, _GROUP[qtype]
+
+
+def _groups(k: int, s: int, bs: int, most: int) -> int:
+    """Groups per K-tile: a power of two, at most ``most`` values, whose tiles never straddle K's end
+    for block types (the float types mask their last tile)."""
+    g = max(1, most // s)
+    if bs > 1:
+        while g > 1 and k % (g * s):
+            g //= 2
+    return g
+
+
+def _fallback(qtype: GGMLQuantizationType, why: str) -> None:
+    if qtype.name not in _warned:
+        _warned.add(qtype.name)
+        log.warning("cuda kernels: %s %s; using torch dequantize + matmul for it", qtype.name, why)
+
+
+def _reference(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    from runtime.dequant import dequantize
+
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    w = dequantize(raw, qtype, raw.shape[-1] // ts * bs)
+    return x.float() @ w.transpose(-1, -2)
+
+
+def _can_run(x: torch.Tensor, qtype: GGMLQuantizationType) -> bool:
+    if not supports(qtype):
+        _fallback(qtype, "has no kernel")
+        return False
+    if triton is None or x.device.type != "cuda":
+        import os
+
+        return bool(triton is not None and os.environ.get("TRITON_INTERPRET") == "1")
+    return True
+
+
+def linear(
+    x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType | int, precision: str = "tf32"
+) -> torch.Tensor:
+    """x (..., K) @ W.T for W held as GGUF rows ``raw`` uint8 (N, row_bytes) -> float32 (..., N).
+
+    Up to DECODE_TOKENS rows take the GEMV kernel (exact float32 products); more take the GEMM
+    kernel, whose operands are rounded to ``precision`` ("tf32", "ieee", "fp16", "bf16")."""
+    qtype = T(int(qtype))
+    lead, kx = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, kx)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    if not _can_run(x, qtype):
+        return _reference(x2, raw, qtype).view(*lead, raw.shape[0])
+    w, k, stride, bs, ts, s = _geometry(qtype, raw)
+    if kx != k:
+        raise ValueError(f"linear: x has {kx} values per row, the {qtype.name} weight rows hold {k}")
+    n, m = raw.shape[0], x2.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32, device=x.device)
+    tab = _table(qtype, x.device)
+    if m <= DECODE_TOKENS:
+        _launch_gemv(x2, w, y, tab, None, n, k, stride, x2.stride(0), 0, n, 1, m, qtype, bs, ts, s)
+    else:
+        _launch_gemm(x2, w, y, tab, None, m, n, k, stride, x2.stride(0), 0, n, 1, qtype, bs, ts, s, precision)
+    return y.view(*lead, n)
+
+
+def moe_linear(
+    x: torch.Tensor,
+    raw: torch.Tensor,
+    qtype: GGMLQuantizationType | int,
+    ids: torch.Tensor,
+    precision: str = "tf32",
+) -> torch.Tensor:
+    """Every selected expert's product in one launch: out[t, s] = x[t] @ W[ids[t, s]].T.
+
+    ``raw`` uint8 (E, N, row_bytes); ``x`` (T, K) shared by a token's slots or (T, top_k, K), one row
+    per slot (the down projection); ``ids`` (T, top_k) integer expert ids on x's device. Returns
+    float32 (T, top_k, N). Decode (T * top_k <= 64 pairs) takes the GEMV kernel, one program per
+    pair; more pairs are grouped by expert on the device and take the GEMM kernel."""
+    qtype = T(int(qtype))
+    n_tok, top_k = ids.shape
+    e_count, n = raw.shape[0], raw.shape[1]
+    per_slot = x.dim() == 3
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if not _can_run(x, qtype):
+        w_sel = raw[ids.reshape(-1).long()]
+        xs = x.reshape(n_tok * top_k, 1, -1) if per_slot else x.repeat_interleave(top_k, 0).unsqueeze(1)
+        return _reference(xs, w_sel, qtype).view(n_tok, top_k, n)
+    w, k, stride, bs, ts, s = _geometry(qtype, raw)
+    if x.shape[-1] != k:
+        raise ValueError(f"moe_linear: x has {x.shape[-1]} values per row, the {qtype.name} rows hold {k}")
+    sx_tok = x.stride(0)
+    sx_slot = x.stride(1) if per_slot else 0
+    y = torch.empty((n_tok, top_k, n), dtype=torch.float32, device=x.device)
+    tab = _table(qtype, x.device)
+    ids = ids.contiguous()
+    pairs = n_tok * top_k
+    if pairs <= DECODE_TOKENS * 8:
+        _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, n, top_k, 1, qtype, bs, ts, s, pairs)
+        return y
+    bm = 64
+    order, tile_expert, tile_start, tile_rows = _group_by_expert(ids, e_count, bm)
+    maps = (order, tile_expert, tile_start, tile_rows)
+    _launch_gemm(
+        x, w, y, tab, maps, 0, n, k, stride, sx_tok, sx_slot, n, top_k, qtype, bs, ts, s, precision, bm
+    )
+    return y
+
+
+def _group_by_expert(
+    ids: torch.Tensor, e_count: int, bm: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token, slot) pairs sorted by expert, cut in tiles of <= bm pairs of one expert, on the device.
+
+    The tile count is bounded on the host (ceil(pairs / bm) + min(E, pairs)); the spare tiles get 0 rows
+    and return at once, so nothing here waits for the device."""
+    flat = ids.reshape(-1).long()
+    pairs = flat.numel()
+    order = torch.sort(flat, stable=True).indices.to(torch.int32)
+    counts = torch.zeros(e_count, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    tiles = (counts + bm - 1) // bm
+    tile_end = torch.cumsum(tiles, 0)
+    b = torch.arange(-(-pairs // bm) + min(e_count, pairs), device=ids.device)
+    tile_e = torch.searchsorted(tile_end, b, right=True)
+    ec = tile_e.clamp(max=e_count - 1)
+    row0 = (b - (tile_end[ec] - tiles[ec])) * bm
+    seg_start = torch.cumsum(counts, 0) - counts
+    rows = (counts[ec] - row0).clamp(0, bm).masked_fill(tile_e >= e_count, 0)
+    return order, ec.to(torch.int32), (seg_start[ec] + row0).to(torch.int32), rows.to(torch.int32)
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, sy, top_k, nt, qtype, bs, ts, s, pairs=0):
+    moe = ids is not None
+    bn = 16 if moe or n <= 4096 else 32
+    g = _groups(k, s, bs, 256 if nt <= 4 else 128)
+    grid = (triton.cdiv(n, bn), pairs if moe else 1)
+    _gemv_kernel[grid](
+        x,
+        w,
+        y,
+        tab,
+        ids if moe else tab,
+        n,
+        k,
+        stride,
+        sx_tok,
+        sx_slot,
+        sy,
+        TOPK=top_k,
+        NT=nt,
+        NTP=max(2, _next_pow2(nt)),
+        QT=int(qtype),
+        BS=bs,
+        TS=ts,
+        S=s,
+        G=g,
+        BN=bn,
+        MOE=moe,
+        num_warps=4,
+    )
+
+
+def _launch_gemm(
+    x, w, y, tab, maps, m, n, k, stride, sx_tok, sx_slot, sy, top_k, qtype, bs, ts, s, precision, bm=128
+):
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(_PRECISIONS)}, not {precision!r}")
+    bn = 64
+    g = _groups(k, s, bs, 64)
+    if g * s < 16:  # tl.dot needs K-tiles of at least 16
+        g = max(g, 16 // s)
+    moe = maps is not None
+    order, tile_expert, tile_start, tile_rows = maps if moe else (tab, tab, tab, tab)
+    tiles_m = tile_rows.numel() if moe else triton.cdiv(m, bm)
+    _gemm_kernel[(triton.cdiv(n, bn), tiles_m)](
+        x,
+        w,
+        y,
+        tab,
+        order,
+        tile_expert,
+        tile_start,
+        tile_rows,
+        m,
+        n,
+        k,
+        stride,
+        sx_tok,
+        sx_slot,
+        sy,
+        TOPK=top_k,
+        QT=int(qtype),
+        BS=bs,
+        TS=ts,
+        S=s,
+        G=g,
+        BM=bm,
+        BN=bn,
+        PREC=_PRECISIONS[precision],
+        MOE=moe,
+        num_warps=4 if bm <= 64 else 8,
+    )

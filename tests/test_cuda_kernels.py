@@ -1,0 +1,190 @@
+"""The Triton kernels on GGUF blocks (runtime/backends/cuda_kernels.py) against the torch reference.
+
+Reference: ``runtime.dequant.dequantize`` (bit-exact with gguf) to float32, then a float64 product.
+Bounds:
+- GEMV (decode) and GEMM with precision "ieee": float32 products and sums; within 1e-4 of the output
+  scale (max |reference|).
+- GEMM with operands rounded to tf32 / fp16 / bf16 (unit roundoff u): each product w*x becomes
+  w(1+a) x(1+b) with |a|, |b| <= u, so |error| <= (2u + u^2) sum|w||x|, plus float32 accumulation
+  (K * 2^-24 sum|w||x|, a worst case). The test checks that bound per output element.
+
+Marked gpu: run on CUDA. On a machine with triton but no GPU, ``TRITON_INTERPRET=1`` runs the same
+tests on the CPU through Triton's interpreter (slow; for developing kernels).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+from runtime.backends import cuda_kernels as ck
+from runtime.dequant import dequantize
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and ck.triton is not None
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (ck.available() or _INTERPRET), reason="needs CUDA and triton"),
+]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Byte offsets of each type's fp16 scale fields (set to finite values; every other byte is random).
+_FP16_FIELDS = {
+    Q.Q8_0: (0,),
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+    Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),
+    Q.IQ2_XXS: (0,),
+    Q.IQ2_XS: (0,),
+    Q.IQ3_XXS: (0,),
+    Q.Q4_0: (0,),
+}
+TYPES = ck.supported_types()
+_FLOATS = {Q.F32: np.float32, Q.F16: np.float16, Q.BF16: None}
+
+
+def random_rows(qtype: Q, rows: int, k: int, seed: int = 0) -> torch.Tensor:
+    """uint8 (rows, row_bytes) of random well-formed ``qtype`` blocks (finite scales)."""
+    rng = np.random.default_rng(seed + 1000 * int(qtype))
+    if qtype in _FLOATS:
+        v = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32) * 0.05)
+        v = v.to({Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}[qtype])
+        return v.view(torch.uint8).reshape(rows, -1).contiguous()
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows * k // bs, ts), dtype=np.uint8)
+    for off in _FP16_FIELDS[qtype]:
+        d = rng.uniform(0.002, 0.02, blocks.shape[0]).astype(np.float16)
+        blocks[:, off : off + 2] = d.view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(blocks.reshape(rows, -1))
+
+
+def k_for(qtype: Q, blocks: int = 3) -> int:
+    """Several blocks per row; float rows get a length that is no multiple of any tile."""
+    return 100 if qtype in _FLOATS else blocks * GGML_QUANT_SIZES[qtype][0]
+
+
+def reference(x: torch.Tensor, raw: torch.Tensor, qtype: Q) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ W.T in float64, |x| @ |W|.T) with W decoded by the torch dequantizer."""
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    w = dequantize(raw.cpu(), qtype, raw.shape[-1] // ts * bs).double()
+    xd = x.cpu().double()
+    return xd @ w.T, xd.abs() @ w.abs().T
+
+
+def assert_close(y: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
+    err = (y.cpu().double() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert err <= rel * scale, f"max error {err:.3g} > {rel:g} x output scale {scale:.3g}"
+
+
+def assert_rounding_bound(y: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor, u: float, k: int) -> None:
+    bound = (2 * u + u * u + k * 2.0**-24) * mag + 1e-30
+    excess = ((y.cpu().double() - ref).abs() / bound).max().item()
+    assert excess <= 1.0, f"error reaches {excess:.3g} x the rounding bound (u = {u:g})"
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n_tok", [1, 3, 8])
+def test_gemv_matches_reference(qtype: Q, n_tok: int) -> None:
+    n, k = 80, k_for(qtype)  # 80 rows: no multiple of the 16/32-row tiles
+    raw = random_rows(qtype, n, k).to(DEVICE)
+    x = torch.randn(n_tok, k, generator=torch.Generator().manual_seed(n_tok)).to(DEVICE)
+    y = ck.linear(x, raw, qtype)
+    assert y.shape == (n_tok, n) and y.dtype == torch.float32
+    assert_close(y, reference(x, raw, qtype)[0])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("precision", ["ieee", "tf32", "fp16", "bf16"])
+def test_gemm_matches_reference(qtype: Q, precision: str) -> None:
+    if _INTERPRET and (precision == "bf16" or (precision != "ieee" and qtype not in (Q.Q4_K, Q.F16))):
+        pytest.skip("the interpreter has no bf16 dot, and its other precisions need one type each")
+    n, k, m = 72, k_for(qtype, blocks=2), 37
+    raw = random_rows(qtype, n, k, seed=1).to(DEVICE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    y = ck.linear(x, raw, qtype, precision=precision)
+    ref, mag = reference(x, raw, qtype)
+    if precision == "ieee":
+        assert_close(y, ref)
+    else:
+        assert_rounding_bound(y, ref, mag, ck.UNIT_ROUNDOFF[precision], k)
+
+
+def _moe_reference(x: torch.Tensor, raw: torch.Tensor, qtype: Q, ids: torch.Tensor):
+    n_tok, top_k = ids.shape
+    out = torch.empty(n_tok, top_k, raw.shape[1], dtype=torch.float64)
+    mag = torch.empty_like(out)
+    for t in range(n_tok):
+        for s in range(top_k):
+            xt = x[t, s] if x.dim() == 3 else x[t]
+            r, a = reference(xt[None], raw[int(ids[t, s])], qtype)
+            out[t, s], mag[t, s] = r[0], a[0]
+    return out, mag
+
+
+def _ids(n_tok: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, experts, (n_tok, top_k), generator=g)
+    ids[0, :] = ids[0, 0]  # repeated expert ids within a token
+    return ids.to(torch.int32)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("per_slot", [False, True], ids=["shared-x", "per-slot-x"])
+def test_moe_gemv_matches_reference(qtype: Q, per_slot: bool) -> None:
+    experts, n, k, n_tok, top_k = 5, 48, k_for(qtype, 2), 3, 4
+    raw = random_rows(qtype, experts * n, k, seed=2).view(experts, n, -1).to(DEVICE)
+    ids = _ids(n_tok, top_k, experts, 3).to(DEVICE)
+    shape = (n_tok, top_k, k) if per_slot else (n_tok, k)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    y = ck.moe_linear(x, raw, qtype, ids)
+    assert y.shape == (n_tok, top_k, n)
+    assert_close(y, _moe_reference(x.cpu(), raw.cpu(), qtype, ids.cpu())[0])
+
+
+@pytest.mark.parametrize(
+    "qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS, Q.F16] if _INTERPRET else TYPES, ids=lambda t: t.name
+)
+@pytest.mark.parametrize("skewed", [False, True], ids=["spread", "one-expert"])
+def test_moe_gemm_groups_by_expert(qtype: Q, skewed: bool) -> None:
+    experts, n, k, n_tok, top_k = 6, 40, k_for(qtype, 1), 40 if not skewed else 70, 2
+    raw = random_rows(qtype, experts * n, k, seed=6).view(experts, n, -1).to(DEVICE)
+    ids = _ids(n_tok, top_k, experts, 7)
+    if skewed:  # one expert takes more than a 64-pair tile; the others none
+        ids[:, 0] = 4
+        ids[:, 1] = 4
+    ids = ids.to(DEVICE)
+    x = torch.randn(n_tok, top_k, k, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    y = ck.moe_linear(x, raw, qtype, ids, precision="ieee")
+    assert_close(y, _moe_reference(x.cpu(), raw.cpu(), qtype, ids.cpu())[0])
+    if not _INTERPRET:
+        y16 = ck.moe_linear(x, raw, qtype, ids, precision="bf16")
+        ref, mag = _moe_reference(x.cpu(), raw.cpu(), qtype, ids.cpu())
+        assert_rounding_bound(y16, ref, mag, ck.UNIT_ROUNDOFF["bf16"], k)
+
+
+def test_group_by_expert_tiles_cover_every_pair_once() -> None:
+    ids = torch.tensor([[3, 3], [0, 3], [3, 1], [3, 3]], dtype=torch.int32, device=DEVICE)
+    order, expert, start, rows = (t.cpu() for t in ck._group_by_expert(ids, 5, bm=2))
+    seen = []
+    for e, s, r in zip(expert.tolist(), start.tolist(), rows.tolist(), strict=True):
+        pairs = order[s : s + r].tolist()
+        assert all(int(ids.view(-1)[p]) == e for p in pairs)
+        seen += pairs
+    assert sorted(seen) == list(range(8))
+
+
+def test_type_without_kernel_falls_back_to_torch() -> None:
+    qtype, n, k = Q.Q4_0, 24, 64
+    assert not ck.supports(qtype)
+    raw = random_rows(qtype, n, k).to(DEVICE)
+    x = torch.randn(2, k).to(DEVICE)
+    assert_close(ck.linear(x, raw, qtype), reference(x, raw, qtype)[0])
