@@ -35,7 +35,7 @@ def require_float(
         raise ForgeError(f"{option} must be a finite number, not {value}")
     below = lo is not None and (value <= lo if lo_open else value < lo)
     if below or (hi is not None and value > hi):
-        raise ForgeError(f"{option} must be {_span(lo, hi, lo_open)}, not {value:g}")
+        raise ForgeError(f"{option} must be {_span(lo, hi, lo_open)}, not {_num(value)}")
 
 
 def require_seed(option: str, value: int | None) -> None:
@@ -56,7 +56,11 @@ def require_context(option: str, value: int | None, model_context: int | None, l
 
 def _span(lo: float | None, hi: float | None, lo_open: bool = False) -> str:
     if lo is not None and hi is not None:
-        return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        return f"in {'(' if lo_open else '['}{_num(lo)}, {_num(hi)}]"
     if lo is not None:
-        return f"{'>' if lo_open else '>='} {lo:g}"
-    return f"<= {hi:g}"
+        return f"{'>' if lo_open else '>='} {_num(lo)}"
+    return f"<= {_num(hi)}"
+
+
+def _num(v: float | None) -> str:
+    return f"{v:,}" if isinstance(v, int) else f"{v:g}"

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from forge.errors import ForgeError
+from forge.options import require_choice, require_float, require_int, require_seed
 
 DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda or mps")]
 ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads for torch (default: torch's choice)")]
@@ -88,6 +89,9 @@ class Residency:
         from forge.gguf_file import parse_size
         from runtime.planner import load_planned_model
 
+        require_choice("--cache-policy", self.cache_policy, ("lru", "lfu"))
+        require_int("--cache-experts", self.cache_experts, 1)
+        require_int("--ctx", context, 2)
         if self.resident and self.ssd_streaming:
             raise ForgeError("--resident and --ssd-streaming exclude each other")
         if self.resident and (self.cache_experts is not None or self.cache_bytes is not None):
@@ -125,18 +129,19 @@ def print_stats(m) -> None:  # noqa: ANN001
     sys.stderr.write((format_stats(cache) if cache is not None else "expert cache: none (resident)") + "\n")
 
 
-def _setup(device: str, threads: int | None) -> str:
+def _setup(device: str, threads: int | None, expert_cache_mib: int = 0) -> str:
+    """Check the device and thread options (and the expert cache size), then apply the thread count."""
     import torch
 
-    if device not in ("cpu", "cuda", "mps"):
-        raise ForgeError(f"--device must be cpu, cuda or mps, not {device!r}")
+    require_int("--threads", threads, 1)
+    require_int("--expert-cache-mib", expert_cache_mib, 0)
+
+    require_choice("--device", device, ("cpu", "cuda", "mps"))
     if device == "cuda" and not torch.cuda.is_available():
         raise ForgeError("--device cuda: no CUDA device is available")
     if device == "mps" and not torch.backends.mps.is_available():
         raise ForgeError("--device mps: Metal (MPS) is not available")
     if threads is not None:
-        if threads < 1:
-            raise ForgeError("--threads must be >= 1")
         torch.set_num_threads(threads)
     return device
 
@@ -172,12 +177,16 @@ def run(
     from runtime.generate import Sampling, generate
     from runtime.tokenizer import Tokenizer
 
-    if max_tokens < 0 or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise ForgeError("--max-tokens, --temperature and --top-k must be >= 0 and --top-p in (0, 1]")
+    require_int("--max-tokens", max_tokens, 0)
+    require_float("--temperature", temperature, 0)
+    require_int("--top-k", top_k, 0)
+    require_float("--top-p", top_p, 0, 1, lo_open=True)
+    require_seed("--seed", seed)
+    dev = _setup(device, threads, expert_cache_mib)
     residency = Residency(
         resident, ssd_streaming, cache_experts, cache_bytes, memory_budget, cache_policy, prefetch
     )
-    m, _ = residency.load(model, _setup(device, threads), expert_cache_mib << 20, ggml_numerics, ctx)
+    m, _ = residency.load(model, dev, expert_cache_mib << 20, ggml_numerics, ctx)
     _apply_prune_mask(m, prune_mask)
     tok = Tokenizer.from_metadata(m.weights)
     text = prompt
@@ -242,13 +251,12 @@ def eval_(
         raise ForgeError("--save-logits and --reference-logits exclude each other")
     if reference is not None and reference_logits is not None:
         raise ForgeError("give either --reference or --reference-logits")
-    if chunks is not None and chunks < 1:
-        raise ForgeError("--chunks must be >= 1")
-    if top_k < 1:
-        raise ForgeError("--top-k must be >= 1")
+    require_int("--chunks", chunks, 1)
+    require_int("--top-k", top_k, 1)
+    require_int("--ctx", ctx, 2)
     if not text.is_file():
         raise ForgeError(f"{text}: no such file")
-    dev = _setup(device, threads)
+    dev = _setup(device, threads, expert_cache_mib)
     budget = expert_cache_mib << 20
     residency = Residency(
         resident, ssd_streaming, cache_experts, cache_bytes, memory_budget, cache_policy, prefetch

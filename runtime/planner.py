@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from forge.errors import ForgeError
+from forge.options import require_context
 
 # Python, torch and its libraries, numba's compiled CPU kernels, allocator slack and activations of a
 # decode step (measured on Linux x86-64: ~290 MB after importing torch and the runtime, ~50 MB more once the
@@ -194,6 +195,7 @@ def load_planned_model(
 
     say = log or (lambda s: sys.stderr.write(s + "\n"))
     weights = load_weights(path, device, expert_budget, ggml_numerics)
+    require_context("--ctx", context, int(weights.hparam("context_length") or 0))
     p = None
     if isinstance(weights, GGUFWeights):
         p = plan(weights, mode, memory_budget, cache_experts, cache_bytes, policy, expert_budget,
