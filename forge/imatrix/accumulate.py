@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ import torch
 
 from forge.errors import ForgeError
 from forge.imatrix.model import Imatrix
+from forge.options import require_context, require_int
 
 try:
     from runtime.observers import Observer
@@ -374,13 +376,15 @@ def collect(
     check_output_path(out)
     if fmt not in (None, "gguf", "dat"):
         raise ForgeError(f"--format must be gguf or dat, not {fmt!r}")
-    if ctx < 2:
-        raise ForgeError("--ctx must be at least 2")
+    require_int("--ctx", ctx, 2)
+    require_int("--chunks", chunks, 1)
+    require_int("--save-every", save_every, 0)
     text_file = Path(text_path)
     if not text_file.is_file():
         raise ForgeError(f"{text_file}: no such file")
     acc = ImatrixAccumulator(process_output=process_output)
     model = load_model(model_path, device=device, observers=[acc], ggml_numerics=ggml_numerics)
+    require_context("--ctx", ctx, model.n_ctx_train)
     # as llama-imatrix reads it: the whole text at once, special-token parsing off, no BOS
     tok = Tokenizer.from_metadata(model.weights)
     ids = tok.encode(
@@ -388,21 +392,30 @@ def collect(
     )
     if len(ids) < 2 * ctx:
         raise ForgeError(f"{text_file}: {len(ids)} tokens; need at least {2 * ctx} for a context of {ctx}")
-    n_chunks = len(ids) // ctx if chunks is None or chunks < 0 else min(chunks, len(ids) // ctx)
+    n_chunks = len(ids) // ctx if chunks is None else min(chunks, len(ids) // ctx)
     tokens = torch.tensor(ids[: n_chunks * ctx], dtype=torch.long).reshape(n_chunks, ctx)
     target_fmt = fmt or format_for_path(out)
     first = ctx // 2
     nll, count = 0.0, 0
     start = time.perf_counter()
-    for i in range(n_chunks):
-        logits = model.forward(tokens[i], model.new_state(ctx))
-        logp = torch.log_softmax(logits[first : ctx - 1].double(), dim=-1)
-        nll -= float(logp.gather(1, tokens[i, first + 1 :].to(logp.device)[:, None]).sum())
-        count += ctx - 1 - first
-        if log:
-            log(f"[{i + 1}]{math.exp(nll / count):.4f},")
-        if save_every > 0 and (i + 1) % save_every == 0 and i + 1 < n_chunks:
-            write_imatrix(acc.to_imatrix([str(text_path)], i + 1, ctx), out, target_fmt)  # type: ignore[arg-type]
+    saved = 0
+    try:
+        for i in range(n_chunks):
+            logits = model.forward(tokens[i], model.new_state(ctx))
+            logp = torch.log_softmax(logits[first : ctx - 1].double(), dim=-1)
+            nll -= float(logp.gather(1, tokens[i, first + 1 :].to(logp.device)[:, None]).sum())
+            count += ctx - 1 - first
+            if log:
+                log(f"[{i + 1}]{math.exp(nll / count):.4f},")
+            if save_every > 0 and (i + 1) % save_every == 0 and i + 1 < n_chunks:
+                snapshot = acc.to_imatrix([str(text_path)], i + 1, ctx)
+                snapshot.chunks_planned = n_chunks
+                write_imatrix(snapshot, out, target_fmt)  # type: ignore[arg-type]
+                saved = i + 1
+    except BaseException:  # an interrupt or a failure: say what the last snapshot holds
+        if saved:
+            sys.stderr.write(f"\n{out}: partial imatrix, {saved} of {n_chunks} chunks (the last snapshot)\n")
+        raise
     seconds = time.perf_counter() - start
     im = acc.to_imatrix([str(text_path)], n_chunks, ctx)
     write_imatrix(im, out, target_fmt)  # type: ignore[arg-type]

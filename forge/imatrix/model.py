@@ -32,6 +32,11 @@ class Imatrix:
     chunk_count: int = 0
     chunk_size: int = 0
     in_sum: dict[str, np.ndarray] = field(default_factory=dict)
+    chunks_planned: int = 0  # > chunk_count: a snapshot of an unfinished collection
+
+    @property
+    def partial(self) -> bool:
+        return self.chunks_planned > self.chunk_count
 
     def __post_init__(self) -> None:
         self.check()
@@ -99,6 +104,7 @@ def merge(imatrices: Iterable[Imatrix]) -> Imatrix:
     for im in items:
         out.datasets.extend(im.datasets)
         out.chunk_count += im.chunk_count
+        out.chunks_planned += max(im.chunks_planned, im.chunk_count)
         for name, s in im.sums.items():
             if name not in out.sums:
                 out.sums[name] = s.astype(np.float32, copy=True)
