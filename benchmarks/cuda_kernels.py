@@ -1,0 +1,141 @@
+"""The cuda backend's Triton kernels on GGUF blocks vs torch dequantize + matmul, on one GPU.
+
+    python benchmarks/cuda_kernels.py [--types Q4_K,Q6_K] [--tokens 1] [--prefill 512] [--no-torch]
+
+Shapes are the decode products of the Qwen3.6-35B-A3B geometry: hidden 2048, 256 experts of FFN 512,
+top 8, attention 16 heads x 256 (q 4096 rows, 2 KV heads: k/v 512 rows, o 2048 x 4096), vocab 248320.
+Per type and shape: kernel time (CUDA events via triton.testing.do_bench, L2 flushed before each
+run), GB/s of weight bytes read (for the MoE products: the 8 selected experts' bytes), that as % of
+the copy bandwidth measured first (bytes read + written by a 2 GiB device-to-device copy), and the
+torch path (dequantize to float32 + matmul, what the runtime did on CUDA before these kernels).
+Then prefill: TFLOP/s of the GEMM at --prefill tokens for the q projection and the routed-expert
+gate projection (tokens grouped by expert on the device), against dequantize-to-bf16 + cuBLAS.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from triton.testing import do_bench
+
+from runtime.backends import cuda_kernels as ck
+from runtime.dequant import dequantize
+
+HIDDEN, EXPERT_FF, EXPERTS, TOP_K, VOCAB = 2048, 512, 256, 8, 248320
+DENSE = {"attn_q": (4096, HIDDEN), "attn_k/v": (512, HIDDEN), "attn_o": (HIDDEN, 4096), "output": (VOCAB, HIDDEN)}
+MOE = {"ffn_gate/up_exps": (EXPERT_FF, HIDDEN), "ffn_down_exps": (HIDDEN, EXPERT_FF)}
+_FP16_FIELDS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+_FLOATS = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+
+
+def random_rows(qtype: Q, rows: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """uint8 (rows, row_bytes) of random well-formed blocks, made on the GPU (finite fp16 scales)."""
+    if qtype in _FLOATS:
+        v = torch.randn(rows, k, device="cuda", generator=gen) * 0.05
+        return v.to(_FLOATS[qtype]).view(torch.uint8)
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    raw = torch.randint(0, 256, (rows * k // bs, ts), dtype=torch.uint8, device="cuda", generator=gen)
+    for off in _FP16_FIELDS.get(qtype, (0,)):
+        d = torch.rand(raw.shape[0], device="cuda", generator=gen) * 0.018 + 0.002
+        raw[:, off : off + 2] = d.half().view(torch.uint8).view(-1, 2)
+    return raw.view(rows, -1)
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy."""
+    a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = do_bench(lambda: b.copy_(a), warmup=5, rep=50)
+    del a, b
+    return 2 * (1 << 31) / (ms * 1e-3)
+
+
+def _k_of(qtype: Q, raw: torch.Tensor) -> int:
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    return raw.shape[-1] // ts * bs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default=",".join(t.name for t in ck.supported_types()))
+    ap.add_argument("--tokens", type=int, default=1, help="decode tokens per product (1..8)")
+    ap.add_argument("--prefill", type=int, default=512, help="tokens of the prefill GEMM (0: skip)")
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch dequantize + matmul timings")
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bw = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    print(f"decode, {args.tokens} token(s); times in microseconds (L2 flushed before each run)")
+    print(f"{'type':8} {'product':18} {'N x K':>13} {'kernel us':>10} {'GB/s':>7} {'% copy':>7} {'torch us':>9} {'x':>6}")
+    for name in args.types.split(","):
+        qtype = Q[name.strip().upper()]
+        for label, (n, k) in {**DENSE, **MOE}.items():
+            moe = label in MOE
+            raw = random_rows(qtype, (EXPERTS if moe else 1) * n, k, gen)
+            if moe:
+                raw = raw.view(EXPERTS, n, -1)
+                ids = torch.randperm(EXPERTS, device="cuda", generator=gen)[: args.tokens * TOP_K]
+                ids = ids.view(args.tokens, TOP_K).int()
+                shape = (args.tokens, TOP_K, k) if "down" in label else (args.tokens, k)
+                x = torch.randn(*shape, device="cuda", generator=gen)
+                nbytes = args.tokens * TOP_K * n * raw.shape[-1]
+
+                def kernel(x=x, raw=raw, ids=ids, qtype=qtype):
+                    return ck.moe_linear(x, raw, qtype, ids)
+
+                def torch_path(x=x, raw=raw, ids=ids, qtype=qtype, k=k):
+                    w = dequantize(raw[ids.view(-1).long()], qtype, k)
+                    xs = x.reshape(-1, 1, k) if x.dim() == 3 else x.repeat_interleave(TOP_K, 0)[:, None]
+                    return torch.bmm(xs, w.transpose(1, 2))
+            else:
+                x = torch.randn(args.tokens, k, device="cuda", generator=gen)
+                nbytes = raw.numel()
+
+                def kernel(x=x, raw=raw, qtype=qtype):
+                    return ck.linear(x, raw, qtype)
+
+                def torch_path(x=x, raw=raw, qtype=qtype, k=k):
+                    return x @ dequantize(raw, qtype, k).T
+
+            us = do_bench(kernel, warmup=10, rep=100) * 1e3
+            t_us = float("nan") if args.no_torch else do_bench(torch_path, warmup=3, rep=50) * 1e3
+            gbs = nbytes / (us * 1e-6) / 1e9
+            print(
+                f"{qtype.name:8} {label:18} {f'{n}x{k}':>13} {us:10.1f} {gbs:7.0f} {100 * gbs * 1e9 / bw:6.0f}% "
+                f"{t_us:9.1f} {t_us / us:6.1f}"
+            )
+            del raw
+        torch.cuda.empty_cache()
+    if args.prefill:
+        prefill(args, gen)
+
+
+def prefill(args: argparse.Namespace, gen: torch.Generator) -> None:
+    m = args.prefill
+    print(f"\nprefill GEMM, {m} tokens: TFLOP/s (2 M N K / time; MoE: M = tokens x top-8 pairs)")
+    print(f"{'type':8} {'product':18} {'precision':>9} {'kernel ms':>10} {'TFLOP/s':>8} {'torch bf16 ms':>14}")
+    for name in args.types.split(","):
+        qtype = Q[name.strip().upper()]
+        n, k = DENSE["attn_q"]
+        raw = random_rows(qtype, n, k, gen)
+        x = torch.randn(m, k, device="cuda", generator=gen)
+        t_ms = do_bench(lambda raw=raw, x=x, qtype=qtype: x.bfloat16() @ dequantize(raw, qtype, k, torch.bfloat16).T)
+        for prec in ("tf32", "bf16"):
+            ms = do_bench(lambda raw=raw, x=x, qtype=qtype, prec=prec: ck.linear(x, raw, qtype, precision=prec))
+            print(f"{qtype.name:8} {'attn_q':18} {prec:>9} {ms:10.3f} {2 * m * n * k / ms / 1e9:8.1f} {t_ms:14.3f}")
+        n, k = MOE["ffn_gate/up_exps"]
+        raw = random_rows(qtype, EXPERTS * n, k, gen).view(EXPERTS, n, -1)
+        ids = torch.stack([torch.randperm(EXPERTS, device="cuda", generator=gen)[:TOP_K] for _ in range(m)]).int()
+        for prec in ("tf32", "bf16"):
+            ms = do_bench(lambda raw=raw, x=x, ids=ids, qtype=qtype, prec=prec: ck.moe_linear(x, raw, qtype, ids, prec))
+            flops = 2 * m * TOP_K * n * k
+            print(f"{qtype.name:8} {'ffn_gate_exps':18} {prec:>9} {ms:10.3f} {flops / ms / 1e9:8.1f} {'':>14}")
+        del raw
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
