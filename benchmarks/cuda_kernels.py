@@ -25,7 +25,12 @@ from runtime.backends import cuda_kernels as ck
 from runtime.dequant import dequantize
 
 HIDDEN, EXPERT_FF, EXPERTS, TOP_K, VOCAB = 2048, 512, 256, 8, 248320
-DENSE = {"attn_q": (4096, HIDDEN), "attn_k/v": (512, HIDDEN), "attn_o": (HIDDEN, 4096), "output": (VOCAB, HIDDEN)}
+DENSE = {
+    "attn_q": (4096, HIDDEN),
+    "attn_k/v": (512, HIDDEN),
+    "attn_o": (HIDDEN, 4096),
+    "output": (VOCAB, HIDDEN),
+}
 MOE = {"ffn_gate/up_exps": (EXPERT_FF, HIDDEN), "ffn_down_exps": (HIDDEN, EXPERT_FF)}
 _FP16_FIELDS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 _FLOATS = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
@@ -49,7 +54,6 @@ def copy_bandwidth() -> float:
     a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     ms = do_bench(lambda: b.copy_(a), warmup=5, rep=50)
-    del a, b
     return 2 * (1 << 31) / (ms * 1e-3)
 
 
@@ -69,7 +73,9 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     print(f"decode, {args.tokens} token(s); times in microseconds (L2 flushed before each run)")
-    print(f"{'type':8} {'product':18} {'N x K':>13} {'kernel us':>10} {'GB/s':>7} {'% copy':>7} {'torch us':>9} {'x':>6}")
+    print(
+        f"{'type':8} {'product':18} {'N x K':>13} {'kernel us':>10} {'GB/s':>7} {'% copy':>7} {'torch us':>9} {'x':>6}"
+    )
     for name in args.types.split(","):
         qtype = Q[name.strip().upper()]
         for label, (n, k) in {**DENSE, **MOE}.items():
@@ -116,23 +122,37 @@ def main() -> None:
 def prefill(args: argparse.Namespace, gen: torch.Generator) -> None:
     m = args.prefill
     print(f"\nprefill GEMM, {m} tokens: TFLOP/s (2 M N K / time; MoE: M = tokens x top-8 pairs)")
-    print(f"{'type':8} {'product':18} {'precision':>9} {'kernel ms':>10} {'TFLOP/s':>8} {'torch bf16 ms':>14}")
+    print(
+        f"{'type':8} {'product':18} {'precision':>9} {'kernel ms':>10} {'TFLOP/s':>8} {'torch bf16 ms':>14}"
+    )
     for name in args.types.split(","):
         qtype = Q[name.strip().upper()]
         n, k = DENSE["attn_q"]
         raw = random_rows(qtype, n, k, gen)
         x = torch.randn(m, k, device="cuda", generator=gen)
-        t_ms = do_bench(lambda raw=raw, x=x, qtype=qtype: x.bfloat16() @ dequantize(raw, qtype, k, torch.bfloat16).T)
+        t_ms = do_bench(
+            lambda raw=raw, x=x, qtype=qtype, k=k: x.bfloat16() @ dequantize(raw, qtype, k, torch.bfloat16).T
+        )
         for prec in ("tf32", "bf16"):
-            ms = do_bench(lambda raw=raw, x=x, qtype=qtype, prec=prec: ck.linear(x, raw, qtype, precision=prec))
-            print(f"{qtype.name:8} {'attn_q':18} {prec:>9} {ms:10.3f} {2 * m * n * k / ms / 1e9:8.1f} {t_ms:14.3f}")
+            ms = do_bench(
+                lambda raw=raw, x=x, qtype=qtype, prec=prec: ck.linear(x, raw, qtype, precision=prec)
+            )
+            print(
+                f"{qtype.name:8} {'attn_q':18} {prec:>9} {ms:10.3f} {2 * m * n * k / ms / 1e9:8.1f} {t_ms:14.3f}"
+            )
         n, k = MOE["ffn_gate/up_exps"]
         raw = random_rows(qtype, EXPERTS * n, k, gen).view(EXPERTS, n, -1)
-        ids = torch.stack([torch.randperm(EXPERTS, device="cuda", generator=gen)[:TOP_K] for _ in range(m)]).int()
+        ids = torch.stack(
+            [torch.randperm(EXPERTS, device="cuda", generator=gen)[:TOP_K] for _ in range(m)]
+        ).int()
         for prec in ("tf32", "bf16"):
-            ms = do_bench(lambda raw=raw, x=x, ids=ids, qtype=qtype, prec=prec: ck.moe_linear(x, raw, qtype, ids, prec))
+            ms = do_bench(
+                lambda raw=raw, x=x, ids=ids, qtype=qtype, prec=prec: ck.moe_linear(x, raw, qtype, ids, prec)
+            )
             flops = 2 * m * TOP_K * n * k
-            print(f"{qtype.name:8} {'ffn_gate_exps':18} {prec:>9} {ms:10.3f} {flops / ms / 1e9:8.1f} {'':>14}")
+            print(
+                f"{qtype.name:8} {'ffn_gate_exps':18} {prec:>9} {ms:10.3f} {flops / ms / 1e9:8.1f} {'':>14}"
+            )
         del raw
         torch.cuda.empty_cache()
 
