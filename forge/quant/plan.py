@@ -97,6 +97,11 @@ def make_plan(
     tensors = {t.name: t for t in source.tensors()}
     order = processing_order(list(tensors))
     quantizable = [n for n in order if is_quantizable(tensors[n])]
+    for pattern, qtype in overrides:
+        if not any(re.search(pattern, n) for n in quantizable):
+            raise ForgeError(
+                f"--tensor-type {pattern}={qtype.lower()}: the pattern matches no quantizable tensor"
+            )
     n_head = source.hparam("attention.head_count", 1)
     facts = {
         "n_layer": source.hparam("block_count", 1),

@@ -6,8 +6,10 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
+from forge.arch import ARCHITECTURES
 from forge.atomic import check_output_path
 from forge.distributed.cluster import check_executor
+from forge.errors import ForgeError
 from forge.gguf_file import DEFAULT_ALIGNMENT, KV, T
 from forge.imatrix.formats import read_imatrix
 from forge.quant.build import (
@@ -24,6 +26,8 @@ from forge.quant.recipe import load_recipe, parse_overrides
 from forge.quant.reuse import ds4_keys, load_priors
 from forge.quant.source import source_ref
 from forge.quant.torch_codecs import check_device
+
+KNOWN_ARCHITECTURES = tuple(a.gguf_arch for a in ARCHITECTURES)
 
 
 def quantize(
@@ -61,6 +65,13 @@ def quantize(
     im = read_imatrix(imatrix) if imatrix else None
     ref = source_ref(src, mtp)
     source = ref.open()
+    if not source.tensors():
+        raise ForgeError(f"{src}: holds no tensors; nothing to quantize")
+    if source.arch not in KNOWN_ARCHITECTURES:
+        (warn or log or (lambda _: None))(
+            f"warning: architecture {source.arch!r} is not one forge models ({', '.join(KNOWN_ARCHITECTURES)}): "
+            "tensors are typed by name alone, and llama-quantize may choose other types"
+        )
     plan = make_plan(source, rec, overrides, im, allow_requantize)
     stamps = stamp_plan(source, plan, trust_mtime)
     if priors is not None:

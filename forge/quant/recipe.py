@@ -88,7 +88,7 @@ class Rule:
             return True
         try:
             return bool(_eval(ast.parse(self.when, mode="eval"), env))
-        except ForgeError as e:
+        except (ForgeError, ArithmeticError, TypeError, ValueError) as e:
             raise ForgeError(f"recipe line {self.line}: when = {self.when!r}: {e}") from None
 
 
