@@ -58,21 +58,22 @@ def same_file(a: Path, b: Path) -> bool:
     return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
-def refuse_overwriting_inputs(outputs: dict[str, Path], inputs: dict[str, Path]) -> None:
+def refuse_overwriting_inputs(outputs: list[tuple[str, Path]], inputs: list[tuple[str, Path]]) -> None:
     """The output guard of every writing command, checked before any work.
 
     An output may not be an input (same path, symlink or hard link), nor lie inside an input folder where
     it would replace one of its files or write into a Hugging Face checkpoint (a folder with config.json).
-    Keys name the options, for the message.
+    Each pair is (option name, path), for the message.
     """
-    for out_opt, out in outputs.items():
-        for in_opt, src in inputs.items():
+    for out_opt, out in outputs:
+        for in_opt, src in inputs:
+            if same_file(out, src):
+                raise ForgeError(f"{out_opt} {out} is the input {src} ({in_opt}); choose another output path")
             inside = src.is_dir() and out.resolve().is_relative_to(src.resolve())
-            if same_file(out, src) or (
-                inside and (out.exists() or out.resolve() == src.resolve() or (src / "config.json").is_file())
-            ):
+            if inside and (out.exists() or (src / "config.json").is_file()):
                 raise ForgeError(
-                    f"{out_opt} {out} would overwrite the input {in_opt} {src}; choose another output path"
+                    f"{out_opt} {out} would write into the input folder {src} ({in_opt}); "
+                    "choose another output path"
                 )
 
 
