@@ -82,16 +82,23 @@ def read_safetensors_header(path: Path) -> list[HFTensor]:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ForgeError(f"{path}: corrupt safetensors header") from None
+    if not isinstance(header, dict):
+        raise ForgeError(f"{path}: corrupt safetensors header (not a JSON object)")
     base = 8 + n
     out = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = info.get("dtype")
+        dtype = info.get("dtype") if isinstance(info, dict) else None
         if dtype not in _DTYPES:
             raise ForgeError(f"{path}: tensor {name} has unsupported dtype {dtype}")
-        start, end = info["data_offsets"]
-        shape = tuple(int(d) for d in info["shape"])
+        try:
+            start, end = (int(v) for v in info["data_offsets"])
+            shape = tuple(int(d) for d in info["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise ForgeError(f"{path}: corrupt safetensors header entry for tensor {name}") from None
+        if not 0 <= start <= end or any(d < 0 for d in shape):
+            raise ForgeError(f"{path}: corrupt safetensors header entry for tensor {name}")
         if end - start != int(np.prod(shape, dtype=np.int64)) * _DTYPES[dtype].itemsize:
             raise ForgeError(f"{path}: tensor {name} byte size does not match its shape")
         if base + end > size:
@@ -100,6 +107,19 @@ def read_safetensors_header(path: Path) -> list[HFTensor]:
             )
         out.append(HFTensor(name, dtype, shape, path, base + start, end - start))
     return out
+
+
+def json_object(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold one object (config.json, tokenizer.json, an index): else one clear error."""
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ForgeError(f"{path}: not UTF-8 text (a binary file?)") from None
+    except json.JSONDecodeError as e:
+        raise ForgeError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ForgeError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
 
 
 class Checkpoint:
@@ -114,10 +134,7 @@ class Checkpoint:
         config_path = self.path / "config.json"
         if not config_path.is_file():
             raise ForgeError(f"{self.path}: missing config.json (not a Hugging Face checkpoint folder?)")
-        try:
-            self.raw_config: dict[str, Any] = json.loads(config_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ForgeError(f"{config_path}: invalid JSON ({e})") from None
+        self.raw_config: dict[str, Any] = json_object(config_path)
 
     @cached_property
     def config(self) -> dict[str, Any]:
@@ -133,11 +150,7 @@ class Checkpoint:
         """Shard file names in the order llama.cpp's converter visits them (sorted, from the index)."""
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ForgeError(f"{index}: invalid index (no weight_map)") from None
-            names = sorted(set(weight_map.values()))
+            names = sorted(set(self._weight_map(index).values()))
             missing = [n for n in names if not (self.path / n).is_file()]
             if missing:
                 raise ForgeError(f"{self.path}: shard {missing[0]} is listed in the index but absent")
@@ -158,11 +171,18 @@ class Checkpoint:
                 out[t.name] = t
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
-            listed = set(json.loads(index.read_text())["weight_map"])
+            listed = set(self._weight_map(index))
             missing = sorted(listed - set(out))
             if missing:
                 raise ForgeError(f"{self.path}: tensor {missing[0]} is listed in the index but in no shard")
         return out
+
+    @staticmethod
+    def _weight_map(index: Path) -> dict[str, str]:
+        weight_map = json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ForgeError(f"{index}: invalid index (no weight_map of tensor -> shard names)")
+        return weight_map
 
     def __iter__(self) -> Iterator[HFTensor]:
         return iter(self.tensors.values())
@@ -173,12 +193,7 @@ class Checkpoint:
 
     def read_json(self, name: str) -> dict[str, Any] | None:
         p = self.path / name
-        if not p.is_file():
-            return None
-        try:
-            return json.loads(p.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ForgeError(f"{p}: invalid JSON ({e})") from None
+        return json_object(p) if p.is_file() else None
 
     def chat_template(self) -> str | None:
         jinja = self.path / "chat_template.jinja"

@@ -47,6 +47,15 @@ def tokenizer_kvs(ckpt: Checkpoint, vocab_size: int) -> list[KV]:
     tok = ckpt.read_json("tokenizer.json")
     if tok is None:
         raise ForgeError(f"{ckpt.path}: missing tokenizer.json")
+    try:
+        return _tokenizer_kvs(ckpt, tok, vocab_size)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:  # a field of the wrong kind or missing
+        raise ForgeError(
+            f"{ckpt.path}/tokenizer.json: not a Hugging Face tokenizer file ({type(e).__name__}: {e})"
+        ) from None
+
+
+def _tokenizer_kvs(ckpt: Checkpoint, tok: dict[str, Any], vocab_size: int) -> list[KV]:
     model = tok.get("model", {})
     if model.get("type") != "BPE":
         raise ForgeError(f"{ckpt.path}/tokenizer.json: only byte-level BPE tokenizers are supported")
