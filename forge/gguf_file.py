@@ -283,10 +283,10 @@ class GGUFFile:
 
     def _string(self, pos: int) -> tuple[str, int]:
         if pos + 8 > self.size:
-            raise ForgeError(f"{self.path}: truncated GGUF header")
+            raise ForgeError(f"{self.path}: truncated GGUF (in the metadata)")
         (n,) = struct.unpack_from("<Q", self._buf, pos)
         if pos + 8 + n > self.size:
-            raise ForgeError(f"{self.path}: truncated GGUF header")
+            raise ForgeError(f"{self.path}: truncated GGUF (in the metadata)")
         return self._buf[pos + 8 : pos + 8 + n].decode("utf-8", "replace"), pos + 8 + n
 
     def _value(self, vtype: GGUFValueType, pos: int) -> tuple[Any, GGUFValueType | None, int]:
@@ -300,7 +300,7 @@ class GGUFFile:
         item, pos = self._vtype(item, "(array item)"), pos + 12
         least = 8 if item == T.STRING else np.dtype(_NUMPY_ITEM.get(item, "u1")).itemsize
         if pos + least * count > self.size:
-            raise ForgeError(f"{self.path}: truncated GGUF header (an array of {count:,} items)")
+            raise ForgeError(f"{self.path}: truncated GGUF (an array of {count:,} items)")
         if item == T.STRING:
             out = []
             for _ in range(count):

@@ -17,6 +17,7 @@ import torch
 
 from forge.atomic import atomic_output
 from forge.errors import ForgeError
+from runtime.diagnose import check_logits
 from runtime.models import MoeCausalLM
 from runtime.tokenizer import Tokenizer
 
@@ -103,8 +104,9 @@ class ReferenceLogits:
             raise ForgeError(f"{path}: not a reference-logits file ({exc})") from exc
 
 
-def _chunk_logp(model: MoeCausalLM, chunk: torch.Tensor, first: int) -> torch.Tensor:
+def _chunk_logp(model: MoeCausalLM, chunk: torch.Tensor, first: int, where: str) -> torch.Tensor:
     logits = model.forward(chunk.to(model.weights.device), model.new_state(chunk.shape[0]))
+    check_logits(logits, model.weights, where)
     return torch.log_softmax(logits[first:-1].float(), dim=-1).cpu()
 
 
@@ -154,7 +156,7 @@ def evaluate(
     for c in range(n_chunks):
         chunk = ids[c]
         targets = chunk[first + 1 :]
-        logp = _chunk_logp(model, chunk, first)
+        logp = _chunk_logp(model, chunk, first, f"chunk {c + 1}")
         target_logp = logp.gather(1, targets[:, None])[:, 0]
         nll.append(-target_logp.double())
         if save_logits is not None:
@@ -163,7 +165,7 @@ def evaluate(
             saved_logp.append(top.values)
             saved_target.append(target_logp)
         if reference is not None:
-            base = _chunk_logp(reference, chunk, first)
+            base = _chunk_logp(reference, chunk, first, f"chunk {c + 1} of the reference")
             base_target = base.gather(1, targets[:, None])[:, 0]
             kld.append((base.exp() * (base - logp)).sum(-1).double())
             same_top.append(base.argmax(-1) == logp.argmax(-1))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from forge.errors import ForgeError
+from runtime.diagnose import check_logits
 from runtime.models import MoeCausalLM
 from runtime.tokenizer import Tokenizer
 
@@ -100,6 +101,7 @@ def generate(
     t0 = time.perf_counter()
     for start in range(0, len(prompt_ids), prefill_chunk):
         logits = model.forward(ids[start : start + prefill_chunk], state, last_only=True)
+    check_logits(logits, model.weights, "the prompt")
     _sync(device)
     t1 = time.perf_counter()
 
@@ -124,6 +126,7 @@ def generate(
             stopped_by = "context"
             break
         logits = model.forward(torch.tensor([token], device=device), state, last_only=True)
+        check_logits(logits, model.weights, f"generated token {len(out) + 1}")
     _sync(device)
     t2 = time.perf_counter()
     if tokenizer is not None:
