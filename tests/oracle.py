@@ -1,4 +1,14 @@
-"""Access to ../shared/fixtures (llama.cpp's outputs): skip cleanly when the folder is absent."""
+"""Where the tests find their oracle: llama.cpp's outputs for the fixture models.
+
+Two places, looked up in this order:
+
+- ``tests/fixtures/`` (in the repository, see its README): for tiny-qwen3moe, whose weights are
+  ``examples/tiny-qwen3moe``, the manifests of llama.cpp's converted and quantized files (tensor SHA-256 and
+  KVs), its llama-imatrix files, llama-perplexity's figures and the start of the two texts;
+- an optional larger folder laid out the same way, ``FORGE_SHARED_FIXTURES`` (default ``../shared/fixtures``
+  beside the checkout): llama.cpp's full GGUFs and the tiny-qwen35moe model with its manifests. What needs
+  it skips cleanly when it is absent.
+"""
 
 from __future__ import annotations
 
@@ -10,39 +20,80 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-FIXTURES = Path(
-    os.environ.get("FORGE_FIXTURES", Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures")
-)
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = Path(__file__).resolve().parent / "fixtures"
+SHARED = Path(os.environ.get("FORGE_SHARED_FIXTURES") or ROOT.parent / "shared" / "fixtures")
+FIXTURES = SHARED  # the optional folder, under the name some tests use
 MODELS = ("tiny-qwen3moe", "tiny-qwen35moe")
+#: fixture models whose Hugging Face folder is in the repository (byte for byte the fixture's)
+IN_REPO = {"tiny-qwen3moe": ROOT / "examples" / "tiny-qwen3moe"}
+
+
+def fixture(*parts: str) -> Path:
+    """A fixture file or folder: shipped in tests/fixtures, else from the optional folder; skips if neither."""
+    for base in (SHIPPED, SHARED):
+        path = base.joinpath(*parts)
+        if path.exists():
+            return path
+    pytest.skip(f"fixture {'/'.join(parts)} is not shipped and {SHARED} does not have it")
 
 
 def fixtures() -> Path:
-    if not FIXTURES.is_dir():
-        pytest.skip("../shared/fixtures is absent")
-    return FIXTURES.resolve()
+    """The optional folder; skips when it is absent."""
+    if not SHARED.is_dir():
+        pytest.skip(f"{SHARED} is absent (set FORGE_SHARED_FIXTURES)")
+    return SHARED.resolve()
 
 
 def model_dir(model: str) -> Path:
-    return fixtures() / model
+    return IN_REPO.get(model) or fixture(model)
 
 
 def llamacpp_dir(model: str) -> Path:
+    """llama.cpp's full outputs for a model (the optional folder only)."""
     return fixtures() / "llamacpp" / model
 
 
+def llamacpp_file(model: str, name: str) -> Path:
+    """One of llama.cpp's files for a model (e.g. ``tiny-qwen3moe-imatrix.gguf``), shipped or not."""
+    return fixture("llamacpp", model, name)
+
+
+def text(name: str) -> Path:
+    """``val.txt`` or ``calib.txt``: the shipped start (32 chunks of 512 tokens and a little more)."""
+    return fixture("text", name)
+
+
 def manifest_names(model: str) -> list[str]:
-    """Manifest stems (e.g. 'Q4_K_M-imat') present for a model; [] without the fixtures."""
-    d = FIXTURES / "llamacpp" / model / "manifests"
-    return sorted(p.stem for p in d.glob("*.json")) if d.is_dir() else []
+    """Manifest stems (e.g. 'Q4_K_M-imat') present for a model, shipped or in the optional folder."""
+    dirs = (base / "llamacpp" / model / "manifests" for base in (SHIPPED, SHARED))
+    return sorted({p.stem for d in dirs if d.is_dir() for p in d.glob("*.json")})
 
 
 @cache
 def manifest(model: str, name: str) -> dict:
-    return json.loads((llamacpp_dir(model) / "manifests" / f"{name}.json").read_text())
+    return json.loads(fixture("llamacpp", model, "manifests", f"{name}.json").read_text())
 
 
 def manifest_tensor(model: str, name: str, tensor: str) -> dict:
     return next(t for t in manifest(model, name)["tensors"] if t["name"] == tensor)
+
+
+def tensor_manifest(path: Path) -> list[dict]:
+    """A GGUF's tensors as a manifest lists them (read with the ``gguf`` package, independent of forge)."""
+    import hashlib
+
+    from gguf import GGUFReader
+
+    return [{"name": t.name, "type": t.tensor_type.name, "shape": [int(n) for n in t.shape], "nbytes": int(t.n_bytes),
+             "sha256": hashlib.sha256(np.ascontiguousarray(t.data).tobytes()).hexdigest()}
+            for t in GGUFReader(path).tensors]  # fmt: skip
+
+
+@cache
+def perplexity_figures() -> dict[str, dict[str, dict]]:
+    """model -> file label ('bf16', 'Q8_0', 'Q4_K_M-imat', ...) -> llama-perplexity's ppl, kld_mean, same_top_token."""
+    return json.loads(fixture("llamacpp", "perplexity.json").read_text())["models"]
 
 
 @cache
@@ -103,7 +154,7 @@ def llamacpp_importance(model: str) -> dict[str, np.ndarray]:
     """
     from gguf import GGUFReader
 
-    r = GGUFReader(llamacpp_dir(model) / f"{model}-imatrix.gguf")
+    r = GGUFReader(llamacpp_file(model, f"{model}-imatrix.gguf"))
     t = {x.name: np.array(x.data, dtype=np.float32) for x in r.tensors}
     out = {}
     for name, sums in t.items():

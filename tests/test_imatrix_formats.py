@@ -19,10 +19,7 @@ MODEL = "tiny-qwen3moe"
 
 
 def fixture_file(ext: str):
-    path = oracle.llamacpp_dir(MODEL) / f"{MODEL}-imatrix.{ext}"
-    if not path.is_file():
-        pytest.skip(f"{path} is absent")
-    return path
+    return oracle.llamacpp_file(MODEL, f"{MODEL}-imatrix.{ext}")
 
 
 def bits(a: np.ndarray) -> np.ndarray:
@@ -248,7 +245,7 @@ def test_truncated_files_are_refused(tmp_path, ext):
             read_imatrix(bad)
 
 
-def test_garbage_and_model_files_are_refused(tmp_path):
+def test_garbage_and_model_files_are_refused(tmp_path, example_bf16):
     junk = tmp_path / "junk.dat"
     junk.write_bytes(b"\x05\x00\x00\x00" + b"\xff" * 40)
     with pytest.raises(ForgeError):
@@ -258,10 +255,8 @@ def test_garbage_and_model_files_are_refused(tmp_path):
     trailing.write_bytes(trailing.read_bytes() + b"xx")
     with pytest.raises(ForgeError, match="unexpected bytes"):
         read_imatrix(trailing)
-    q8 = oracle.llamacpp_dir(MODEL) / f"{MODEL}-Q8_0.gguf"
-    if q8.is_file():
-        with pytest.raises(ForgeError, match="not an imatrix|missing imatrix metadata"):
-            read_imatrix(q8)
+    with pytest.raises(ForgeError, match="not an imatrix|missing imatrix metadata"):
+        read_imatrix(example_bf16)
 
 
 def model_shapes() -> dict[str, tuple[int, int]]:

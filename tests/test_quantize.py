@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import EXAMPLE
-from oracle import MODELS, llamacpp_dir, manifest, manifest_names, model_dir
+from oracle import MODELS, llamacpp_file, manifest, manifest_names, model_dir
 
 from forge.errors import ForgeError
 from forge.gguf_file import open_gguf
@@ -32,7 +32,7 @@ def _tensor_manifest(path: Path) -> list[dict]:
 
 
 def _quantize_like_llamacpp(model: str, name: str, out: Path) -> None:
-    imatrix = llamacpp_dir(model) / f"{model}-imatrix.gguf" if name.endswith("-imat") else None
+    imatrix = llamacpp_file(model, f"{model}-imatrix.gguf") if name.endswith("-imat") else None
     quantize(model_dir(model), out, _preset(name), imatrix=imatrix, mtp=False)
 
 

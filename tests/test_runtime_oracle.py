@@ -1,14 +1,20 @@
-"""Runtime oracles: Hugging Face transformers (fp32) and llama.cpp's perplexity/KLD tables (fixtures)."""
+"""Runtime oracles: Hugging Face transformers (fp32) and llama.cpp's perplexity/KLD figures (fixtures)."""
 
 from __future__ import annotations
 
-import re
-from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
-from oracle import FIXTURES, fixtures, llamacpp_dir, model_dir
+from oracle import (
+    SHARED,
+    llamacpp_file,
+    manifest,
+    model_dir,
+    perplexity_figures,
+    tensor_manifest,
+    text,
+)
 
 from runtime.evaluate import ReferenceLogits, evaluate, perplexity_tokens
 from runtime.generate import generate
@@ -37,8 +43,8 @@ def bf16(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-def _text_ids(tok: Tokenizer, text: str, n: int, offset: int = 0) -> torch.Tensor:
-    body = (fixtures() / "text" / text).read_text()[offset : offset + 40 * n]
+def _text_ids(tok: Tokenizer, name: str, n: int, offset: int = 0) -> torch.Tensor:
+    body = text(name).read_text()[offset : offset + 40 * n]
     return torch.tensor(tok.encode(body)[:n])
 
 
@@ -49,12 +55,12 @@ def test_matches_transformers_fp32(name: str, bf16) -> None:
     ours = load_model(bf16(name))
     hf = AutoModelForCausalLM.from_pretrained(model_dir(name), dtype=torch.float32).eval()
     tok = Tokenizer.from_metadata(ours.weights)
-    for text in TEXTS:
-        ids = _text_ids(tok, text, 256, offset=5000)
+    for text_name in TEXTS:
+        ids = _text_ids(tok, text_name, 256, offset=5000)
         with torch.no_grad():
             ref = hf(ids[None]).logits[0]
         got = ours.forward(ids, ours.new_state())
-        assert (got - ref).abs().max() <= 1e-3 * ref.abs().max(), text
+        assert (got - ref).abs().max() <= 1e-3 * ref.abs().max(), text_name
 
         prompt = ids[:48]
         with torch.no_grad():
@@ -63,7 +69,7 @@ def test_matches_transformers_fp32(name: str, bf16) -> None:
         if eos in hf_out:
             hf_out = hf_out[: hf_out.index(eos)]
         res = generate(ours, prompt.tolist(), 64, stop_ids={eos})
-        assert res.tokens == hf_out, text
+        assert res.tokens == hf_out, text_name
         assert len(res.tokens) == 64 or res.stopped_by == "stop-token"
 
 
@@ -83,28 +89,24 @@ def test_qwen35moe_state_is_carried_across_calls(bf16) -> None:
     assert (one_by_one - full).abs().max() <= tol
 
 
-# llama.cpp's tables -------------------------------------------------------------------------------------
+# llama.cpp's figures -----------------------------------------------------------------------------------
+
+#: the files llama.cpp's figures are checked on: llama.cpp's own where the optional fixtures have them, else
+#: forge's, first checked tensor for tensor against llama.cpp's manifest (tiny-qwen3moe's are shipped)
+LABELS = ("Q8_0", "Q4_K_M-imat", "IQ2_XXS-imat")
 
 
-@cache
-def _tables() -> dict[tuple[str, str], tuple[float, float | None]]:
-    """(model, file label) -> (PPL, mean KLD) from the fixtures README."""
-    readme = (FIXTURES / "README.md").read_text()
-    out: dict[tuple[str, str], tuple[float, float | None]] = {}
-    for section in re.split(r"^### ", readme, flags=re.M)[1:]:
-        model = section.split()[0]
-        for label, ppl, kld in re.findall(r"^\| (\S+) \| ([\d.]+) \| ([\d.]+|-) \|", section, flags=re.M):
-            out[(model, label)] = (float(ppl), None if kld == "-" else float(kld))
+def _llamacpp_quantized(name: str, label: str, tmp: Path) -> Path:
+    from forge.quant.quantize import quantize
+
+    path = SHARED / "llamacpp" / name / f"{name}-{label}.gguf"
+    if path.is_file():
+        return path
+    out = tmp / f"{name}-{label}.gguf"
+    imatrix = llamacpp_file(name, f"{name}-imatrix.gguf") if label.endswith("-imat") else None
+    quantize(model_dir(name), out, label.removesuffix("-imat").lower(), imatrix=imatrix, mtp=False)
+    assert tensor_manifest(out) == manifest(name, label)["tensors"]  # llama.cpp's file, tensor for tensor
     return out
-
-
-def _shipped() -> list[tuple[str, str]]:
-    found = []
-    for name in MODELS:
-        for f in sorted((FIXTURES / "llamacpp" / name).glob(f"{name}-*.gguf")):
-            if not f.stem.endswith("imatrix"):
-                found.append((name, f.stem.removeprefix(name + "-")))
-    return found or [("absent", "absent")]
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +122,9 @@ def reference(bf16):
         if name not in made:
             m = load_model(bf16(name), ggml_numerics=True)
             tok = Tokenizer.from_metadata(m.weights)
-            ids = perplexity_tokens(tok, (fixtures() / "text" / "val.txt").read_text(), 512, 32)
+            ids = perplexity_tokens(tok, text("val.txt").read_text(), 512, 32)
             res = evaluate(m, ids, 512, 32, save_logits=tmp / f"{name}.npz", top_k=1024)
-            ppl, _ = _tables()[(name, "bf16")]
+            ppl = perplexity_figures()[name]["bf16"]["ppl"]
             assert abs(res.perplexity / ppl - 1) <= 0.005, (res.perplexity, ppl)
             made[name] = (ids, ReferenceLogits.load(tmp / f"{name}.npz"))
         return made[name]
@@ -130,15 +132,14 @@ def reference(bf16):
     return get
 
 
-@pytest.mark.parametrize(("name", "label"), _shipped())
+@pytest.mark.parametrize("label", LABELS)
+@pytest.mark.parametrize("name", MODELS)
 def test_perplexity_and_kld_match_llamacpp(name: str, label: str, reference, tmp_path_factory) -> None:
-    path = llamacpp_dir(name) / f"{name}-{label}.gguf"
-    if (name, label) not in _tables():
-        pytest.skip(f"no table row for {name} {label}")
-    ppl, kld = _tables()[(name, label)]
+    want = perplexity_figures()[name][label]
+    path = _llamacpp_quantized(name, label, tmp_path_factory.mktemp("q"))
     ids, ref = reference(name, tmp_path_factory.mktemp("ref"))
     res = evaluate(load_model(path, ggml_numerics=True), ids, 512, 32, reference_logits=ref)
     assert res.tokens == 32 * 255
-    assert abs(res.perplexity / ppl - 1) <= 0.005, (res.perplexity, ppl)
-    assert kld is not None and res.kld_mean is not None
-    assert abs(res.kld_mean / kld - 1) <= 0.10, (res.kld_mean, kld)
+    assert abs(res.perplexity / want["ppl"] - 1) <= 0.005, (res.perplexity, want["ppl"])
+    assert res.kld_mean is not None
+    assert abs(res.kld_mean / want["kld_mean"] - 1) <= 0.10, (res.kld_mean, want["kld_mean"])
