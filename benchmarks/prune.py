@@ -50,8 +50,8 @@ def main() -> None:
 
     from forge.convert import convert_checkpoint
     from forge.prune.apply import apply_mask
+    from forge.prune.collect import collect_profile
     from forge.prune.mask import build_mask
-    from forge.prune.profile import collect_profile
     from forge.quant.quantize import quantize
     from runtime.evaluate import ReferenceLogits, evaluate, perplexity_tokens
     from runtime.models import load_model

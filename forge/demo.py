@@ -87,8 +87,8 @@ def run_demo(model: Path | None, keep: Path | None, console: Console) -> list[St
     from forge.inspect_file import describe
     from forge.layout import convert as convert_layout
     from forge.prune.apply import apply_mask
+    from forge.prune.collect import collect_profile
     from forge.prune.mask import build_mask
-    from forge.prune.profile import collect_profile
     from forge.quant.quantize import quantize
     from runtime.evaluate import evaluate, perplexity_tokens
     from runtime.models import load_model

@@ -17,8 +17,9 @@ from forge.errors import ForgeError
 from forge.gguf_file import KV, TensorSpec, open_gguf, write_gguf
 from forge.prune.apply import apply_mask
 from forge.prune.cli import app
+from forge.prune.collect import ExpertProfiler, collect_profile, profile_from_observer
 from forge.prune.mask import PruneMask, apply_mask_to_model, build_mask, format_mask, parse_mask, read_mask
-from forge.prune.profile import ExpertProfiler, Profile, collect_profile, profile_from_observer
+from forge.prune.profile import Profile
 from runtime.models import load_model
 from runtime.observers import Observer
 

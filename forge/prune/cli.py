@@ -34,7 +34,7 @@ def profile(
     as_json: JsonOpt = False,
 ) -> None:
     """Per routed layer and expert: tokens routed, summed routing weight, saliency, full rankings."""
-    from forge.prune.profile import collect_profile
+    from forge.prune.collect import collect_profile
 
     def log(msg: str) -> None:
         if not as_json:
