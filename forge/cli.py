@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -237,9 +238,12 @@ OUTPUT_OPTIONS = {
 }
 
 
-def _paths(value: Any) -> list[Path]:
+def _paths(value: Any, files_named: bool = False) -> list[Path]:
+    """The paths in an option's value; with ``files_named`` also strings that name an existing file
+    (``--recipe my.toml``)."""
     items = value if isinstance(value, list | tuple) else [value]
-    return [Path(v) for v in items if isinstance(v, Path)]
+    named = [Path(v) for v in items if files_named and isinstance(v, str) and v and os.path.isfile(v)]
+    return [Path(v) for v in items if isinstance(v, Path)] + named
 
 
 def _guarded(callback: Any) -> Any:
@@ -251,7 +255,10 @@ def _guarded(callback: Any) -> Any:
             (OUTPUT_OPTIONS[k], p) for k, v in params.items() if k in OUTPUT_OPTIONS for p in _paths(v)
         ]
         inputs = [
-            (k.replace("_", "-"), p) for k, v in params.items() if k not in OUTPUT_OPTIONS for p in _paths(v)
+            (k.replace("_", "-"), p)
+            for k, v in params.items()
+            if k not in OUTPUT_OPTIONS
+            for p in _paths(v, True)
         ]
         refuse_overwriting_inputs(outputs, inputs)
         return callback(**params)
