@@ -215,7 +215,7 @@ def check_geometry(g: SynthGeometry, t: Q) -> None:
 # --- tokenizer ----------------------------------------------------------------------------------------------
 NORMAL, CONTROL = 1, 3  # llama.cpp's token types
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-MIN_VOCAB, MAX_VOCAB = 256 + len(SPECIALS), 1 << 20
+MIN_VOCAB, MAX_VOCAB = 256 + len(SPECIALS), 1 << 19
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
     "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"

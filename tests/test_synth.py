@@ -1,0 +1,191 @@
+"""``forge synth``: its tokenizer (what llama.cpp's loader and runtime/tokenizer.py need), option checks
+through the real CLI, and (slow, when llama-cpp-python is installed) llama.cpp loading and running a file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+
+from runtime.generate import Sampling, generate
+from runtime.models import load_model
+from runtime.synth import MIN_VOCAB, SynthGeometry, synth_tokens, synthesize
+from runtime.tokenizer import Tokenizer
+from runtime.weights import load_weights
+
+VOCAB = 1000
+TINY = SynthGeometry(
+    layers=1,
+    experts=4,
+    experts_used=2,
+    hidden=256,
+    expert_ff=256,
+    heads=2,
+    kv_heads=1,
+    head_dim=128,
+    vocab=VOCAB,
+)
+TINY_ARGS = ["--layers", "1", "--experts", "4", "--experts-used", "2", "--hidden", "256", "--expert-ff", "256",
+             "--heads", "2", "--kv-heads", "1", "--head-dim", "128", "--vocab", str(VOCAB)]  # fmt: skip
+TEXTS = [
+    "hello world",
+    "The quick brown fox, 1234 times!\n\n  indented\ttab",
+    "Ünïcödé: 数字 ✓ 🙂 — done",
+    "<|im_start|>user\nhi<|im_end|>",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("synth") / "tiny.gguf"
+    synthesize(path, TINY, "q4_k")
+    return path
+
+
+def test_tokenizer_is_what_llamacpp_loads(tiny: Path) -> None:
+    """The checks llama.cpp's vocabulary loader makes, on the file's own metadata."""
+    r = GGUFReader(tiny)
+    f = {k: v.contents() for k, v in r.fields.items()}
+    assert f["tokenizer.ggml.model"] == "gpt2" and f["tokenizer.ggml.pre"] == "qwen2"
+    tokens, types, merges = (
+        f["tokenizer.ggml.tokens"],
+        f["tokenizer.ggml.token_type"],
+        f["tokenizer.ggml.merges"],
+    )
+    embd = next(t for t in r.tensors if t.name == "token_embd.weight")
+    out = next(t for t in r.tensors if t.name == "output.weight")
+    assert len(tokens) == len(types) == int(embd.shape[1]) == int(out.shape[1]) == VOCAB
+    assert len(set(tokens)) == VOCAB  # llama.cpp asserts token -> id is a bijection
+    assert set(types) <= {1, 3}
+    for key in ("bos", "eos"):
+        tid = f[f"tokenizer.ggml.{key}_token_id"]
+        assert 0 <= tid < VOCAB and types[tid] == 3 and tokens[tid] == "<|endoftext|>"
+    assert f["tokenizer.ggml.add_bos_token"] is False
+    vocab = set(tokens)
+    for m in merges:  # "left right": both halves and their join are tokens
+        left, right = m.split(" ")
+        assert left and right and {left, right, left + right} <= vocab
+    assert len(merges) == VOCAB - MIN_VOCAB
+    # byte tokens in GPT-2's byte -> unicode mapping, where llama.cpp's BPE looks them up
+    assert tokens[ord("a")] == "a" and tokens[ord(" ")] == "Ġ" and tokens[ord("\n")] == "Ċ"
+
+
+def test_tokenizer_round_trips_through_the_runtime(tiny: Path) -> None:
+    tok = Tokenizer.from_metadata(load_weights(tiny))
+    for text in TEXTS:
+        ids = tok.encode(text, parse_special=True)
+        assert all(0 <= i < VOCAB for i in ids)
+        assert tok.decode(ids) == text
+    # merges make words: " hello" is fewer tokens than its bytes, and the specials are single tokens
+    assert len(tok.encode(" hello world")) < len(" hello world")
+    assert tok.encode("<|im_end|>", parse_special=True) == [tok.special["<|im_end|>"]]
+    assert tok.stop_ids == {tok.special["<|endoftext|>"], tok.special["<|im_end|>"]}
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_every_token_decodes_to_its_bytes() -> None:
+    """Sampled ids anywhere in the vocabulary decode to text (words), and re-encode to the same bytes."""
+    tokens, types, merges = synth_tokens(40_000)
+    tok = Tokenizer(tokens, merges, types, pre="qwen2", eos_id=256, bos_id=256)
+    rng = np.random.default_rng(0)
+    ids = [int(i) for i in rng.integers(MIN_VOCAB, len(tokens), 200)]
+    text = tok.decode(ids)
+    assert text.replace(" ", "").isalpha() and text.isascii()
+    assert tok.decode(tok.encode(text)) == text
+    assert synth_tokens(40_000) == (tokens, types, merges)  # deterministic
+
+
+def test_generates_text(tiny: Path) -> None:
+    model = load_model(tiny)
+    tok = Tokenizer.from_metadata(model.weights)
+    prompt = tok.encode("hello")
+    res = generate(
+        model, prompt, 12, Sampling(temperature=1.0, seed=3), tokenizer=tok, stop_ids=set(), context=64
+    )
+    assert len(res.tokens) == 12 and all(0 <= t < VOCAB for t in res.tokens)
+    assert len(set(res.tokens)) > 1  # logits in a sampled range, not one token at ~100x the others
+    assert res.text == tok.decode(res.tokens) and res.text
+
+
+def test_cli_writes_a_small_custom_geometry(tmp_path: Path) -> None:
+    out = tmp_path / "cli.gguf"
+    r = _forge(["-o", str(out), *TINY_ARGS])
+    assert r.returncode == 0, r.stderr
+    a, b = GGUFReader(out), GGUFReader(_reference(tmp_path))
+    assert [(t.name, t.tensor_type, list(t.shape)) for t in a.tensors] == [
+        (t.name, t.tensor_type, list(t.shape)) for t in b.tensors
+    ]
+    assert a.fields["qwen3moe.expert_count"].contents() == 4
+
+
+def _reference(tmp: Path) -> Path:
+    ref = tmp / "ref.gguf"
+    synthesize(ref, TINY, "q4_k")
+    return ref
+
+
+BAD = [
+    (["--vocab", "-5"], "--vocab"),
+    (["--vocab", "0"], "--vocab"),
+    (["--vocab", "258"], "--vocab"),
+    (["--vocab", str(10**30)], "--vocab"),
+    (["--seed", "-1"], "--seed"),
+    (["--seed", str(2**64)], "--seed"),
+    (["--layers", "0"], "--layers"),
+    (["--layers", "100000"], "--layers"),
+    (["--experts", "0"], "--experts"),
+    (["--experts", "4", "--experts-used", "5"], "--experts-used"),
+    (["--hidden", "100"], "--hidden"),
+    (["--expert-ff", "-256"], "--expert-ff"),
+    (["--heads", "0"], "--heads"),
+    (["--heads", "16", "--kv-heads", "3"], "--kv-heads"),
+    (["--head-dim", "127"], "--head-dim"),
+    (["--type", "q9_z"], "--type"),
+    (["--geometry", "nope"], "geometry"),
+]
+
+
+@pytest.mark.parametrize(("args", "names"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_options_give_one_error_line_and_no_file(tmp_path: Path, args: list[str], names: str) -> None:
+    out = tmp_path / "bad.gguf"
+    r = _forge(["-o", str(out), "--layers", "1", "--vocab", "512", *args])
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and names in lines[0], r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def _forge(args: list[str]) -> subprocess.CompletedProcess[str]:
+    code = "from forge.cli import main; main()"
+    return subprocess.run(
+        [sys.executable, "-c", code, "synth", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.slow
+def test_llamacpp_loads_and_runs_a_synth_file(tiny: Path) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(tiny), n_ctx=64, n_threads=2, verbose=False)
+    assert llm.n_vocab() == VOCAB
+    tok = Tokenizer.from_metadata(load_weights(tiny))
+    for text in TEXTS[:3]:  # llama.cpp's tokenizer agrees with the runtime's on this vocabulary
+        ids = llm.tokenize(text.encode(), add_bos=False, special=True)
+        assert ids == tok.encode(text, parse_special=True)
+        assert llm.detokenize(ids).decode() == text
+    assert llm.token_eos() == tok.eos_id
+    llm.eval(tok.encode("hello world"))
+    logits = np.asarray(llm.scores[llm.n_tokens - 1])
+    assert logits.shape == (VOCAB,) and np.isfinite(logits).all()
+    out = llm("hello", max_tokens=4, temperature=0.0)
+    assert out["usage"]["completion_tokens"] >= 1
+    # the runtime computes the same model: its greedy next token after the prompt is llama.cpp's
+    model = load_model(tiny)
+    ours = model.forward(torch.tensor(tok.encode("hello world")), model.new_state(64))[-1]
+    assert int(ours.argmax()) == int(logits.argmax())
