@@ -12,6 +12,7 @@ Two places, looked up in this order:
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from functools import cache
@@ -167,3 +168,22 @@ def llamacpp_importance(model: str) -> dict[str, np.ndarray]:
             v = np.where(counts > 0, sums / np.where(counts > 0, counts, 1), 1.0).astype(np.float32)
         out[base] = v
     return out
+
+
+@cache
+def _load_libggml(path: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(path)
+    lib.ggml_quantize_init.argtypes = [ctypes.c_int]
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]  # fmt: skip
+    return lib
+
+
+def libggml() -> ctypes.CDLL:
+    """llama.cpp's libggml-base (a development oracle for the encoders): the file FORGE_LIBGGML names; skips
+    without it. ``ggml_quantize_init(type)`` and ``ggml_quantize_chunk(type, src, dst, start, nrows, n_per_row,
+    imatrix)`` are typed."""
+    path = os.environ.get("FORGE_LIBGGML", "")
+    if not os.path.isfile(path):
+        pytest.skip("no libggml-base (set FORGE_LIBGGML to the shared library of a llama.cpp build)")
+    return _load_libggml(path)

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import ctypes
-import glob
 import hashlib
-import os
-from functools import cache
 
 import numpy as np
 import pytest
@@ -58,47 +54,8 @@ def test_bit_exact_with_llamacpp_fixture(manifest: str, tensor: str) -> None:
 # ---------------------------------------------------------------- libggml as an oracle (optional)
 
 
-@cache
-def _libggml() -> ctypes.CDLL | None:
-    """libggml-base from a llama.cpp build (FORGE_LIBGGML, an importable llama_cpp, or ../peer)."""
-    paths = [os.environ.get("FORGE_LIBGGML", "")]
-    try:
-        import llama_cpp  # type: ignore[import-not-found]
-
-        paths += glob.glob(
-            os.path.join(os.path.dirname(llama_cpp.__file__), "**", "libggml-base.so"), recursive=True
-        )
-    except ImportError:
-        pass
-    paths += glob.glob(str(oracle.FIXTURES / ".." / ".." / "peer" / "**" / "libggml-base.so"), recursive=True)
-    paths += glob.glob("/work/peer/**/libggml-base.so", recursive=True)
-    for p in paths:
-        if p and os.path.isfile(p):
-            lib = ctypes.CDLL(p)
-            lib.ggml_quantize_chunk.restype = ctypes.c_size_t
-            lib.ggml_quantize_chunk.argtypes = [
-                ctypes.c_int,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_int64,
-                ctypes.c_int64,
-                ctypes.c_int64,
-                ctypes.c_void_p,
-            ]
-            lib.ggml_quantize_init.argtypes = [ctypes.c_int]
-            return lib
-    return None
-
-
-def _require_libggml() -> ctypes.CDLL:
-    lib = _libggml()
-    if lib is None:
-        pytest.skip("no libggml-base.so found (set FORGE_LIBGGML)")
-    return lib
-
-
 def _ggml_encode(gtype: T, rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
-    lib = _require_libggml()
+    lib = oracle.libggml()
     qtype = get_type(gtype.name)
     rows = np.ascontiguousarray(rows, np.float32)
     out = np.zeros((rows.shape[0], qtype.row_bytes(rows.shape[1])), np.uint8)
@@ -134,7 +91,7 @@ def _random_case(seed: int, n_rows: int = 24, n_per_row: int = 512) -> tuple[np.
 @pytest.mark.parametrize("name", MINE)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_matches_libggml_on_random_data(name: str, seed: int) -> None:
-    _require_libggml()
+    oracle.libggml()
     rows, importance = _random_case(seed)
     ours = get_type(name).encode(rows, importance)
     np.testing.assert_array_equal(ours, _ggml_encode(T[name], rows, importance))
@@ -143,7 +100,7 @@ def test_matches_libggml_on_random_data(name: str, seed: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["IQ2_S", "IQ1_M"])
 def test_matches_libggml_without_importance(name: str) -> None:
-    _require_libggml()
+    oracle.libggml()
     rows, _ = _random_case(7)
     ours = get_type(name).encode(rows, None)
     np.testing.assert_array_equal(ours, _ggml_encode(T[name], rows, None))

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import ctypes
-import glob
 import hashlib
-import os
-from functools import cache
 
 import numpy as np
 import pytest
@@ -246,34 +242,6 @@ def test_iq3s_skipped_subblocks_shift_later_ones_forward() -> None:
 # --- optional development oracle: llama.cpp's libggml through ctypes -----------------------------
 
 
-@cache
-def _find_libggml() -> ctypes.CDLL | None:
-    pattern = os.environ.get("FORGE_LIBGGML", "/work/peer/**/libggml-base.so")
-    hits = sorted(glob.glob(pattern, recursive=True))
-    if not hits:
-        return None
-    lib = ctypes.CDLL(hits[0])
-    lib.ggml_quantize_init.argtypes = [ctypes.c_int]
-    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
-    lib.ggml_quantize_chunk.argtypes = [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-    ]
-    return lib
-
-
-def _libggml() -> ctypes.CDLL:
-    lib = _find_libggml()
-    if lib is None:
-        pytest.skip("no libggml-base shared library found (set FORGE_LIBGGML)")
-    return lib
-
-
 def _ggml_quantize(lib, qtype: str, x: np.ndarray, importance: np.ndarray | None) -> np.ndarray:
     gtype = int(GGMLQuantizationType[qtype])
     qt = get_type(qtype)
@@ -297,7 +265,7 @@ def _ggml_quantize(lib, qtype: str, x: np.ndarray, importance: np.ndarray | None
 @pytest.mark.parametrize("qtype", OUR_TYPES)
 @pytest.mark.parametrize("weighted", [False, True], ids=["plain", "imatrix"])
 def test_matches_libggml_on_random_data(qtype: str, kind: str, weighted: bool) -> None:
-    lib = _libggml()
+    lib = oracle.libggml()
     x = _rows(kind, 16, 1024)
     importance = np.random.default_rng(7).random(x.shape[1]).astype(np.float32) if weighted else None
     expect = _ggml_quantize(lib, qtype, x, importance)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
 
 import numpy as np
@@ -26,10 +25,9 @@ FAST = ("blk.0.attn_k.weight", "blk.0.attn_v.weight", "blk.3.attn_v.weight", "bl
 def _fixture_cases() -> list:
     cases = []
     for man in MANIFESTS:
-        path = oracle.FIXTURES / "llamacpp" / MODEL / "manifests" / f"{man}.json"
-        if not path.is_file():
+        if man not in oracle.manifest_names(MODEL):
             continue
-        for t in json.loads(path.read_text())["tensors"]:
+        for t in oracle.manifest(MODEL, man)["tensors"]:
             if t["type"] not in MINE:
                 continue
             marks = () if t["name"] in FAST else (pytest.mark.slow,)
@@ -289,33 +287,12 @@ def test_make_qp_quants_matches_a_scalar_transcription() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# optional: llama.cpp's own quantizer through ctypes (FORGE_LIBGGML or a llama-cpp-python build in
-# ../peer); skipped when no libggml-base is around
-
-
-def _ggml_quantize_chunk():  # noqa: ANN202
-    import ctypes
-    import glob
-    import os
-
-    paths = [os.environ.get("FORGE_LIBGGML", "")]
-    paths += sorted(
-        glob.glob(str(oracle.FIXTURES.parent.parent / "peer" / "**" / "libggml-base.so"), recursive=True)
-    )
-    for path in paths:
-        if path and os.path.isfile(path):
-            fn = ctypes.CDLL(path).ggml_quantize_chunk
-            fn.restype = ctypes.c_size_t
-            fn.argtypes = (
-                [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
-            )
-            return fn
-    pytest.skip("no libggml-base.so (set FORGE_LIBGGML)")
+# optional: llama.cpp's own quantizer through ctypes (oracle.libggml: FORGE_LIBGGML); skipped without it
 
 
 @pytest.mark.parametrize("name", QUANTS)
 def test_matches_libggml_on_random_data(name: str) -> None:
-    quantize_chunk = _ggml_quantize_chunk()
+    quantize_chunk = oracle.libggml().ggml_quantize_chunk
     qtype = get_type(name)
     rng = np.random.default_rng(17)
     n = 512

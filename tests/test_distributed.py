@@ -147,9 +147,9 @@ def _same(a: Path, b: Path) -> bool:
 
 @pytest.mark.slow
 def test_ray_builds_are_byte_identical(cluster, example_bf16: Path, tmp_path: Path) -> None:  # noqa: ANN001
-    from oracle import llamacpp_dir
+    from oracle import llamacpp_file
 
-    imatrix = llamacpp_dir("tiny-qwen3moe") / "tiny-qwen3moe-imatrix.gguf"
+    imatrix = llamacpp_file("tiny-qwen3moe", "tiny-qwen3moe-imatrix.gguf")
     cases = [
         (EXAMPLE, "q4_k_m", None, [], "auto"),  # HF folder read by the workers, experts in parts
         (example_bf16, "q8_0", None, [], "ship"),  # bf16 GGUF slices shipped through the object store

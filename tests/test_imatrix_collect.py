@@ -339,7 +339,7 @@ def test_collect_small_run(tmp_path):
     from tests import oracle
 
     text = tmp_path / "t.txt"
-    text.write_text((oracle.fixtures() / "text" / "calib.txt").read_text()[:6000])
+    text.write_text(oracle.text("calib.txt").read_text()[:6000])
     lines: list[str] = []
     rep = collect(_model_dir(), text, tmp_path / "im.dat", ctx=64, chunks=3, save_every=1, log=lines.append)
     assert rep.chunks == 3 and lines[0].startswith("[1]") and lines[-1].startswith("Final estimate: PPL = ")
@@ -364,7 +364,7 @@ def test_collect_with_ggml_numerics(tmp_path):
     from tests import oracle
 
     text = tmp_path / "t.txt"
-    text.write_text((oracle.fixtures() / "text" / "calib.txt").read_text()[:3000])
+    text.write_text(oracle.text("calib.txt").read_text()[:3000])
     plain = collect(_model_dir(), text, tmp_path / "a.gguf", ctx=64, chunks=2, log=None).imatrix
     ggml = collect(
         _model_dir(), text, tmp_path / "b.gguf", ctx=64, chunks=2, log=None, ggml_numerics=True
@@ -383,11 +383,11 @@ def collected_like_llamacpp(tmp_path_factory):
     from forge.imatrix.accumulate import collect
     from tests import oracle
 
-    ref = oracle.llamacpp_dir("tiny-qwen3moe") / "tiny-qwen3moe-imatrix.gguf"
+    ref = oracle.llamacpp_file("tiny-qwen3moe", "tiny-qwen3moe-imatrix.gguf")
     if not ref.is_file():
         pytest.skip("llama.cpp's imatrix fixture is absent")
     out = tmp_path_factory.mktemp("collect") / "ours.gguf"
-    rep = collect(_model_dir(), oracle.fixtures() / "text" / "calib.txt", out, ctx=512, chunks=32, log=None)
+    rep = collect(_model_dir(), oracle.text("calib.txt"), out, ctx=512, chunks=32, log=None)
     return rep.imatrix, read_imatrix(ref), out
 
 
@@ -423,7 +423,7 @@ def test_collection_matches_llama_imatrix(collected_like_llamacpp, tmp_path):
 def ref_dat_path():
     from tests import oracle
 
-    return oracle.llamacpp_dir("tiny-qwen3moe") / "tiny-qwen3moe-imatrix.dat"
+    return oracle.llamacpp_file("tiny-qwen3moe", "tiny-qwen3moe-imatrix.dat")
 
 
 @pytest.fixture(scope="module")
@@ -432,10 +432,10 @@ def collected_with_ggml_numerics(tmp_path_factory):
     from forge.imatrix.accumulate import collect
     from tests import oracle
 
-    ref = oracle.llamacpp_dir("tiny-qwen3moe") / "tiny-qwen3moe-imatrix.gguf"
+    ref = oracle.llamacpp_file("tiny-qwen3moe", "tiny-qwen3moe-imatrix.gguf")
     if not ref.is_file():
         pytest.skip("llama.cpp's imatrix fixture is absent")
-    text = oracle.fixtures() / "text" / "calib.txt"
+    text = oracle.text("calib.txt")
     out = tmp_path_factory.mktemp("collect-ggml") / "ours.gguf"
     rep = collect(_model_dir(), text, out, ctx=512, chunks=32, log=None, ggml_numerics=True)
     return rep.imatrix, read_imatrix(ref)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import EXAMPLE
-from oracle import llamacpp_dir
+from oracle import llamacpp_file
 
 from forge.errors import ForgeError
 from forge.gguf_file import open_gguf
@@ -55,7 +55,7 @@ def test_no_change_copies_everything(base: Path, tmp_path: Path) -> None:
 
 
 def test_new_imatrix_rows_regenerate_only_that_layer(tmp_path: Path) -> None:
-    im = read_imatrix(llamacpp_dir("tiny-qwen3moe") / "tiny-qwen3moe-imatrix.gguf")
+    im = read_imatrix(llamacpp_file("tiny-qwen3moe", "tiny-qwen3moe-imatrix.gguf"))
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
     write_imatrix(im, a)
     for proj in ("gate", "up", "down"):
