@@ -93,8 +93,10 @@ def assert_rounding_bound(y: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor,
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("n_tok", [1, 3, 8])
-def test_gemv_matches_reference(qtype: Q, n_tok: int) -> None:
-    n, k = 80, k_for(qtype)  # 80 rows: no multiple of the 16/32-row tiles
+@pytest.mark.parametrize("blocks", [3, 8])
+def test_gemv_matches_reference(qtype: Q, n_tok: int, blocks: int) -> None:
+    # 80 rows: no multiple of the 16/32-row tiles; 8 blocks of 32 take Q8_0's word kernel (K % 256 == 0)
+    n, k = 80, k_for(qtype, blocks)
     raw = random_rows(qtype, n, k).to(DEVICE)
     x = torch.randn(n_tok, k, generator=torch.Generator().manual_seed(n_tok)).to(DEVICE)
     y = ck.linear(x, raw, qtype)
@@ -140,7 +142,7 @@ def _ids(n_tok: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("per_slot", [False, True], ids=["shared-x", "per-slot-x"])
 def test_moe_gemv_matches_reference(qtype: Q, per_slot: bool) -> None:
-    experts, n, k, n_tok, top_k = 5, 48, k_for(qtype, 2), 3, 4
+    experts, n, k, n_tok, top_k = 5, 48, k_for(qtype, 8), 3, 4
     raw = random_rows(qtype, experts * n, k, seed=2).view(experts, n, -1).to(DEVICE)
     ids = _ids(n_tok, top_k, experts, 3).to(DEVICE)
     shape = (n_tok, top_k, k) if per_slot else (n_tok, k)
@@ -169,6 +171,14 @@ def test_moe_gemm_groups_by_expert(qtype: Q, skewed: bool) -> None:
         y16 = ck.moe_linear(x, raw, qtype, ids, precision="bf16")
         ref, mag = _moe_reference(x.cpu(), raw.cpu(), qtype, ids.cpu())
         assert_rounding_bound(y16, ref, mag, ck.UNIT_ROUNDOFF["bf16"], k)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
+def test_q4_k_m_types_take_the_word_kernel(qtype: Q) -> None:
+    k = 512
+    raw = random_rows(qtype, 4, k).to(DEVICE)
+    assert ck._as_words(qtype, raw, k) is not None
+    assert ck._as_words(qtype, raw, k - 32) is None or qtype != Q.Q8_0
 
 
 def test_group_by_expert_tiles_cover_every_pair_once() -> None:

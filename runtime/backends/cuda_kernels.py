@@ -19,6 +19,7 @@ Types without a kernel fall back to ``runtime.dequant.dequantize`` + ``torch.mat
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -265,6 +266,142 @@ if triton is not None:
         tl.store(out, acc, mask=(n[:, None] < N) & (tcol[None, :] < NT))
 
     # ------------------------------------------------------------------------------------------------
+    # Decode fast path for the types of q4_k_m files (Q4_K, Q5_K, Q6_K, Q8_0): the quants are read as
+    # 32-bit (Q4_K, Q5_K) or 16-bit words (Q6_K, Q8_0: 210- and 34-byte blocks are only 2-byte
+    # aligned), a 256-value chunk per step laid out as [rows, ...word axes..., value-in-word axes];
+    # each scale group's sum(q * x) is formed first and scaled once, and a K-quant's minimum term
+    # uses sum(x) over the group, which is the same for every row.
+    # ------------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _f16_of(bits):
+        return (bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _chunk_k4(w32, w8, base, xc, NT: tl.constexpr, sx_tok, tcol, acc, Q5: tl.constexpr):
+        """One Q4_K/Q5_K super-block of BN rows; base [BN] int64 word offset of each row's block."""
+        p = tl.arange(0, 4)[None, :, None, None, None]  # pair of groups (32 bytes of qs)
+        v = tl.arange(0, 8)[None, None, :, None, None]  # word within the pair
+        h = tl.arange(0, 2)[None, None, None, :, None]  # low nibble: group 2p, high: group 2p + 1
+        i = tl.arange(0, 4)[None, None, None, None, :]  # byte within the word
+        b5 = base[:, None, None, None, None]
+        qs = tl.load(w32 + b5 + (12 if Q5 else 4) + p * 8 + v)
+        q = (qs >> (h * 4 + i * 8)) & 15
+        if Q5:  # qh byte l = 4v + i holds bit g = 2p + h of value l of group g
+            qh = tl.load(w32 + b5 + 4 + v)
+            q = q | (((qh >> (i * 8 + 2 * p + h)) & 1) << 4)
+        qf = q.to(tl.float32)
+        # scales of the 8 groups, g = 2p + h: [BN, 4, 2]
+        b3 = base[:, None, None] * 4
+        g = 2 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2)[None, None, :]
+        sc, m = _k4_scale_min(w8, b3, g)
+        dw = tl.load(w32 + base)
+        dl = _f16_of(dw)[:, None, None] * sc
+        ml = _f16_of(dw >> 16)[:, None, None] * m
+        xi = p * 64 + h * 32 + v * 4 + i
+        for t in tl.static_range(NT):
+            xv = tl.load(xc + t * sx_tok + xi).to(tl.float32)
+            qx = tl.sum(tl.sum(qf * xv, axis=4), axis=2)
+            xs = tl.sum(tl.sum(xv, axis=4), axis=2)
+            part = tl.sum(tl.sum(dl * qx - ml * xs, axis=2), axis=1)
+            acc += tl.where(tcol[None, :] == t, part[:, None], 0.0)
+        return acc
+
+    @triton.jit
+    def _chunk_q6k(w16, w8, base, xc, NT: tl.constexpr, sx_tok, tcol, acc):
+        """One Q6_K block (105 16-bit words) of BN rows; value j = 128 r + 64 half + 2 (8 lg + l8) + i."""
+        r = tl.arange(0, 2)[None, :, None, None, None, None]
+        lg = tl.arange(0, 4)[None, None, :, None, None, None]
+        l8 = tl.arange(0, 8)[None, None, None, :, None, None]
+        half = tl.arange(0, 2)[None, None, None, None, :, None]
+        i = tl.arange(0, 2)[None, None, None, None, None, :]
+        b6 = base[:, None, None, None, None, None]
+        ql = tl.load(w16 + b6 + r * 32 + lg * 8 + l8).to(tl.int32)
+        qh = tl.load(w16 + b6 + 64 + r * 16 + (lg % 2) * 8 + l8).to(tl.int32)
+        q = ((ql >> (8 * i + 4 * half)) & 15) | (((qh >> (8 * i + 2 * (2 * half + lg // 2))) & 3) << 4)
+        qf = (q - 32).to(tl.float32)
+        # scale of 16 values: index 8 r + 4 half + lg -> [BN, 2, 4, 2]
+        b4 = base[:, None, None, None] * 2
+        si = (
+            8 * tl.arange(0, 2)[None, :, None, None]
+            + tl.arange(0, 4)[None, None, :, None]
+            + 4 * tl.arange(0, 2)[None, None, None, :]
+        )
+        sc = _i8(w8 + b4 + 192 + si).to(tl.float32)
+        dl = _f16_of(tl.load(w16 + base + 104).to(tl.int32))[:, None, None, None] * sc
+        xi = r * 128 + half * 64 + 2 * (lg * 8 + l8) + i
+        for t in tl.static_range(NT):
+            xv = tl.load(xc + t * sx_tok + xi).to(tl.float32)
+            qx = tl.sum(tl.sum(qf * xv, axis=5), axis=3)
+            part = tl.sum(tl.sum(tl.sum(dl * qx, axis=3), axis=2), axis=1)
+            acc += tl.where(tcol[None, :] == t, part[:, None], 0.0)
+        return acc
+
+    @triton.jit
+    def _chunk_q80(w16, base, xc, NT: tl.constexpr, sx_tok, tcol, acc):
+        """Eight Q8_0 blocks (17 16-bit words each) of BN rows; base is the first block's word offset."""
+        blk = tl.arange(0, 8)[None, :, None, None]
+        v = tl.arange(0, 16)[None, None, :, None]
+        i = tl.arange(0, 2)[None, None, None, :]
+        b4 = base[:, None, None, None] + blk * 17
+        qw = tl.load(w16 + b4 + 1 + v).to(tl.int32)  # sign-extended: the high byte needs no fix-up
+        qf = ((qw << (24 - 8 * i)) >> 24).to(tl.float32)
+        d = _f16_of(tl.load(w16 + base[:, None] + tl.arange(0, 8)[None, :] * 17).to(tl.int32))
+        xi = blk * 32 + v * 2 + i
+        for t in tl.static_range(NT):
+            xv = tl.load(xc + t * sx_tok + xi).to(tl.float32)
+            qx = tl.sum(tl.sum(qf * xv, axis=3), axis=2)
+            part = tl.sum(d * qx, axis=1)
+            acc += tl.where(tcol[None, :] == t, part[:, None], 0.0)
+        return acc
+
+    @triton.jit
+    def _gemv_words_kernel(
+        x,
+        w,
+        y,
+        ids,
+        N,
+        K,
+        row_words,
+        sx_tok,
+        sx_slot,
+        sy_tok,
+        TOPK: tl.constexpr,
+        NT: tl.constexpr,
+        NTP: tl.constexpr,
+        QT: tl.constexpr,
+        BN: tl.constexpr,
+        MOE: tl.constexpr,
+    ):
+        """As _gemv_kernel, for Q4_K/Q5_K (w viewed as int32) and Q6_K/Q8_0 (w viewed as int16)."""
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nc = tl.minimum(n, N - 1).to(tl.int64)
+        if MOE:
+            pair = tl.program_id(1)
+            e = tl.load(ids + pair).to(tl.int64)
+            row = (e * N + nc) * row_words
+            x = x + (pair // TOPK) * sx_tok + (pair % TOPK) * sx_slot
+            y = y + pair.to(tl.int64) * sy_tok
+        else:
+            row = nc * row_words
+        w8 = w.to(tl.pointer_type(tl.uint8))
+        tcol = tl.arange(0, NTP)
+        acc = tl.zeros([BN, NTP], dtype=tl.float32)
+        for c in range(0, K // 256):
+            xc = x + c * 256
+            if QT == 12:
+                acc = _chunk_k4(w, w8, row + c * 36, xc, NT, sx_tok, tcol, acc, False)
+            elif QT == 13:
+                acc = _chunk_k4(w, w8, row + c * 44, xc, NT, sx_tok, tcol, acc, True)
+            elif QT == 14:
+                acc = _chunk_q6k(w, w8, row + c * 105, xc, NT, sx_tok, tcol, acc)
+            else:
+                acc = _chunk_q80(w, row + c * 136, xc, NT, sx_tok, tcol, acc)
+        out = y + tcol[None, :] * sy_tok + n[:, None]
+        tl.store(out, acc, mask=(n[:, None] < N) & (tcol[None, :] < NT))
+
+    # ------------------------------------------------------------------------------------------------
     # Prefill: GEMM with the weight tile decoded in registers; grouped MoE GEMM
     # ------------------------------------------------------------------------------------------------
 
@@ -407,8 +544,6 @@ def _can_run(x: torch.Tensor, qtype: GGMLQuantizationType) -> bool:
         _fallback(qtype, "has no kernel")
         return False
     if triton is None or x.device.type != "cuda":
-        import os
-
         return bool(triton is not None and os.environ.get("TRITON_INTERPRET") == "1")
     return True
 
@@ -475,7 +610,8 @@ def moe_linear(
     if pairs <= DECODE_TOKENS * 8:
         _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, n, top_k, 1, qtype, bs, ts, s, pairs)
         return y
-    bm = 64
+    # a tile holds one expert's pairs: about pairs / E of them (16 at prefill 512 of the 35B-A3B)
+    bm = min(64, max(16, _next_pow2(-(-pairs // e_count))))
     order, tile_expert, tile_start, tile_rows = _group_by_expert(ids, e_count, bm)
     maps = (order, tile_expert, tile_start, tile_rows)
     _launch_gemm(
@@ -511,8 +647,45 @@ def _next_pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
 
+_WORD_TYPES = {T.Q4_K: torch.int32, T.Q5_K: torch.int32, T.Q6_K: torch.int16, T.Q8_0: torch.int16}
+
+
+def _as_words(qtype: GGMLQuantizationType, w: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The rows viewed as the word kernel's words, or None where it does not apply."""
+    dtype = _WORD_TYPES.get(qtype)
+    if dtype is None or k % 256 or os.environ.get("FORGE_CUDA_WORDS") == "0":
+        return None
+    size = torch.empty((), dtype=dtype).element_size()
+    if w.shape[-1] % size or w.data_ptr() % size or w.stride(-2) % size:
+        return None
+    return w.view(dtype)
+
+
 def _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, sy, top_k, nt, qtype, bs, ts, s, pairs=0):
     moe = ids is not None
+    words = _as_words(qtype, w, k)
+    if words is not None:
+        bn = 16 if moe or n <= 4096 else 32
+        _gemv_words_kernel[(triton.cdiv(n, bn), pairs if moe else 1)](
+            x,
+            words,
+            y,
+            ids if moe else words,
+            n,
+            k,
+            words.shape[-1],
+            sx_tok,
+            sx_slot,
+            sy,
+            TOPK=top_k,
+            NT=nt,
+            NTP=max(2, _next_pow2(nt)),
+            QT=int(qtype),
+            BN=bn,
+            MOE=moe,
+            num_warps=4,
+        )
+        return
     bn = 16 if moe or n <= 4096 else 32
     g = _groups(k, s, bs, 256 if nt <= 4 else 128)
     grid = (triton.cdiv(n, bn), pairs if moe else 1)
