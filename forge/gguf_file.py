@@ -134,7 +134,8 @@ def read_tensor_directory(
     Returns (entries, directory end, data section start). Every tensor must have 1..4 dimensions of at
     least 1 element, a known GGML type, rows that are whole blocks, an element count that fits int64,
     an offset aligned to ``general.alignment`` (a power of two), and bytes inside the file that no
-    other tensor's bytes overlap. Any failure is one ForgeError naming the file and the tensor.
+    other tensor's bytes overlap (offsets are unsigned and relative to the data section, so none starts
+    before it). Any failure is one ForgeError naming the file and the tensor.
     """
     if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0:
         raise ForgeError(f"{path}: general.alignment {alignment!r} is not a power of two")
