@@ -69,7 +69,8 @@ def refuse_overwriting_inputs(outputs: list[tuple[str, Path]], inputs: list[tupl
         for in_opt, src in inputs:
             if same_file(out, src):
                 raise ForgeError(f"{out_opt} {out} is the input {src} ({in_opt}); choose another output path")
-            inside = src.is_dir() and out.resolve().is_relative_to(src.resolve())
+            # the folder the name lands in, links resolved, but not the name itself (a symlinked shard)
+            inside = src.is_dir() and (out.parent.resolve() / out.name).is_relative_to(src.resolve())
             if inside and (out.exists() or (src / "config.json").is_file()):
                 raise ForgeError(
                     f"{out_opt} {out} would write into the input folder {src} ({in_opt}); "
