@@ -1,7 +1,7 @@
 """Prefill / decode tokens per second of the runtime (pp512 / tg128, like llama-bench), beside transformers.
 
-    python benchmarks/runtime_speed.py [GGUF ...] [--threads 2] [--device cpu|cuda|mps]
-        [--transformers HF_DIR] [--synth] [--resident-only] [--json OUT]
+    python benchmarks/runtime_speed.py [GGUF ...] [--model GGUF] [--threads 2] [--device cpu|cuda|mps]
+        [--transformers HF_DIR] [--synth] [--resident-only] [--llama-bench PATH] [--json OUT]
 
 Without files it converts the bundled examples/tiny-qwen3moe to bf16 and derives a Q8_0 copy, and adds the
 llama.cpp files under ../shared/fixtures when present (and tiny-qwen35moe, bf16 and llama.cpp's, from there).
@@ -10,6 +10,13 @@ every use (expert cache 0). The load average is printed: on a shared machine the
 qwen3moe (about 5 B parameters, Q4_K experts) written on the fly: meant for GPUs.
 llama.cpp's figures for the tiny model (llama-bench, 2 threads, the 2-core development machine) are printed
 for reference from the fixtures README.
+
+With ``--llama-bench PATH`` (a llama.cpp ``llama-bench`` binary) every file is also measured by llama.cpp with
+the same settings (``-t THREADS -p PP -n TG -r REPS``, ``-ngl 99`` on cuda, 0 otherwise, ``-o json``), and a
+table puts both side by side with the ratio forge / llama.cpp for prefill and decode. Both sides report the
+best of their repetitions (llama.cpp's mean is kept in the JSON). A file llama.cpp cannot load (say, an
+expert-major layout) is reported and skipped. Files made by ``forge synth`` carry a tokenizer, so llama.cpp
+loads them.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +57,7 @@ def bench_runtime(path: Path, device: str, pp: int, tg: int, reps: int, budget: 
     ids = torch.randint(0, vocab, (pp,), generator=gen).to(device)
     warm = model.new_state()
     model.forward(ids[:64], warm)  # warm-up, the one-token path too (its kernels load or compile once)
-    model.forward(ids[64:65], warm)
+    model.forward(ids[:1], warm)
     best_pp = 0.0
     for _ in range(reps):
         st = model.new_state()
@@ -129,9 +137,13 @@ def synth_qwen3moe(
     """A randomly initialized qwen3moe GGUF (Qwen3-30B-A3B's shapes, fewer layers): Q4_K weights, F32 norms."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
+    from runtime.synth import tokenizer_kvs
+
     q4k = GGMLQuantizationType.Q4_K
     rng = np.random.default_rng(0)
     w = GGUFWriter(out, "qwen3moe")
+    for kv in tokenizer_kvs(vocab):  # so llama.cpp (--llama-bench) loads the file
+        w.add_key_value(kv.key, kv.value, kv.vtype, sub_type=kv.item_type)
     for key, value in {"block_count": n_layer, "context_length": 40960, "embedding_length": n_embd,
                        "attention.head_count": n_head, "attention.head_count_kv": n_kv, "rope.freq_base": 1e6,
                        "attention.layer_norm_rms_epsilon": 1e-6, "expert_count": n_expert,
@@ -225,9 +237,89 @@ def default_files(tmp: Path) -> list[Path]:
     return files
 
 
+# llama.cpp's llama-bench on the same files ---------------------------------------------------------------
+
+
+def llama_bench_command(
+    binary: Path, model: Path, device: str, threads: int, pp: int, tg: int, reps: int
+) -> list[str]:
+    """llama-bench with the settings forge runs with: the same threads, prompt and generation lengths."""
+    ngl = 99 if device == "cuda" else 0
+    return [str(binary), "-m", str(model), "-t", str(threads), "-p", str(pp), "-n", str(tg),
+            "-r", str(reps), "-ngl", str(ngl), "-o", "json"]  # fmt: skip
+
+
+def parse_llama_bench(text: str) -> dict:
+    """pp / tg tokens per second from ``llama-bench -o json`` (a list of tests: pp has n_gen 0, tg n_prompt 0).
+
+    ``pp`` and ``tg`` are the best repetition (as forge's figures), ``*_avg`` llama-bench's mean.
+    """
+    start = text.find("[")  # anything a build prints before the JSON array
+    if start < 0:
+        raise ValueError("no JSON array in llama-bench's output")
+    tests = json.loads(text[start:])
+    out: dict = {}
+    for t in tests:
+        kind = "pp" if t["n_gen"] == 0 and t["n_prompt"] > 0 else "tg" if t["n_prompt"] == 0 else None
+        if kind is None:
+            continue  # pp+tg combined tests (-pg): not measured by forge
+        samples = t.get("samples_ts") or [t["avg_ts"]]
+        out[kind] = round(max(samples), 1)
+        out[f"{kind}_avg"] = round(t["avg_ts"], 1)
+        out[f"{kind}_tokens"] = t["n_prompt"] or t["n_gen"]
+        out.update(build=t.get("build_commit"), backends=t.get("backends"), threads=t.get("n_threads"))
+        out.update(ngl=t.get("n_gpu_layers"), flash_attn=t.get("flash_attn"))
+    if "pp" not in out and "tg" not in out:
+        raise ValueError("llama-bench's output has no pp or tg test")
+    return out
+
+
+def run_llama_bench(
+    binary: Path, model: Path, device: str, threads: int, pp: int, tg: int, reps: int
+) -> dict:
+    """llama.cpp's figures for ``model``, or ``{"error": ...}`` when llama-bench fails on it."""
+    cmd = llama_bench_command(binary, model, device, threads, pp, tg, reps)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        return {"error": f"{binary}: {exc.strerror or exc}"}
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+        return {"error": f"llama-bench exit {r.returncode}: {last}"}
+    try:
+        return parse_llama_bench(r.stdout)
+    except (ValueError, KeyError, TypeError) as exc:
+        return {"error": f"unreadable llama-bench output: {exc}"}
+
+
+def compare(row: dict, llama: dict) -> dict:
+    """``row`` (forge's figures) with llama.cpp's and the ratios forge / llama.cpp."""
+    out = {**row, "llama_cpp": llama}
+    for k in ("pp", "tg"):
+        if llama.get(k):
+            out[f"ratio_{k}"] = round(row[k] / llama[k], 3)
+    return out
+
+
+def print_comparison(rows: list[dict]) -> None:
+    def fig(x: float | None, fmt: str = ".1f") -> str:
+        return "-" if x is None else format(x, fmt)
+
+    print(f"\n{'file':<42} {'cache MiB':>9} | {'pp forge':>9} {'llama.cpp':>9} {'ratio':>6} | "
+          f"{'tg forge':>8} {'llama.cpp':>9} {'ratio':>6}")  # fmt: skip
+    for r in rows:
+        if "llama_cpp" not in r:
+            continue
+        lc = r["llama_cpp"]
+        print(f"{r['file']:<42} {r.get('expert_cache_mib', ''):>9} | {r['pp']:>9.1f} {fig(lc.get('pp')):>9} "
+              f"{fig(r.get('ratio_pp'), '.2f'):>6} | {r['tg']:>8.1f} {fig(lc.get('tg')):>9} "
+              f"{fig(r.get('ratio_tg'), '.2f'):>6}" + (f"  ({lc['error']})" if "error" in lc else ""))  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="*", type=Path)
+    ap.add_argument("--model", type=Path, action="append", default=[], help="a GGUF file (same as FILE)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pp", type=int, default=512)
@@ -238,19 +330,34 @@ def main() -> None:
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--synth", action="store_true", help="also a ~5 B-parameter random Q4_K qwen3moe")
     ap.add_argument("--resident-only", action="store_true", help="skip the experts-decoded-per-use runs")
+    ap.add_argument(
+        "--llama-bench", type=Path, help="llama.cpp's llama-bench: also measure every file with it"
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if args.llama_bench is not None and not (
+        args.llama_bench.is_file() and os.access(args.llama_bench, os.X_OK)
+    ):
+        ap.error(f"--llama-bench {args.llama_bench}: not an executable file")
     torch.set_num_threads(args.threads)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        files = args.files or default_files(Path(tmp))
+        files = [*args.files, *args.model] or default_files(Path(tmp))
         if args.synth:
             files.append(synth_qwen3moe(Path(tmp) / "synth-qwen3moe-8L-Q4_K.gguf"))
         for f in files:
+            llama = None
+            if args.llama_bench is not None:
+                llama = run_llama_bench(
+                    args.llama_bench, f, args.device, args.threads, args.pp, args.tg, args.reps
+                )
+                print(json.dumps({"file": f.name, "llama_cpp": llama}), flush=True)
             budgets = {args.expert_cache_mib} if args.resident_only else {args.expert_cache_mib, 0}
             for budget_mib in sorted(budgets, reverse=True):
                 row = bench_runtime(f, args.device, args.pp, args.tg, args.reps, budget_mib << 20)
                 row["expert_cache_mib"] = budget_mib
+                if llama is not None:
+                    row = compare(row, llama)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         if not args.no_transformers:
@@ -266,8 +373,11 @@ def main() -> None:
     print(f"{'file':<42} {'cache MiB':>9} {'pp':>9} {'tg':>8}")
     for r in rows:
         print(f"{r['file']:<42} {r.get('expert_cache_mib', ''):>9} {r['pp']:>9.1f} {r['tg']:>8.1f}")
-    print("llama.cpp llama-bench, tiny-qwen3moe, 2 threads (fixtures README): "
-          + ", ".join(f"{k} {pp}/{tg}" for k, (pp, tg) in LLAMA_CPP.items()))  # fmt: skip
+    if args.llama_bench is not None:
+        print_comparison(rows)
+    else:
+        print("llama.cpp llama-bench, tiny-qwen3moe, 2 threads (fixtures README): "
+              + ", ".join(f"{k} {pp}/{tg}" for k, (pp, tg) in LLAMA_CPP.items()))  # fmt: skip
     if args.json:
         args.json.write_text(
             json.dumps({"device": where, "threads": args.threads, "load": load, "rows": rows}, indent=1)

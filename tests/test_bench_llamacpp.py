@@ -1,0 +1,194 @@
+"""benchmarks/runtime_speed.py --llama-bench: the llama-bench command, parsing its ``-o json`` output (a
+recorded sample), and the side-by-side run end to end with a stand-in binary that replays the sample."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "runtime_speed.py"
+
+# llama-bench -m tiny.gguf -t 2 -p 16 -n 4 -r 2 -ngl 0 -o json  (llama.cpp of llama-cpp-python 0.3.36, CPU)
+SAMPLE = """[
+  {
+    "build_commit": "unknown",
+    "build_number": 0,
+    "cpu_info": "Intel(R) Xeon(R) Processor",
+    "gpu_info": "",
+    "backends": "CPU",
+    "model_filename": "tiny.gguf",
+    "model_type": "qwen3moe ?B Q4_K - Medium",
+    "model_size": 1388544,
+    "model_n_params": 2474240,
+    "n_batch": 2048,
+    "n_ubatch": 512,
+    "n_threads": 2,
+    "cpu_mask": "0x0",
+    "cpu_strict": false,
+    "poll": 50,
+    "type_k": "f16",
+    "type_v": "f16",
+    "n_gpu_layers": 0,
+    "n_cpu_moe": 0,
+    "split_mode": "layer",
+    "main_gpu": 0,
+    "no_kv_offload": false,
+    "flash_attn": -1,
+    "devices": "auto",
+    "tensor_split": "0.00",
+    "tensor_buft_overrides": "none",
+    "load_mode": "mmap",
+    "lazy_mode": "none",
+    "embeddings": false,
+    "no_op_offload": 0,
+    "no_host": false,
+    "repack": true,
+    "fit_target": 0,
+    "fit_min_ctx": 0,
+    "n_prompt": 16,
+    "n_gen": 0,
+    "n_depth": 0,
+    "test_time": "2026-12-01T16:20:00Z",
+    "avg_ns": 2100000,
+    "stddev_ns": 100000,
+    "avg_ts": 7627.118644,
+    "stddev_ts": 363.2,
+    "samples_ns": [ 2000000, 2200000 ],
+    "samples_ts": [ 8000, 7272.73 ]
+  },
+  {
+    "build_commit": "unknown",
+    "build_number": 0,
+    "cpu_info": "Intel(R) Xeon(R) Processor",
+    "gpu_info": "",
+    "backends": "CPU",
+    "model_filename": "tiny.gguf",
+    "model_type": "qwen3moe ?B Q4_K - Medium",
+    "model_size": 1388544,
+    "model_n_params": 2474240,
+    "n_batch": 2048,
+    "n_ubatch": 512,
+    "n_threads": 2,
+    "cpu_mask": "0x0",
+    "cpu_strict": false,
+    "poll": 50,
+    "type_k": "f16",
+    "type_v": "f16",
+    "n_gpu_layers": 0,
+    "n_cpu_moe": 0,
+    "split_mode": "layer",
+    "main_gpu": 0,
+    "no_kv_offload": false,
+    "flash_attn": -1,
+    "devices": "auto",
+    "tensor_split": "0.00",
+    "tensor_buft_overrides": "none",
+    "load_mode": "mmap",
+    "lazy_mode": "none",
+    "embeddings": false,
+    "no_op_offload": 0,
+    "no_host": false,
+    "repack": true,
+    "fit_target": 0,
+    "fit_min_ctx": 0,
+    "n_prompt": 0,
+    "n_gen": 4,
+    "n_depth": 0,
+    "test_time": "2026-12-01T16:20:01Z",
+    "avg_ns": 5000000,
+    "stddev_ns": 500000,
+    "avg_ts": 805.0,
+    "stddev_ts": 80.5,
+    "samples_ns": [ 4500000, 5500000 ],
+    "samples_ts": [ 888.889, 727.273 ]
+  }
+]
+"""
+
+
+@pytest.fixture(scope="module")
+def rs():  # noqa: ANN201
+    spec = importlib.util.spec_from_file_location("runtime_speed", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def test_parses_llama_bench_json(rs) -> None:  # noqa: ANN001
+    got = rs.parse_llama_bench("build: unknown (0) with cc for x86_64\n" + SAMPLE)
+    assert got["pp"] == 8000.0 and got["pp_avg"] == 7627.1 and got["pp_tokens"] == 16
+    assert got["tg"] == 888.9 and got["tg_avg"] == 805.0 and got["tg_tokens"] == 4
+    assert got["threads"] == 2 and got["ngl"] == 0 and got["backends"] == "CPU"
+    tg_only = json.dumps([t for t in json.loads(SAMPLE) if t["n_gen"]])
+    assert "pp" not in rs.parse_llama_bench(tg_only) and rs.parse_llama_bench(tg_only)["tg"] == 888.9
+    for bad in ("", "error: failed to load model", "[]"):
+        with pytest.raises(ValueError):
+            rs.parse_llama_bench(bad)
+
+
+def test_command_matches_forge_settings(rs) -> None:  # noqa: ANN001
+    cpu = rs.llama_bench_command(Path("/b/llama-bench"), Path("m.gguf"), "cpu", 2, 512, 128, 3)
+    assert cpu == ["/b/llama-bench", "-m", "m.gguf", "-t", "2", "-p", "512", "-n", "128", "-r", "3",
+                   "-ngl", "0", "-o", "json"]  # fmt: skip
+    cuda = rs.llama_bench_command(Path("lb"), Path("m.gguf"), "cuda", 16, 512, 128, 3)
+    assert cuda[cuda.index("-ngl") + 1] == "99"
+
+
+def test_ratios(rs) -> None:  # noqa: ANN001
+    row = rs.compare({"file": "f", "pp": 4000.0, "tg": 444.45}, {"pp": 8000.0, "tg": 888.9})
+    assert row["ratio_pp"] == 0.5 and row["ratio_tg"] == 0.5 and row["llama_cpp"]["pp"] == 8000.0
+    failed = rs.compare({"file": "f", "pp": 1.0, "tg": 1.0}, {"error": "llama-bench exit 1: x"})
+    assert "ratio_pp" not in failed and failed["llama_cpp"]["error"]
+
+
+def _stand_in(tmp: Path, body: str) -> Path:
+    """An executable that records its arguments and then runs ``body`` (python)."""
+    exe = tmp / "llama-bench"
+    exe.write_text(
+        f"#!{sys.executable}\nimport sys, pathlib\n"
+        f"pathlib.Path({str(tmp / 'argv.json')!r}).write_text(__import__('json').dumps(sys.argv[1:]))\n{body}\n"
+    )
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    return exe
+
+
+def test_run_llama_bench_reports_failures(rs, tmp_path: Path) -> None:  # noqa: ANN001
+    ok = _stand_in(tmp_path, f"print({SAMPLE!r})")
+    assert rs.run_llama_bench(ok, Path("m.gguf"), "cpu", 2, 16, 4, 2)["tg"] == 888.9
+    assert json.loads((tmp_path / "argv.json").read_text())[:2] == ["-m", "m.gguf"]
+    bad = _stand_in(tmp_path, "sys.stderr.write('llama_model_load: error loading model\\n'); sys.exit(1)")
+    assert rs.run_llama_bench(bad, Path("m.gguf"), "cpu", 2, 16, 4, 2) == {
+        "error": "llama-bench exit 1: llama_model_load: error loading model"
+    }
+    garbage = _stand_in(tmp_path, "print('not json')")
+    assert "unreadable" in rs.run_llama_bench(garbage, Path("m.gguf"), "cpu", 2, 16, 4, 2)["error"]
+    assert "error" in rs.run_llama_bench(tmp_path / "missing", Path("m.gguf"), "cpu", 2, 16, 4, 2)
+
+
+def test_side_by_side_end_to_end(tmp_path: Path) -> None:
+    """The script on a tiny synth file with a stand-in llama-bench: the table, the ratios, the JSON."""
+    from runtime.synth import SynthGeometry, synthesize
+
+    model = tmp_path / "tiny.gguf"
+    geo = SynthGeometry(1, 4, 2, hidden=256, expert_ff=256, heads=2, kv_heads=1, head_dim=128, vocab=512)
+    synthesize(model, geo, "q4_k")
+    exe = _stand_in(tmp_path, f"print({SAMPLE!r})")
+    out = tmp_path / "speed.json"
+    cmd = [sys.executable, str(SCRIPT), "--model", str(model), "--llama-bench", str(exe), "--threads", "1",
+           "--pp", "16", "--tg", "4", "--reps", "2", "--resident-only", "--no-transformers", "--json", str(out)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    argv = json.loads((tmp_path / "argv.json").read_text())
+    assert argv == ["-m", str(model), "-t", "1", "-p", "16", "-n", "4", "-r", "2", "-ngl", "0", "-o", "json"]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["file"] == "tiny.gguf" and row["llama_cpp"]["pp"] == 8000.0 and row["llama_cpp"]["tg"] == 888.9
+    assert row["ratio_pp"] == round(row["pp"] / 8000.0, 3) and row["ratio_tg"] == round(row["tg"] / 888.9, 3)
+    table = r.stdout[r.stdout.index("pp forge") :].splitlines()
+    assert "tiny.gguf" in table[1] and f"{row['ratio_tg']:.2f}" in table[1] and "888.9" in table[1]
