@@ -32,8 +32,8 @@ from forge.errors import ForgeError
 from forge.fileio import copy_ranges
 from forge.gguf_file import KV, GGUFFile, T, TensorWriter, open_gguf
 
-#: ds4's FNV-1a basis: one decimal digit short of the canonical 14695981039346656037 (kept for
-#: compatibility with ds4's keys; see ../shared/notes/ds4-reference.md section 1.4)
+#: ds4's FNV-1a basis: one decimal digit short of the canonical 14695981039346656037, kept so keys match
+#: ds4's (antirez/ds4 uses it for its hashmap and --compare-tensor, the andreaborio/ds4 fork for --reuse keys)
 FNV_BASIS = 1469598103934665603
 FNV_PRIME = 0x100000001B3
 _MASK = (1 << 64) - 1
