@@ -28,7 +28,7 @@ from runtime.evaluate import evaluate, perplexity_tokens
 from runtime.models import load_model
 from runtime.tokenizer import Tokenizer
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 
 
 class TimedAccumulator(ImatrixAccumulator):

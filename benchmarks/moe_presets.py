@@ -23,7 +23,7 @@ from runtime.evaluate import ReferenceLogits, evaluate, perplexity_tokens
 from runtime.models import load_model
 from runtime.tokenizer import Tokenizer
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 PRESETS = ["q4_k_m", "moe_4bit", "iq2_xxs", "moe_2bit"]
 
 

@@ -12,7 +12,6 @@ tests check it).
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import tempfile
 import time
@@ -23,7 +22,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny-qwen3moe"
-TEXT = Path(os.environ.get("FORGE_FIXTURES", ROOT.parent / "shared" / "fixtures")) / "text"
+TEXT = ROOT / "tests" / "fixtures" / "text"
 FRACTIONS = (0.9, 0.75, 0.5)
 RANKINGS = ("count", "weight", "saliency")
 

@@ -4,7 +4,8 @@
 
 The synthesized 35B-geometry file has random routers, so ``benchmarks/streaming.py`` routes by an
 assumed trace (uniform: no locality; zipf: an assumed skew). This script measures what a *trained*
-router does instead: it runs each model (default: the two tiny fixture models, bf16) over the text,
+router does instead: it runs each model (default: examples/tiny-qwen3moe, and tiny-qwen35moe from the folder
+FORGE_SHARED_FIXTURES names, if set; bf16) over the text,
 (HF folders are converted to a temporary bf16 GGUF first), records every token's experts per layer in decode order, and replays that trace through the runtime's
 ``ExpertCache`` (bookkeeping only: no I/O) at the cache shares of experts that 1, 2, 4 and 8 GiB give the
 Qwen3.6-35B-A3B Q4_K geometry (5.9, 11.8, 23.7, 47.4% of all experts; never below the floor). The
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -31,7 +33,8 @@ from runtime.tokenizer import Tokenizer
 from runtime.weights import load_weights
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT.parent / "shared" / "fixtures"
+FIXTURES = ROOT / "tests" / "fixtures"
+QWEN35MOE = Path(os.environ.get("FORGE_SHARED_FIXTURES") or FIXTURES) / "tiny-qwen35moe"  # not shipped
 Q36 = GEOMETRIES["qwen3.6-35b-a3b"]
 Q36_RECORD = 1_769_472  # bytes of one Q4_K expert record (gate|up|down) in that geometry
 SHARES = {f"{g} GiB": (g << 30) // Q36_RECORD / (Q36.layers * Q36.experts) for g in (1, 2, 4, 8)}
@@ -88,7 +91,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    models = args.models or [FIXTURES / m for m in ("tiny-qwen3moe", "tiny-qwen35moe")]
+    models = args.models or [ROOT / "examples" / "tiny-qwen3moe"] + (
+        [QWEN35MOE] if QWEN35MOE.is_dir() else []
+    )
     text = args.text.read_text()
     out = []
     with tempfile.TemporaryDirectory() as tmp:

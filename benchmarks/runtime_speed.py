@@ -4,7 +4,8 @@
         [--transformers HF_DIR] [--synth] [--resident-only] [--llama-bench PATH] [--json OUT]
 
 Without files it converts the bundled examples/tiny-qwen3moe to bf16 and derives a Q8_0 copy, and adds the
-llama.cpp files under ../shared/fixtures when present (and tiny-qwen35moe, bf16 and llama.cpp's, from there).
+llama.cpp files in the folder FORGE_SHARED_FIXTURES names, if set (and tiny-qwen35moe, bf16 and llama.cpp's, from
+there).
 Each file runs with its routed experts resident (decoded once) and, unless ``--resident-only``, decoded on
 every use (expert cache 0). The load average is printed: on a shared machine the figures are lower bounds. ``--synth`` benchmarks a larger randomly initialized
 qwen3moe (about 5 B parameters, Q4_K experts) written on the fly: meant for GPUs.
@@ -227,9 +228,11 @@ def default_files(tmp: Path) -> list[Path]:
     bf16 = tmp / "tiny-qwen3moe-bf16.gguf"
     convert_checkpoint(ROOT / "examples" / "tiny-qwen3moe", bf16, "bf16")
     files = [bf16, q8_0_copy(bf16, tmp / "tiny-qwen3moe-Q8_0-forge.gguf")]
-    fixtures = ROOT.parent / "shared" / "fixtures" / "llamacpp" / "tiny-qwen3moe"
+    # llama.cpp's GGUFs and tiny-qwen35moe are not shipped in tests/fixtures: only from FORGE_SHARED_FIXTURES
+    shared = Path(os.environ.get("FORGE_SHARED_FIXTURES") or ROOT / "tests" / "fixtures")
+    fixtures = shared / "llamacpp" / "tiny-qwen3moe"
     files += sorted(fixtures.glob("tiny-qwen3moe-Q*.gguf"))
-    q35 = ROOT.parent / "shared" / "fixtures" / "tiny-qwen35moe"
+    q35 = shared / "tiny-qwen35moe"
     if q35.is_dir():
         files.append(tmp / "tiny-qwen35moe-bf16.gguf")
         convert_checkpoint(q35, files[-1], "bf16", mtp=False)
