@@ -91,15 +91,24 @@ def main() -> None:
     ap.add_argument("--types", default=",".join(t.name for t in ck.supported_types()))
     ap.add_argument("--tokens", type=int, default=1, help="decode tokens per product (1..8)")
     ap.add_argument("--prefill", type=int, default=512, help="tokens of the prefill GEMM (0: skip)")
+    ap.add_argument("--sweep", action="store_true", help="time GEMV tile configurations instead")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch dequantize + matmul timings")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
-    print(f"decode, {args.tokens} token(s); times in microseconds (L2 flushed before each run)")
     print(
-        f"{'type':8} {'product':18} {'N x K':>13} {'kernel us':>10} {'GB/s':>7} {'% copy':>7} {'torch us':>9} {'x':>6}"
+        f"decode, {args.tokens} token(s); times in microseconds. graph: per call of a CUDA graph of calls on"
     )
+    print(
+        "distinct weights (> L2 in all), no launch cost; eager: one Python call (launch included), L2 flushed"
+    )
+    print(
+        f"{'type':8} {'product':18} {'N x K':>13} {'graph us':>9} {'eager us':>9} {'GB/s':>7} {'% copy':>7} "
+        f"{'torch us':>9} {'x':>6}"
+    )
+    if args.sweep:
+        return sweep(args, gen, bw)
     for name in args.types.split(","):
         qtype = Q[name.strip().upper()]
         for label, (n, k) in {**DENSE, **MOE}.items():
@@ -142,6 +151,45 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.prefill:
         prefill(args, gen)
+
+
+def sweep(args: argparse.Namespace, gen: torch.Generator, bw: float) -> None:
+    """Graph time per call of each GEMV tile configuration (and the word kernel on/off) per type."""
+    import os
+
+    shapes = {"output": (VOCAB, HIDDEN, False), "attn_q": (4096, HIDDEN, False), "gate_exps": (512, HIDDEN, True),
+              "down_exps": (HIDDEN, 512, True)}  # fmt: skip
+    for name in args.types.split(","):
+        qtype = Q[name.strip().upper()]
+        for label, (n, k, moe) in shapes.items():
+            raw = random_rows(qtype, (EXPERTS if moe else 1) * n, k, gen)
+            if moe:
+                raw = raw.view(EXPERTS, n, -1)
+                x = torch.randn(
+                    *((args.tokens, TOP_K, k) if "down" in label else (args.tokens, k)), device="cuda"
+                )
+                nbytes = args.tokens * TOP_K * n * raw.shape[-1]
+
+                def kernel(x=x, raw=raw, qtype=qtype, ids=None):
+                    return ck.moe_linear(x, raw, qtype, ids)
+            else:
+                x = torch.randn(args.tokens, k, device="cuda")
+                nbytes = raw.numel()
+
+                def kernel(x=x, raw=raw, qtype=qtype):
+                    return ck.linear(x, raw, qtype)
+
+            for words in ("1", "0") if qtype in ck._WORD_TYPES else ("1",):
+                os.environ["FORGE_CUDA_WORDS"] = words
+                for bn, warps in ((8, 4), (16, 4), (32, 4), (64, 8), (16, 2), (32, 8)):
+                    ck.GEMV_CONFIG.update(bn_moe=bn, bn_dense=bn, warps=warps)
+                    us = graph_us(qtype, raw, kernel, moe, gen, args.tokens)
+                    gbs = nbytes / (us * 1e-6) / 1e9
+                    print(f"{qtype.name:8} {label:10} words={words} BN={bn:3} warps={warps} {us:9.1f} us "
+                          f"{gbs:6.0f} GB/s {100 * gbs * 1e9 / bw:4.0f}%")  # fmt: skip
+            del raw
+        torch.cuda.empty_cache()
+    os.environ.pop("FORGE_CUDA_WORDS", None)
 
 
 def prefill(args: argparse.Namespace, gen: torch.Generator) -> None:

@@ -214,8 +214,31 @@ if triton is not None:
         return bp, kg % BS, si, kg, kmask
 
     # ------------------------------------------------------------------------------------------------
-    # Decode: GEMV over a few tokens; grouped MoE GEMV
+    # Decode: GEMV over a few tokens; grouped MoE GEMV.
+    # One token (all MoE products, and decode of one sequence): every thread accumulates w * x in
+    # its own registers over the whole K loop and the tile is reduced once at the end. More tokens:
+    # the decoded tile is reused for each token's product, reduced per tile.
     # ------------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _rows_and_x(x, y, ids, N, row_stride, sx_tok, sx_slot, sy_tok, TOPK: tl.constexpr, BN: tl.constexpr,
+                    MOE: tl.constexpr):  # fmt: skip
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nc = tl.minimum(n, N - 1).to(tl.int64)
+        if MOE:
+            pair = tl.program_id(1)
+            e = tl.load(ids + pair).to(tl.int64)
+            row = (e * N + nc) * row_stride
+            x = x + (pair // TOPK) * sx_tok + (pair % TOPK) * sx_slot
+            y = y + pair.to(tl.int64) * sy_tok
+        else:
+            row = nc * row_stride
+        return n, row, x, y
+
+    @triton.jit
+    def _store_rows(y, acc, n, N, sy_tok, NT: tl.constexpr, NTP: tl.constexpr):
+        tcol = tl.arange(0, NTP)
+        tl.store(y + tcol[None, :] * sy_tok + n[:, None], acc, mask=(n[:, None] < N) & (tcol[None, :] < NT))
 
     @triton.jit
     def _gemv_kernel(
@@ -243,34 +266,31 @@ if triton is not None:
     ):
         """Dense: one program covers BN rows for all NT tokens. MoE (NT = 1): program axis 1 is the
         (token, slot) pair; its expert id is read on the device."""
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
-        nc = tl.minimum(n, N - 1).to(tl.int64)
-        if MOE:
-            pair = tl.program_id(1)
-            e = tl.load(ids + pair).to(tl.int64)
-            row_off = (e * N + nc) * row_stride
-            x = x + (pair // TOPK) * sx_tok + (pair % TOPK) * sx_slot
-            y = y + pair.to(tl.int64) * sy_tok
-        else:
-            row_off = nc * row_stride
+        n, row_off, x, y = _rows_and_x(x, y, ids, N, row_stride, sx_tok, sx_slot, sy_tok, TOPK, BN, MOE)
         tcol = tl.arange(0, NTP)
-        acc = tl.zeros([BN, NTP], dtype=tl.float32)
-        for k0 in range(0, K, G * S):
-            bp, jg, si, kg, kmask = _tile_offsets(k0, row_off, K, G, S, BS, TS)
-            wt = _decode(w, bp, jg, si, kmask, tab, QT)
-            for t in tl.static_range(NT):
-                xt = tl.load(x + t * sx_tok + kg + si, mask=kmask, other=0.0).to(tl.float32)
-                part = tl.sum(tl.sum(wt * xt, axis=2), axis=1)
-                acc += tl.where(tcol[None, :] == t, part[:, None], 0.0)
-        out = y + tcol[None, :] * sy_tok + n[:, None]
-        tl.store(out, acc, mask=(n[:, None] < N) & (tcol[None, :] < NT))
+        if NT == 1:
+            acc_e = tl.zeros([BN, G, S], dtype=tl.float32)
+            for k0 in range(0, K, G * S):
+                bp, jg, si, kg, kmask = _tile_offsets(k0, row_off, K, G, S, BS, TS)
+                wt = _decode(w, bp, jg, si, kmask, tab, QT)
+                acc_e += wt * tl.load(x + kg + si, mask=kmask, other=0.0).to(tl.float32)
+            acc = tl.where(tcol[None, :] == 0, tl.sum(tl.sum(acc_e, axis=2), axis=1)[:, None], 0.0)
+        else:
+            acc = tl.zeros([BN, NTP], dtype=tl.float32)
+            for k0 in range(0, K, G * S):
+                bp, jg, si, kg, kmask = _tile_offsets(k0, row_off, K, G, S, BS, TS)
+                wt = _decode(w, bp, jg, si, kmask, tab, QT)
+                for t in tl.static_range(NT):
+                    xt = tl.load(x + t * sx_tok + kg + si, mask=kmask, other=0.0).to(tl.float32)
+                    part = tl.sum(tl.sum(wt * xt, axis=2), axis=1)
+                    acc += tl.where(tcol[None, :] == t, part[:, None], 0.0)
+        _store_rows(y, acc, n, N, sy_tok, NT, NTP)
 
     # ------------------------------------------------------------------------------------------------
     # Decode fast path for the types of q4_k_m files (Q4_K, Q5_K, Q6_K, Q8_0): the quants are read as
     # 32-bit (Q4_K, Q5_K) or 16-bit words (Q6_K, Q8_0: 210- and 34-byte blocks are only 2-byte
-    # aligned), a 256-value chunk per step laid out as [rows, ...word axes..., value-in-word axes];
-    # each scale group's sum(q * x) is formed first and scaled once, and a K-quant's minimum term
-    # uses sum(x) over the group, which is the same for every row.
+    # aligned), a 256-value chunk per step laid out as [rows, ...word axes..., value-in-word axes].
+    # Each chunk function returns the chunk's float32 weights and the x offset of each value.
     # ------------------------------------------------------------------------------------------------
 
     @triton.jit
@@ -278,7 +298,7 @@ if triton is not None:
         return (bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def _chunk_k4(w32, w8, base, xc, NT: tl.constexpr, sx_tok, tcol, acc, Q5: tl.constexpr):
+    def _chunk_k4(w32, w8, base, Q5: tl.constexpr):
         """One Q4_K/Q5_K super-block of BN rows; base [BN] int64 word offset of each row's block."""
         p = tl.arange(0, 4)[None, :, None, None, None]  # pair of groups (32 bytes of qs)
         v = tl.arange(0, 8)[None, None, :, None, None]  # word within the pair
@@ -290,25 +310,15 @@ if triton is not None:
         if Q5:  # qh byte l = 4v + i holds bit g = 2p + h of value l of group g
             qh = tl.load(w32 + b5 + 4 + v)
             q = q | (((qh >> (i * 8 + 2 * p + h)) & 1) << 4)
-        qf = q.to(tl.float32)
-        # scales of the 8 groups, g = 2p + h: [BN, 4, 2]
-        b3 = base[:, None, None] * 4
-        g = 2 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2)[None, None, :]
-        sc, m = _k4_scale_min(w8, b3, g)
-        dw = tl.load(w32 + base)
-        dl = _f16_of(dw)[:, None, None] * sc
-        ml = _f16_of(dw >> 16)[:, None, None] * m
-        xi = p * 64 + h * 32 + v * 4 + i
-        for t in tl.static_range(NT):
-            xv = tl.load(xc + t * sx_tok + xi).to(tl.float32)
-            qx = tl.sum(tl.sum(qf * xv, axis=4), axis=2)
-            xs = tl.sum(tl.sum(xv, axis=4), axis=2)
-            part = tl.sum(tl.sum(dl * qx - ml * xs, axis=2), axis=1)
-            acc += tl.where(tcol[None, :] == t, part[:, None], 0.0)
-        return acc
+        # scales of the 8 groups, g = 2p + h
+        g = 2 * p + h
+        sc, m = _k4_scale_min(w8, b5 * 4, g)
+        dw = tl.load(w32 + b5)
+        wf = (_f16_of(dw) * sc) * q.to(tl.float32) - _f16_of(dw >> 16) * m
+        return wf, p * 64 + h * 32 + v * 4 + i
 
     @triton.jit
-    def _chunk_q6k(w16, w8, base, xc, NT: tl.constexpr, sx_tok, tcol, acc):
+    def _chunk_q6k(w16, w8, base):
         """One Q6_K block (105 16-bit words) of BN rows; value j = 128 r + 64 half + 2 (8 lg + l8) + i."""
         r = tl.arange(0, 2)[None, :, None, None, None, None]
         lg = tl.arange(0, 4)[None, None, :, None, None, None]
@@ -319,41 +329,31 @@ if triton is not None:
         ql = tl.load(w16 + b6 + r * 32 + lg * 8 + l8).to(tl.int32)
         qh = tl.load(w16 + b6 + 64 + r * 16 + (lg % 2) * 8 + l8).to(tl.int32)
         q = ((ql >> (8 * i + 4 * half)) & 15) | (((qh >> (8 * i + 2 * (2 * half + lg // 2))) & 3) << 4)
-        qf = (q - 32).to(tl.float32)
-        # scale of 16 values: index 8 r + 4 half + lg -> [BN, 2, 4, 2]
-        b4 = base[:, None, None, None] * 2
-        si = (
-            8 * tl.arange(0, 2)[None, :, None, None]
-            + tl.arange(0, 4)[None, None, :, None]
-            + 4 * tl.arange(0, 2)[None, None, None, :]
-        )
-        sc = _i8(w8 + b4 + 192 + si).to(tl.float32)
-        dl = _f16_of(tl.load(w16 + base + 104).to(tl.int32))[:, None, None, None] * sc
-        xi = r * 128 + half * 64 + 2 * (lg * 8 + l8) + i
-        for t in tl.static_range(NT):
-            xv = tl.load(xc + t * sx_tok + xi).to(tl.float32)
-            qx = tl.sum(tl.sum(qf * xv, axis=5), axis=3)
-            part = tl.sum(tl.sum(tl.sum(dl * qx, axis=3), axis=2), axis=1)
-            acc += tl.where(tcol[None, :] == t, part[:, None], 0.0)
-        return acc
+        sc = _i8(w8 + b6 * 2 + 192 + 8 * r + 4 * half + lg).to(tl.float32)  # scale of 16 values
+        dl = _f16_of(tl.load(w16 + b6 + 104).to(tl.int32)) * sc
+        return dl * (q - 32).to(tl.float32), r * 128 + half * 64 + 2 * (lg * 8 + l8) + i
 
     @triton.jit
-    def _chunk_q80(w16, base, xc, NT: tl.constexpr, sx_tok, tcol, acc):
+    def _chunk_q80(w16, base):
         """Eight Q8_0 blocks (17 16-bit words each) of BN rows; base is the first block's word offset."""
         blk = tl.arange(0, 8)[None, :, None, None]
         v = tl.arange(0, 16)[None, None, :, None]
         i = tl.arange(0, 2)[None, None, None, :]
         b4 = base[:, None, None, None] + blk * 17
         qw = tl.load(w16 + b4 + 1 + v).to(tl.int32)  # sign-extended: the high byte needs no fix-up
-        qf = ((qw << (24 - 8 * i)) >> 24).to(tl.float32)
-        d = _f16_of(tl.load(w16 + base[:, None] + tl.arange(0, 8)[None, :] * 17).to(tl.int32))
-        xi = blk * 32 + v * 2 + i
-        for t in tl.static_range(NT):
-            xv = tl.load(xc + t * sx_tok + xi).to(tl.float32)
-            qx = tl.sum(tl.sum(qf * xv, axis=3), axis=2)
-            part = tl.sum(d * qx, axis=1)
-            acc += tl.where(tcol[None, :] == t, part[:, None], 0.0)
-        return acc
+        d = _f16_of(tl.load(w16 + b4).to(tl.int32))
+        return ((qw << (24 - 8 * i)) >> 24).to(tl.float32) * d, blk * 32 + v * 2 + i
+
+    @triton.jit
+    def _chunk(w, w8, row, c, QT: tl.constexpr):
+        if QT == 12:
+            return _chunk_k4(w, w8, row + c * 36, False)
+        elif QT == 13:
+            return _chunk_k4(w, w8, row + c * 44, True)
+        elif QT == 14:
+            return _chunk_q6k(w, w8, row + c * 105)
+        else:
+            return _chunk_q80(w, row + c * 136)
 
     @triton.jit
     def _gemv_words_kernel(
@@ -375,31 +375,26 @@ if triton is not None:
         MOE: tl.constexpr,
     ):
         """As _gemv_kernel, for Q4_K/Q5_K (w viewed as int32) and Q6_K/Q8_0 (w viewed as int16)."""
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
-        nc = tl.minimum(n, N - 1).to(tl.int64)
-        if MOE:
-            pair = tl.program_id(1)
-            e = tl.load(ids + pair).to(tl.int64)
-            row = (e * N + nc) * row_words
-            x = x + (pair // TOPK) * sx_tok + (pair % TOPK) * sx_slot
-            y = y + pair.to(tl.int64) * sy_tok
-        else:
-            row = nc * row_words
+        n, row, x, y = _rows_and_x(x, y, ids, N, row_words, sx_tok, sx_slot, sy_tok, TOPK, BN, MOE)
         w8 = w.to(tl.pointer_type(tl.uint8))
         tcol = tl.arange(0, NTP)
-        acc = tl.zeros([BN, NTP], dtype=tl.float32)
-        for c in range(0, K // 256):
-            xc = x + c * 256
-            if QT == 12:
-                acc = _chunk_k4(w, w8, row + c * 36, xc, NT, sx_tok, tcol, acc, False)
-            elif QT == 13:
-                acc = _chunk_k4(w, w8, row + c * 44, xc, NT, sx_tok, tcol, acc, True)
-            elif QT == 14:
-                acc = _chunk_q6k(w, w8, row + c * 105, xc, NT, sx_tok, tcol, acc)
-            else:
-                acc = _chunk_q80(w, row + c * 136, xc, NT, sx_tok, tcol, acc)
-        out = y + tcol[None, :] * sy_tok + n[:, None]
-        tl.store(out, acc, mask=(n[:, None] < N) & (tcol[None, :] < NT))
+        if NT == 1:
+            wf, xi = _chunk(w, w8, row, 0, QT)
+            acc_e = wf * tl.load(x + xi)
+            for c in range(1, K // 256):
+                wf, xi = _chunk(w, w8, row, c, QT)
+                acc_e += wf * tl.load(x + c * 256 + xi)
+            part = tl.sum(tl.reshape(acc_e, (BN, 256), can_reorder=True), axis=1)
+            acc = tl.where(tcol[None, :] == 0, part[:, None], 0.0)
+        else:
+            acc = tl.zeros([BN, NTP], dtype=tl.float32)
+            for c in range(0, K // 256):
+                wf, xi = _chunk(w, w8, row, c, QT)
+                for t in tl.static_range(NT):
+                    xv = tl.load(x + t * sx_tok + c * 256 + xi).to(tl.float32)
+                    part = tl.sum(tl.reshape(wf * xv, (BN, 256), can_reorder=True), axis=1)
+                    acc += tl.where(tcol[None, :] == t, part[:, None], 0.0)
+        _store_rows(y, acc, n, N, sy_tok, NT, NTP)
 
     # ------------------------------------------------------------------------------------------------
     # Prefill: GEMM with the weight tile decoded in registers; grouped MoE GEMM
@@ -661,11 +656,15 @@ def _as_words(qtype: GGMLQuantizationType, w: torch.Tensor, k: int) -> torch.Ten
     return w.view(dtype)
 
 
+# GEMV tiles: rows per program (MoE / dense) and warps; read at each launch so benchmarks can sweep them.
+GEMV_CONFIG = {"bn_moe": 16, "bn_dense": 32, "warps": 4}
+
+
 def _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, sy, top_k, nt, qtype, bs, ts, s, pairs=0):
     moe = ids is not None
     words = _as_words(qtype, w, k)
+    bn = GEMV_CONFIG["bn_moe"] if moe or n <= 4096 else GEMV_CONFIG["bn_dense"]
     if words is not None:
-        bn = 16 if moe or n <= 4096 else 32
         _gemv_words_kernel[(triton.cdiv(n, bn), pairs if moe else 1)](
             x,
             words,
@@ -683,10 +682,9 @@ def _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, sy, top_k, nt
             QT=int(qtype),
             BN=bn,
             MOE=moe,
-            num_warps=4,
+            num_warps=GEMV_CONFIG["warps"],
         )
         return
-    bn = 16 if moe or n <= 4096 else 32
     g = _groups(k, s, bs, 256 if nt <= 4 else 128)
     grid = (triton.cdiv(n, bn), pairs if moe else 1)
     _gemv_kernel[grid](
@@ -711,7 +709,7 @@ def _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, sy, top_k, nt
         G=g,
         BN=bn,
         MOE=moe,
-        num_warps=4,
+        num_warps=GEMV_CONFIG["warps"],
     )
 
 
