@@ -24,7 +24,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = Path(__file__).resolve().parent / "fixtures"
 SHARED = Path(os.environ.get("FORGE_SHARED_FIXTURES") or ROOT.parent / "shared" / "fixtures")
-FIXTURES = SHARED  # the optional folder, under the name some tests use
 MODELS = ("tiny-qwen3moe", "tiny-qwen35moe")
 #: fixture models whose Hugging Face folder is in the repository (byte for byte the fixture's)
 IN_REPO = {"tiny-qwen3moe": ROOT / "examples" / "tiny-qwen3moe"}
