@@ -172,7 +172,7 @@ def _forge(args: list[str]) -> subprocess.CompletedProcess[str]:
 @pytest.mark.slow
 def test_llamacpp_loads_and_runs_a_synth_file(tiny: Path) -> None:
     llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(model_path=str(tiny), n_ctx=64, n_threads=2, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(tiny), n_ctx=64, n_threads=2, logits_all=True, verbose=False)
     assert llm.n_vocab() == VOCAB
     tok = Tokenizer.from_metadata(load_weights(tiny))
     for text in TEXTS[:3]:  # llama.cpp's tokenizer agrees with the runtime's on this vocabulary
@@ -180,12 +180,15 @@ def test_llamacpp_loads_and_runs_a_synth_file(tiny: Path) -> None:
         assert ids == tok.encode(text, parse_special=True)
         assert llm.detokenize(ids).decode() == text
     assert llm.token_eos() == tok.eos_id
-    llm.eval(tok.encode("hello world"))
-    logits = np.asarray(llm.scores[llm.n_tokens - 1])
-    assert logits.shape == (VOCAB,) and np.isfinite(logits).all()
-    out = llm("hello", max_tokens=4, temperature=0.0)
-    assert out["usage"]["completion_tokens"] >= 1
-    # the runtime computes the same model: its greedy next token after the prompt is llama.cpp's
+    prompt = tok.encode("hello world")
+    llm.eval(prompt)
+    logits = np.array(llm.scores[len(prompt) - 1])
+    assert logits.shape == (VOCAB,) and np.isfinite(logits).all() and logits.std() > 0.1
+    out = llm("hello world", max_tokens=8, temperature=0.0)
+    assert out["usage"]["completion_tokens"] == 8
+    # the runtime computes the same model: same next-token choice, same greedy text
     model = load_model(tiny)
-    ours = model.forward(torch.tensor(tok.encode("hello world")), model.new_state(64))[-1]
+    ours = model.forward(torch.tensor(prompt), model.new_state(64))[-1]
     assert int(ours.argmax()) == int(logits.argmax())
+    res = generate(model, prompt, 8, tokenizer=tok, stop_ids=set(), context=64)
+    assert res.text == out["choices"][0]["text"]
