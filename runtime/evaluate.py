@@ -8,6 +8,8 @@ only the second half is scored (logits at positions n_ctx/2 .. n_ctx-2 predictin
 from __future__ import annotations
 
 import math
+import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -100,8 +102,8 @@ class ReferenceLogits:
         try:
             with np.load(path) as z:
                 return cls(z["tokens"], int(z["n_ctx"]), z["top_ids"], z["top_logp"], z["target_logp"])
-        except (OSError, KeyError, ValueError) as exc:
-            raise ForgeError(f"{path}: not a reference-logits file ({exc})") from exc
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+            raise ForgeError(f"{path}: not a reference-logits file ({exc})") from None
 
 
 def _chunk_logp(model: MoeCausalLM, chunk: torch.Tensor, first: int, where: str) -> torch.Tensor:

@@ -77,6 +77,7 @@ class Rule:
     when: str | None = None
     index: str = "layer"
     line: int = 0
+    source: str = "<recipe>"
 
     def matches(self, tensor: str) -> bool:
         if self.name is not None:
@@ -89,7 +90,7 @@ class Rule:
         try:
             return bool(_eval(ast.parse(self.when, mode="eval"), env))
         except (ForgeError, ArithmeticError, TypeError, ValueError) as e:
-            raise ForgeError(f"recipe line {self.line}: when = {self.when!r}: {e}") from None
+            raise ForgeError(f"{self.source}: line {self.line}: when = {self.when!r}: {e}") from None
 
 
 @dataclass
@@ -150,7 +151,7 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
             except SyntaxError:
                 raise ForgeError(f"{where}: cannot parse when = {raw['when']!r}") from None
         rules.append(Rule(raw["type"].upper(), raw.get("name"), raw.get("pattern"), raw.get("when"),
-                          raw.get("index", "layer"), line))  # fmt: skip
+                          raw.get("index", "layer"), line, source))  # fmt: skip
     return Recipe(
         name=str(data.get("name", Path(source).stem)),
         default=data["default"].upper(),
