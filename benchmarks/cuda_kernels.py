@@ -181,15 +181,19 @@ def sweep(args: argparse.Namespace, gen: torch.Generator, bw: float) -> None:
 
             for words in ("1", "0") if qtype in ck._WORD_TYPES else ("1",):
                 os.environ["FORGE_CUDA_WORDS"] = words
-                for bn, warps in ((8, 4), (16, 4), (32, 4), (64, 8), (16, 2), (32, 8)):
-                    ck.GEMV_CONFIG.update(bn_moe=bn, bn_dense=bn, warps=warps)
+                for bn, warps, split in ((0, 0, 0), (8, 4, 1), (16, 4, 1), (16, 2, 1), (8, 4, 2), (16, 4, 2),
+                                         (16, 4, 4), (8, 2, 4)):  # fmt: skip
+                    if split > 1 and (words == "0" or k // 256 % split):
+                        continue
+                    ck.GEMV_CONFIG.update(bn=bn or None, warps=warps or None, split=split or None)
                     us = graph_us(qtype, raw, kernel, moe, gen, args.tokens)
                     gbs = nbytes / (us * 1e-6) / 1e9
-                    print(f"{qtype.name:8} {label:10} words={words} BN={bn:3} warps={warps} {us:9.1f} us "
-                          f"{gbs:6.0f} GB/s {100 * gbs * 1e9 / bw:4.0f}%")  # fmt: skip
+                    print(f"{qtype.name:8} {label:10} words={words} BN={bn:3} warps={warps} split={split} "
+                          f"{us:9.1f} us {gbs:6.0f} GB/s {100 * gbs * 1e9 / bw:4.0f}%")  # fmt: skip
             del raw
         torch.cuda.empty_cache()
     os.environ.pop("FORGE_CUDA_WORDS", None)
+    ck.GEMV_CONFIG.update(bn=None, warps=None, split=None)
 
 
 def prefill(args: argparse.Namespace, gen: torch.Generator) -> None:

@@ -181,6 +181,23 @@ def test_q4_k_m_types_take_the_word_kernel(qtype: Q) -> None:
     assert ck._as_words(qtype, raw, k - 32) is None or qtype != Q.Q8_0
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_K], ids=lambda t: t.name)
+def test_gemv_tile_configurations_agree(qtype: Q) -> None:
+    """Other rows-per-program / warps / K splits than the defaults (the benchmark's sweep) stay exact."""
+    experts, n, k = 3, 40, 2048
+    raw = random_rows(qtype, experts * n, k, seed=9).view(experts, n, -1).to(DEVICE)
+    ids = torch.tensor([[2, 0, 2]], dtype=torch.int32, device=DEVICE)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    ref = _moe_reference(x.cpu(), raw.cpu(), qtype, ids.cpu())[0]
+    try:
+        for bn, warps, split in ((8, 2, 4), (32, 4, 8), (16, 4, 1)):
+            ck.GEMV_CONFIG.update(bn=bn, warps=warps, split=split)
+            assert_close(ck.moe_linear(x, raw, qtype, ids), ref)
+            assert_close(ck.linear(x, raw[0], qtype), ref[0, 1][None])
+    finally:
+        ck.GEMV_CONFIG.update(bn=None, warps=None, split=None)
+
+
 def test_group_by_expert_tiles_cover_every_pair_once() -> None:
     ids = torch.tensor([[3, 3], [0, 3], [3, 1], [3, 3]], dtype=torch.int32, device=DEVICE)
     order, expert, start, rows = (t.cpu() for t in ck._group_by_expert(ids, 5, bm=2))

@@ -373,28 +373,45 @@ if triton is not None:
         QT: tl.constexpr,
         BN: tl.constexpr,
         MOE: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
         """As _gemv_kernel, for Q4_K/Q5_K (w viewed as int32) and Q6_K/Q8_0 (w viewed as int16)."""
         n, row, x, y = _rows_and_x(x, y, ids, N, row_words, sx_tok, sx_slot, sy_tok, TOPK, BN, MOE)
         w8 = w.to(tl.pointer_type(tl.uint8))
         tcol = tl.arange(0, NTP)
         if NT == 1:
-            wf, xi = _chunk(w, w8, row, 0, QT)
-            acc_e = wf * tl.load(x + xi)
-            for c in range(1, K // 256):
+            # SPLIT > 1: program axis 2 takes 1/SPLIT of the chunks and adds its sums into y (zeroed)
+            per = K // 256 // SPLIT
+            c0 = tl.program_id(2) * per
+            wf, xi = _chunk(w, w8, row, c0, QT)
+            acc_e = wf * tl.load(x + c0 * 256 + xi)
+            for c in range(c0 + 1, c0 + per):
                 wf, xi = _chunk(w, w8, row, c, QT)
                 acc_e += wf * tl.load(x + c * 256 + xi)
-            part = tl.sum(tl.reshape(acc_e, (BN, 256), can_reorder=True), axis=1)
-            acc = tl.where(tcol[None, :] == 0, part[:, None], 0.0)
+            part = _row_sum(acc_e, QT)
+            if SPLIT > 1:
+                tl.atomic_add(y + n, part, mask=n < N, sem="relaxed")
+            else:
+                tl.store(y + n, part, mask=n < N)
         else:
             acc = tl.zeros([BN, NTP], dtype=tl.float32)
             for c in range(0, K // 256):
                 wf, xi = _chunk(w, w8, row, c, QT)
                 for t in tl.static_range(NT):
                     xv = tl.load(x + t * sx_tok + c * 256 + xi).to(tl.float32)
-                    part = tl.sum(tl.reshape(wf * xv, (BN, 256), can_reorder=True), axis=1)
+                    part = _row_sum(wf * xv, QT)
                     acc += tl.where(tcol[None, :] == t, part[:, None], 0.0)
-        _store_rows(y, acc, n, N, sy_tok, NT, NTP)
+            _store_rows(y, acc, n, N, sy_tok, NT, NTP)
+
+    @triton.jit
+    def _row_sum(t, QT: tl.constexpr):
+        """Sum over every axis but the first (the chunk tensors' rank depends on the type)."""
+        if QT == 12 or QT == 13:
+            return tl.sum(tl.sum(tl.sum(tl.sum(t, axis=4), axis=3), axis=2), axis=1)
+        elif QT == 14:
+            return tl.sum(tl.sum(tl.sum(tl.sum(tl.sum(t, axis=5), axis=4), axis=3), axis=2), axis=1)
+        else:
+            return tl.sum(tl.sum(tl.sum(t, axis=3), axis=2), axis=1)
 
     # ------------------------------------------------------------------------------------------------
     # Prefill: GEMM with the weight tile decoded in registers; grouped MoE GEMM
@@ -657,15 +674,31 @@ def _as_words(qtype: GGMLQuantizationType, w: torch.Tensor, k: int) -> torch.Ten
 
 
 # GEMV tiles: rows per program (MoE / dense) and warps; read at each launch so benchmarks can sweep them.
-GEMV_CONFIG = {"bn_moe": 16, "bn_dense": 32, "warps": 4}
+# None: the measured defaults of _gemv_tiles (benchmarks/cuda_kernels.py --sweep sets them to compare).
+GEMV_CONFIG: dict[str, int | None] = {"bn": None, "warps": None, "split": None}
+
+
+def _gemv_tiles(words: bool, qtype: GGMLQuantizationType, n: int, k: int, nt: int) -> tuple[int, int, int]:
+    """(rows per program, warps, K split) from benchmarks/cuda_kernels.py --sweep on the H200: 16 rows
+    for the word kernel (8 for Q6_K), 8 for the generic one below 8192 rows; 2 warps for the vocab-sized
+    products; small products split K in two so that more programs are in flight."""
+    bn = (8 if qtype == T.Q6_K else 16) if words else (8 if n <= 8192 else 16)
+    warps = 2 if n > 65536 else 4
+    split = 2 if words and nt == 1 and n <= 8192 and (k // 256) % 2 == 0 else 1
+    cfg = GEMV_CONFIG
+    return cfg["bn"] or bn, cfg["warps"] or warps, (cfg["split"] or split) if words and nt == 1 else 1
 
 
 def _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, sy, top_k, nt, qtype, bs, ts, s, pairs=0):
     moe = ids is not None
     words = _as_words(qtype, w, k)
-    bn = GEMV_CONFIG["bn_moe"] if moe or n <= 4096 else GEMV_CONFIG["bn_dense"]
+    bn, warps, split = _gemv_tiles(words is not None, qtype, n, k, nt)
+    if (k // 256) % split:
+        split = 1
     if words is not None:
-        _gemv_words_kernel[(triton.cdiv(n, bn), pairs if moe else 1)](
+        if split > 1:
+            y.zero_()
+        _gemv_words_kernel[(triton.cdiv(n, bn), pairs if moe else 1, split)](
             x,
             words,
             y,
@@ -682,7 +715,8 @@ def _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, sy, top_k, nt
             QT=int(qtype),
             BN=bn,
             MOE=moe,
-            num_warps=GEMV_CONFIG["warps"],
+            SPLIT=split,
+            num_warps=warps,
         )
         return
     g = _groups(k, s, bs, 256 if nt <= 4 else 128)
@@ -709,7 +743,7 @@ def _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, sy, top_k, nt
         G=g,
         BN=bn,
         MOE=moe,
-        num_warps=GEMV_CONFIG["warps"],
+        num_warps=warps,
     )
 
 
