@@ -183,6 +183,8 @@ def synthesize(
                 yield (quiet if small else pool).writer(s.nbytes)
 
     name = geometry if isinstance(geometry, str) else "custom"
+    if any(v is not None for v in overrides.values()):
+        name += ", custom dimensions"
     return write_gguf(dest, _kvs(g, name) + tokenizer_kvs(g.vocab), specs, data())
 
 
