@@ -179,7 +179,7 @@ def sweep(args: argparse.Namespace, gen: torch.Generator, bw: float) -> None:
                 def kernel(x=x, raw=raw, qtype=qtype):
                     return ck.linear(x, raw, qtype)
 
-            for words in ("1", "0") if qtype in ck._WORD_TYPES else ("1",):
+            for words in ("all", "0") if qtype in ck._WORD_TYPES else ("",):
                 os.environ["FORGE_CUDA_WORDS"] = words
                 for bn, warps, split in ((0, 0, 0), (8, 4, 1), (16, 4, 1), (16, 2, 1), (8, 4, 2), (16, 4, 2),
                                          (16, 4, 4), (8, 2, 4)):  # fmt: skip

@@ -26,6 +26,15 @@ from runtime.backends import cuda_kernels as ck
 from runtime.dequant import dequantize
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and ck.triton is not None
+
+
+@pytest.fixture(autouse=True, params=["", "all"], ids=["default-kernels", "word-kernels"])
+def word_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with the default kernel choice and with the word kernel for all four types."""
+    monkeypatch.setenv("FORGE_CUDA_WORDS", request.param)
+    return request.param
+
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not (ck.available() or _INTERPRET), reason="needs CUDA and triton"),
@@ -174,10 +183,12 @@ def test_moe_gemm_groups_by_expert(qtype: Q, skewed: bool) -> None:
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
-def test_q4_k_m_types_take_the_word_kernel(qtype: Q) -> None:
+def test_word_kernel_choice(qtype: Q) -> None:
     k = 512
     raw = random_rows(qtype, 4, k).to(DEVICE)
-    assert ck._as_words(qtype, raw, k) is not None
+    assert (ck._as_words(qtype, raw, k) is not None) == (
+        os.environ["FORGE_CUDA_WORDS"] == "all" or qtype == Q.Q6_K
+    )
     assert ck._as_words(qtype, raw, k - 32) is None or qtype != Q.Q8_0
 
 

@@ -663,9 +663,14 @@ _WORD_TYPES = {T.Q4_K: torch.int32, T.Q5_K: torch.int32, T.Q6_K: torch.int16, T.
 
 
 def _as_words(qtype: GGMLQuantizationType, w: torch.Tensor, k: int) -> torch.Tensor | None:
-    """The rows viewed as the word kernel's words, or None where it does not apply."""
+    """The rows viewed as the word kernel's words, or None where it does not apply.
+
+    By default only Q6_K takes it: for Q4_K, Q5_K and Q8_0 the generic kernel measured as fast or
+    faster (the word kernel's final 5-axis row sum costs more than it saves); FORGE_CUDA_WORDS=all
+    selects it for all four (tests, --sweep), =0 for none."""
     dtype = _WORD_TYPES.get(qtype)
-    if dtype is None or k % 256 or os.environ.get("FORGE_CUDA_WORDS") == "0":
+    choice = os.environ.get("FORGE_CUDA_WORDS", "")
+    if dtype is None or k % 256 or choice == "0" or (qtype != T.Q6_K and choice != "all"):
         return None
     size = torch.empty((), dtype=dtype).element_size()
     if w.shape[-1] % size or w.data_ptr() % size or w.stride(-2) % size:
@@ -679,12 +684,16 @@ GEMV_CONFIG: dict[str, int | None] = {"bn": None, "warps": None, "split": None}
 
 
 def _gemv_tiles(words: bool, qtype: GGMLQuantizationType, n: int, k: int, nt: int) -> tuple[int, int, int]:
-    """(rows per program, warps, K split) from benchmarks/cuda_kernels.py --sweep on the H200: 16 rows
-    for the word kernel (8 for Q6_K), 8 for the generic one below 8192 rows; 2 warps for the vocab-sized
-    products; small products split K in two so that more programs are in flight."""
-    bn = (8 if qtype == T.Q6_K else 16) if words else (8 if n <= 8192 else 16)
-    warps = 2 if n > 65536 else 4
-    split = 2 if words and nt == 1 and n <= 8192 and (k // 256) % 2 == 0 else 1
+    """(rows per program, warps, K split), from benchmarks/cuda_kernels.py --sweep on the H200 at the
+    35B-A3B shapes: the generic kernel takes 16 rows (8 for the types it decodes more slowly below 8192
+    rows), the Q6_K word kernel 8 rows and two warps, with K split in four for the small products;
+    vocab-sized products take two warps."""
+    if words:
+        bn, warps = (8 if k >= 1024 else 16), 2
+        split = 4 if nt == 1 and n <= 8192 and (k // 256) % 4 == 0 else 1
+    else:
+        bn = 16 if n > 8192 or qtype in (T.Q4_K, T.Q8_0) else 8
+        warps, split = (2 if n > 65536 else 4), 1
     cfg = GEMV_CONFIG
     return cfg["bn"] or bn, cfg["warps"] or warps, (cfg["split"] or split) if words and nt == 1 else 1
 
