@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -281,8 +283,30 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
+# After an interrupt, unwinding (temp files dropped, workers stopped) gets this long before a hard exit; the
+# outputs in progress are anonymous files, so even the hard exit leaves nothing behind.
+UNWIND_SECONDS = 10.0
+_interrupted: list[int] = []
+
+
 def _interrupt(signum: int, frame: Any) -> None:
+    if _interrupted:  # a second Ctrl-C: stop now
+        os._exit(128 + signum)
+    _interrupted.append(signum)
+    timer = threading.Timer(UNWIND_SECONDS, _hard_exit, (128 + signum,))
+    timer.daemon = True
+    timer.start()
     raise Interrupted(signum)
+
+
+def _hard_exit(code: int) -> None:
+    """Say ``interrupted`` and exit without Python's exit hooks (a worker pool's hook can hang on a pipe
+    whose readers were killed); whatever had to be undone was undone while the interrupt unwound."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    sys.stderr.write("interrupted\n")
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main() -> None:
@@ -301,8 +325,7 @@ def run_app(typer_app: typer.Typer) -> None:
     except ForgeError as e:
         _fail(str(e))
     except Interrupted as e:
-        sys.stderr.write("interrupted\n")
-        sys.exit(128 + e.signum)
+        _hard_exit(128 + e.signum)
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         sys.exit(130)

@@ -33,9 +33,11 @@ def worker_pool(workers: int) -> ProcessPoolExecutor:
 def stop_pool(pool: ProcessPoolExecutor) -> None:
     """Cancel queued work and kill the workers now (an interrupt or an error: nothing more is wanted)."""
     processes = list((getattr(pool, "_processes", None) or {}).values())
-    pool.shutdown(wait=False, cancel_futures=True)
     for proc in processes:
         if proc.is_alive():
             proc.kill()
     for proc in processes:
         proc.join()
+    # the pool's manager thread sees its workers gone and ends; waiting for it leaves nothing for Python's
+    # exit hook to wake through a closed pipe
+    pool.shutdown(wait=True, cancel_futures=True)

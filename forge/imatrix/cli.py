@@ -55,6 +55,9 @@ def show(
     unit = info["counts_unit"]
     out.print(f"[bold]{file}[/bold]: {info['entries']} tensors, {info['chunk_count']} chunks of "
               f"{info['chunk_size'] or '?'} tokens, datasets {info['datasets']}, counts in {unit}")  # fmt: skip
+    if info["partial"]:
+        out.print(f"[yellow]partial: a snapshot of an unfinished collection, {info['chunk_count']} of "
+                  f"{info['chunks_planned']} chunks[/yellow]")  # fmt: skip
     table = Table("tensor", "experts x cols", unit, "seen", "unseen experts", "min", "mean", "max", "std")
     for t in info["tensors"]:
         table.add_row(

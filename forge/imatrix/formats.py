@@ -45,6 +45,8 @@ Rounding = Literal["exact", "llamacpp"]
 KV_DATASETS = "imatrix.datasets"
 KV_CHUNK_COUNT = "imatrix.chunk_count"
 KV_CHUNK_SIZE = "imatrix.chunk_size"
+# ours, written only into the snapshots of an unfinished collection (llama.cpp ignores unknown keys)
+KV_CHUNKS_PLANNED = "forge.imatrix.chunks_planned"
 _SUFFIXES = (".in_sum2", ".counts", ".in_sum")
 _MAX_NAME = 4096
 _F32 = GGMLQuantizationType.F32
@@ -107,8 +109,9 @@ def read_gguf_imatrix(path: str | os.PathLike[str]) -> Imatrix:
     if not parts:
         raise ForgeError(f"{path}: no imatrix entries")
     im = Imatrix(
-        datasets=list(datasets), chunk_count=int(g.kv(KV_CHUNK_COUNT)), chunk_size=int(g.kv(KV_CHUNK_SIZE))
-    )
+        datasets=list(datasets), chunk_count=int(g.kv(KV_CHUNK_COUNT)), chunk_size=int(g.kv(KV_CHUNK_SIZE)),
+        chunks_planned=int(g.kv(KV_CHUNKS_PLANNED, 0)),
+    )  # fmt: skip
     for name, p in parts.items():
         if ".in_sum2" not in p or ".counts" not in p:
             raise ForgeError(f"{path}: entry {name} lacks its .in_sum2 or .counts tensor")
@@ -137,12 +140,15 @@ def _ggml_dims(n_mat: int, n_cols: int) -> tuple[int, ...]:
 
 
 def gguf_kvs(im: Imatrix) -> list[KV]:
-    return [
+    kvs = [
         KV("general.type", "imatrix", GGUFValueType.STRING),
         KV(KV_DATASETS, list(im.datasets), GGUFValueType.ARRAY, GGUFValueType.STRING),
         KV(KV_CHUNK_COUNT, int(im.chunk_count), GGUFValueType.UINT32),
         KV(KV_CHUNK_SIZE, int(im.chunk_size), GGUFValueType.UINT32),
     ]
+    if im.partial:
+        kvs.append(KV(KV_CHUNKS_PLANNED, int(im.chunks_planned), GGUFValueType.UINT32))
+    return kvs
 
 
 def _gguf_tensors(im: Imatrix) -> list[tuple[TensorSpec, np.ndarray]]:

@@ -8,7 +8,9 @@ written into the file is the operator's, fixed at construction.
 
 Snapshots: after every ``every`` completed requests once at least ``min_requests`` were seen
 (``every = 0``: only ``close()``), each a full rewrite through ``atomic_output`` (temp file, fsync,
-rename), so a reader, or a crash, only ever sees a complete previous or new snapshot.
+rename), so a reader, or a crash, only ever sees a complete previous or new snapshot. The output's folder
+is checked (exists, writable) at construction, so a server fails before it loads its model, not at
+shutdown; a final snapshot that still fails (disk full, folder removed) is one ForgeError naming the file.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 
 from forge.atomic import check_output_path
+from forge.errors import ForgeError
 from forge.imatrix.accumulate import ImatrixAccumulator
 from forge.imatrix.formats import Format, format_for_path, write_imatrix
 
@@ -41,7 +44,7 @@ class LiveImatrix(ImatrixAccumulator):
         super().__init__(process_output=process_output, n_experts=n_experts)
         if every < 0 or min_requests < 0:
             raise ValueError("every and min_requests must be >= 0")
-        self.out = check_output_path(out)
+        self.out = check_output_path(out)  # folder exists and is writable, the name is not a folder
         self.every, self.min_requests = every, min_requests
         self.fmt: Format = fmt or format_for_path(out)
         self.dataset, self.chunk_size = dataset, chunk_size
@@ -81,8 +84,13 @@ class LiveImatrix(ImatrixAccumulator):
             return True
 
     def close(self) -> bool:
-        """Final snapshot (at server shutdown)."""
-        return self.snapshot()
+        """Final snapshot (at server shutdown); a failure is a ForgeError ``imatrix snapshot: PATH: reason``."""
+        try:
+            return self.snapshot()
+        except (OSError, ForgeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            reason = reason.removeprefix(f"{self.out}: ")  # atomic_output's own errors name the file too
+            raise ForgeError(f"imatrix snapshot: {self.out}: {reason}") from None
 
     @property
     def path(self) -> Path:

@@ -65,6 +65,8 @@ def summary(im: Imatrix) -> dict:
         "datasets": list(im.datasets),
         "chunk_count": im.chunk_count,
         "chunk_size": im.chunk_size,
+        "partial": im.partial,
+        "chunks_planned": max(im.chunks_planned, im.chunk_count),
         "counts_unit": "ncall" if im.counts_are_ncall else "rows",
         "entries": len(tensors),
         "entries_with_unseen_experts": sum(1 for t in tensors if t.unseen_experts),
