@@ -200,6 +200,8 @@ class Weights:
             if layer in cache.layers:
                 return cache.tensor(layer, role)
         t = self._experts(name)
+        if self._cuda_computes(t.qtype):  # the cuda kernels read the file bytes: no float32 copy
+            return t
         if not t.resident and t.decoded_nbytes <= self.expert_budget:
             self.expert_budget -= t.decoded_nbytes
             t.resident = True
@@ -209,6 +211,13 @@ class Weights:
 
     def _experts(self, name: str) -> ExpertTensor:
         raise NotImplementedError
+
+    def _cuda_computes(self, qtype: GGMLQuantizationType) -> bool:
+        if self.device.type != "cuda" or self.ggml_numerics or qtype == GGMLQuantizationType.F32:
+            return False
+        from runtime.backends import cuda_kernels
+
+        return cuda_kernels.computes(self.device, qtype)
 
     def _require(self, name: str) -> None:
         if not self.has(name):

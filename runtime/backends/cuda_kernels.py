@@ -60,8 +60,13 @@ _warned: set[str] = set()
 
 
 def available() -> bool:
-    """Triton imports and CUDA is present."""
-    return triton is not None and torch.cuda.is_available()
+    """Triton imports and CUDA is present (FORGE_CUDA_KERNELS=0 turns the kernels off: torch path)."""
+    return triton is not None and torch.cuda.is_available() and os.environ.get("FORGE_CUDA_KERNELS") != "0"
+
+
+def computes(device: torch.device, qtype: GGMLQuantizationType | int) -> bool:
+    """Whether products with a ``qtype`` weight on ``device`` run on these kernels (from the file bytes)."""
+    return device.type == "cuda" and available() and supports(qtype)
 
 
 def supported_types() -> list[GGMLQuantizationType]:
@@ -568,6 +573,7 @@ def linear(
     Up to DECODE_TOKENS rows take the GEMV kernel (exact float32 products); more take the GEMM
     kernel, whose operands are rounded to ``precision`` ("tf32", "ieee", "fp16", "bf16")."""
     qtype = T(int(qtype))
+    raw = raw if raw.is_contiguous() else raw.contiguous()
     lead, kx = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, kx)
     if not x2.is_contiguous():
@@ -601,6 +607,7 @@ def moe_linear(
     float32 (T, top_k, N). Decode (T * top_k <= 64 pairs) takes the GEMV kernel, one program per
     pair; more pairs are grouped by expert on the device and take the GEMM kernel."""
     qtype = T(int(qtype))
+    raw = raw if raw.is_contiguous() else raw.contiguous()
     n_tok, top_k = ids.shape
     e_count, n = raw.shape[0], raw.shape[1]
     per_slot = x.dim() == 3

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as Q
 
 from forge.errors import ForgeError
 from runtime import cpu_kernels
+from runtime.backends import cuda_kernels
 from runtime.observers import (
     Observer,
     expert_output_observers,
@@ -79,6 +80,18 @@ def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor) -> 
     return (x * weight).mul_(mean_sq.rsqrt_().view(-1, 1))
 
 
+def _cuda_encoded(weights: Weights, name: str) -> tuple[torch.Tensor, Q] | None:
+    """A quantized 2-D weight's file bytes on the GPU and its type, when the cuda kernels compute its
+    products (device cuda, no ggml numerics, a type they decode); else None (torch path)."""
+    if weights.device.type != "cuda" or weights.ggml_numerics or not hasattr(weights, "raw"):
+        return None
+    qtype = weights.qtype(name)
+    if qtype == Q.F32 or not cuda_kernels.computes(weights.device, qtype) or len(weights.shape(name)) != 2:
+        return None
+    raw = weights.raw(name)
+    return (raw, qtype) if raw.is_contiguous() else None
+
+
 class Linear:
     """x @ W.T for a weight decoded at load, reporting its input to the observers."""
 
@@ -90,12 +103,15 @@ class Linear:
         self.weight = self.weight_t.T
         self.rounding = ggml_input_rounding(weights.qtype(name)) if weights.ggml_numerics else None
         self.rows = self.weight.numpy() if weights.cpu_kernels else None  # for the compiled one-token path
+        self.encoded = _cuda_encoded(weights, name)  # (file bytes on the GPU, type) for the cuda kernels
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.observers:
             notify_matmul(self.observers, self.name, x)
         if self.rounding is not None:
             x = self.rounding(x)
+        if self.encoded is not None:
+            return cuda_kernels.linear(x, *self.encoded)
         return F.linear(x, self.weight)
 
     def step(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,6 +120,9 @@ class Linear:
             notify_matmul(self.observers, self.name, x)
         if self.rows is not None:
             return cpu_kernels.gemv(x, self.rows, residual)
+        if self.encoded is not None:
+            y = cuda_kernels.linear(x, *self.encoded)
+            return y if residual is None else y.add_(residual)
         return torch.mm(x, self.weight_t) if residual is None else torch.addmm(residual, x, self.weight_t)
 
     def normed_step(self, h: torch.Tensor, norm: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
@@ -318,6 +337,17 @@ class RoutedExperts:
             up_name = p + "ffn_gate_up_exps.weight" if self.gate_up is not None else self.names[1]
             self.round_in = ggml_input_rounding(weights.qtype(up_name))
             self.round_act = ggml_input_rounding(weights.qtype(self.names[2]))
+        # On CUDA the kernels compute on the file bytes: (gate_up,) or (gate, up), then down, as ExpertTensors.
+        self.cuda_experts: tuple[ExpertTensor, ...] | None = None
+        parts = (self.gate_up,) if self.gate_up is not None else (self.gate, self.up)
+        parts = (*parts, self.down)
+        if self.round_in is None and all(
+            isinstance(t, ExpertTensor)
+            and t.raw.is_contiguous()
+            and cuda_kernels.computes(t.raw.device, t.qtype)
+            for t in parts
+        ):
+            self.cuda_experts = parts  # type: ignore[assignment]
         # Resident gate and up are kept as one (n_expert, 2 n_ff, n_embd) tensor: one matmul per expert.
         # (Experts stay in their row layout: the transposed one reads faster for one token, but decoding per
         # use would then need a transposing copy to give bit-identical results, a larger loss.)
@@ -407,6 +437,8 @@ class RoutedExperts:
         top_w = torch.softmax(top_logits, dim=-1)
         if self.observers:
             notify_routing(self.observers, self.layer, top_ids, top_w, logits)
+        if self.cuda_experts is not None and not expert_output_observers(self.observers):
+            return self._cuda_ffn(x, top_ids, top_w)
         if x.shape[0] == 1:
             return self._one_token(x, top_ids[0], top_w[0])
         return self._batch(x, top_ids.reshape(-1), top_w.reshape(-1))
@@ -453,6 +485,8 @@ class RoutedExperts:
         top_w = torch.softmax(top_logits, dim=-1)
         if self.observers:
             notify_routing(self.observers, self.layer, top_ids, top_w, logits)
+        if self.cuda_experts is not None and compiled:
+            return h + self._cuda_ffn(x, top_ids, top_w)
         if self.observers or self.gate_up_t is None or self.down_t is None:
             return h + self._one_token(x, top_ids[0], top_w[0])
         n_ff, out = self.n_ff, h
@@ -482,6 +516,23 @@ class RoutedExperts:
         if self.observers:
             self._report(x.expand(k, -1), act, ids)
         return out
+
+    def _cuda_ffn(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The routed experts on the cuda kernels: x (T, n_embd), ids and w (T, top_k) -> (T, n_embd).
+        One launch per projection over every (token, slot); ids stay on the device."""
+        *gate_up, down = self.cuda_experts  # type: ignore[misc]
+        if len(gate_up) == 1:
+            gu = cuda_kernels.moe_linear(x, gate_up[0].raw, gate_up[0].qtype, ids)
+            gate, up = gu[..., : self.n_ff], gu[..., self.n_ff :]
+        else:
+            gate = cuda_kernels.moe_linear(x, gate_up[0].raw, gate_up[0].qtype, ids)
+            up = cuda_kernels.moe_linear(x, gate_up[1].raw, gate_up[1].qtype, ids)
+        act = F.silu(gate).mul_(up)  # (T, top_k, n_ff)
+        if self.observers:
+            k = ids.shape[1]
+            self._report(x.repeat_interleave(k, 0), act.reshape(-1, self.n_ff), ids.reshape(-1))
+        y = cuda_kernels.moe_linear(act, down.raw, down.qtype, ids)  # (T, top_k, n_embd)
+        return torch.bmm(w[:, None, :].to(y.dtype), y)[:, 0]
 
     def _one_token(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         hit = ids.tolist()
