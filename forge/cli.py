@@ -140,16 +140,18 @@ def quantize(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON report")] = False,
 ) -> None:
     """Quantize to GGUF with a recipe (llama.cpp's mixes or your own), bit-exact with llama-quantize."""
+    from forge.distributed.cluster import choose_executor
     from forge.quant.quantize import bytes_by_type
     from forge.quant.quantize import quantize as run
 
     if output is None and not dry_run:
         raise ForgeError("give -o OUT.gguf (or --dry-run)")
     log = None if as_json else (lambda line: err.print(line, highlight=False, markup=False))
+    on = choose_executor(executor, jobs, ray_address, log)
     plan, rep = run(src, None if dry_run else output, recipe, imatrix, tensor_type or [], jobs, allow_requantize,
                     not no_mtp, progress=not as_json, log=log, reuse=reuse or [], trust_mtime=trust_mtime,
-                    warn=lambda line: err.print(line, highlight=False, markup=False), executor=executor,
-                    ray_address=ray_address, device=device)  # fmt: skip
+                    warn=lambda line: err.print(line, highlight=False, markup=False), executor=on,
+                    device=device)  # fmt: skip
     by_type = bytes_by_type(rep)
     n_el = sum(e["elements"] for e in by_type.values())
     n_bytes = sum(e["bytes"] for e in by_type.values())

@@ -23,9 +23,10 @@ import numpy as np
 import pytest
 from conftest import EXAMPLE
 
+from forge.distributed.cluster import choose_executor
 from forge.distributed.slices import Part, read_part, ship_part, split_experts
 from forge.errors import ForgeError
-from forge.quant.build import EncodeJob, open_source, run_job
+from forge.quant.jobs import EncodeJob, open_source, run_job
 from forge.quant.quantize import quantize
 from forge.quant.source import source_ref
 
@@ -67,7 +68,7 @@ def test_missing_ray_says_how_to_install(monkeypatch: pytest.MonkeyPatch, tmp_pa
 
     monkeypatch.setattr(builtins, "__import__", no_ray)
     with pytest.raises(ForgeError, match=r"pip install 'gguf-forge\[distributed\]'"):
-        quantize(EXAMPLE, tmp_path / "q.gguf", "q8_0", executor="ray")
+        quantize(EXAMPLE, tmp_path / "q.gguf", "q8_0", executor=choose_executor("ray"))
     from forge.distributed.imatrix import collect_ray
 
     with pytest.raises(ForgeError, match=r"pip install 'gguf-forge\[distributed\]'"):
@@ -77,9 +78,9 @@ def test_missing_ray_says_how_to_install(monkeypatch: pytest.MonkeyPatch, tmp_pa
 
 def test_executor_choice_is_checked(tmp_path: Path) -> None:
     with pytest.raises(ForgeError, match="--executor must be one of local, ray"):
-        quantize(EXAMPLE, tmp_path / "q.gguf", "q8_0", executor="dask")
+        quantize(EXAMPLE, tmp_path / "q.gguf", "q8_0", executor=choose_executor("dask"))
     with pytest.raises(ForgeError, match="--ray-address needs --executor ray"):
-        quantize(EXAMPLE, tmp_path / "q.gguf", "q8_0", ray_address="127.0.0.1:6379")
+        quantize(EXAMPLE, tmp_path / "q.gguf", "q8_0", executor=choose_executor(ray_address="127.0.0.1:6379"))
 
 
 def _silent_listener() -> tuple[socket.socket, int]:
@@ -178,7 +179,7 @@ def test_ray_builds_are_byte_identical(cluster, example_bf16: Path, tmp_path: Pa
 @pytest.mark.slow
 def test_ray_reuse_is_byte_identical(cluster, tmp_path: Path) -> None:  # noqa: ANN001
     base = tmp_path / "base.gguf"
-    quantize(EXAMPLE, base, "q8_0", executor="ray", ray_address=cluster.address)
+    quantize(EXAMPLE, base, "q8_0", executor=choose_executor("ray", ray_address=cluster.address))
     quantize(EXAMPLE, tmp_path / "local-base.gguf", "q8_0")
     assert _same(base, tmp_path / "local-base.gguf")
     ex = _ray(cluster)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
 from forge.errors import ForgeError
+from forge.quant.jobs import Executor, local_executor
 
 INSTALL_HINT = "pip install 'gguf-forge[distributed]'"
 EXECUTORS = ("local", "ray")
@@ -43,6 +44,27 @@ def check_executor(kind: str, ray_address: str | None, jobs: int = 1, reach: boo
         raise ForgeError("--ray-address needs --executor ray")
     elif jobs < 1:
         raise ForgeError("--jobs must be at least 1")
+
+
+def choose_executor(
+    kind: str = "local",
+    jobs: int = 1,
+    ray_address: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Callable[[], Executor]:
+    """The ``--executor`` choice, checked now (before any source is read), as a factory the build calls
+    only when there is work: ``local`` runs in this process or ``jobs`` worker processes, ``ray`` on a
+    Ray cluster (connecting then)."""
+    check_executor(kind, ray_address, jobs)
+    if kind == "ray":
+
+        def on_ray() -> Executor:
+            from forge.distributed.quantize import RayExecutor
+
+            return RayExecutor(ray_address, log=log)
+
+        return on_ray
+    return lambda: local_executor(jobs)
 
 
 def connect_timeout() -> float:

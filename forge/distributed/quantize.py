@@ -25,7 +25,7 @@ import numpy as np
 from forge.distributed.cluster import cluster_cpus, ray_session
 from forge.distributed.slices import Part, Shipped, fingerprint, read_part, ship_part, split_experts
 from forge.errors import ForgeError
-from forge.quant.build import CHUNK_ELEMENTS, EncodeJob, EncodeResult, Executor, open_source, run_job
+from forge.quant.jobs import CHUNK_ELEMENTS, EncodeJob, EncodeResult, Executor, open_source, run_job
 
 SOURCE_MODES = ("auto", "read", "ship")
 MAX_RETRIES = 3

@@ -1,4 +1,4 @@
-"""Executing a plan: encode or copy each tensor (locally or in worker processes) and write the GGUF."""
+"""Executing a plan: encode (through the executor it is given) or copy each tensor, and write the GGUF."""
 
 from __future__ import annotations
 
@@ -9,14 +9,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-import numpy as np
 from gguf import GGML_QUANT_VERSION, LlamaFileType
 
-from forge.distributed.cluster import check_executor
 from forge.errors import ForgeError
 from forge.gguf_file import KV, GGUFLayout, T, write_gguf
 from forge.imatrix.model import Imatrix
 from forge.progress import byte_progress
+from forge.quant.jobs import EncodeJob, EncodeResult, Executor, local_executor
 from forge.quant.kernels import warm_up
 from forge.quant.plan import PlannedTensor
 from forge.quant.recipe import Recipe
@@ -32,144 +31,8 @@ from forge.quant.reuse import (
     verified_bytes,
     why_regenerated,
 )
-from forge.quant.source import QuantSource, SourceRef
-from forge.quant.torch_codecs import encode_on_device, supported_on_device
+from forge.quant.source import QuantSource
 from forge.quant.types import get_type
-from forge.workers import stop_pool, worker_pool
-
-#: rows encoded per call: bounds the float32 working set of one job to ~64 MB
-CHUNK_ELEMENTS = 16 << 20
-ERROR_SAMPLE_ROWS = 64
-
-
-@dataclass(frozen=True)
-class EncodeJob:
-    """One tensor's encode work; picklable, so a worker process can run it."""
-
-    source: SourceRef
-    name: str
-    out_type: str
-    importance: np.ndarray | None  # (n_mat, n_per_row)
-    shape: tuple[int, ...] = ()  # numpy order; lets an executor split a 3-D tensor by expert ranges
-    device: str = "cpu"  # torch device for the types that have a device encoder (same bytes)
-
-
-@dataclass
-class EncodeResult:
-    data: np.ndarray  # uint8, the tensor's bytes
-    rel_rmse: float
-    seconds: float
-
-
-_SOURCES: dict[SourceRef, QuantSource] = {}
-
-
-def open_source(ref: SourceRef) -> QuantSource:
-    """The source, opened once per process (worker processes reuse it across jobs)."""
-    if ref not in _SOURCES:
-        _SOURCES[ref] = ref.open()
-    return _SOURCES[ref]
-
-
-def encode_rows(
-    qtype: str, rows: np.ndarray, importance: np.ndarray | None, device: str = "cpu"
-) -> np.ndarray:
-    """Encode (n_rows, n_per_row) float32 rows in bounded chunks, on ``device`` where the type has a
-    torch encoder (the bytes are the same), else with the CPU codec."""
-    qt = get_type(qtype)
-    if not np.isfinite(rows).all():
-        raise ForgeError("non-finite values (NaN or inf) in the source weights")
-    if device != "cpu" and supported_on_device(qt.name()):
-        return encode_on_device(qt.name(), rows, importance, device)
-    step = max(1, CHUNK_ELEMENTS // rows.shape[1])
-    parts = [
-        qt.encode(np.ascontiguousarray(rows[i : i + step]), importance) for i in range(0, rows.shape[0], step)
-    ]
-    return np.concatenate(parts) if len(parts) > 1 else parts[0]
-
-
-def run_job(job: EncodeJob, values: np.ndarray | None = None) -> EncodeResult:
-    """Encode one job; ``values`` (float32) replace reading the tensor from the source."""
-    start = time.perf_counter()
-    if values is None:
-        values = open_source(job.source).float32(job.name)
-    n_per_row = values.shape[-1]
-    mats = values.reshape(-1, *values.shape[-2:]) if values.ndim >= 2 else values.reshape(1, 1, -1)
-    if job.importance is not None and job.importance.shape[0] == mats.shape[0]:
-        # routed experts: each expert's matrix with its own importance row
-        encoded = [
-            encode_rows(job.out_type, m, w, job.device) for m, w in zip(mats, job.importance, strict=True)
-        ]
-        data = np.concatenate(encoded)
-    else:
-        w = None if job.importance is None else job.importance[0]
-        data = encode_rows(job.out_type, values.reshape(-1, n_per_row), w, job.device)
-    sample = values.reshape(-1, n_per_row)[:ERROR_SAMPLE_ROWS]
-    decoded = get_type(job.out_type).decode(data[: len(sample)], n_per_row)
-    denom = float(np.sqrt(np.mean(sample.astype(np.float64) ** 2))) or 1.0
-    rel = float(np.sqrt(np.mean((decoded.astype(np.float64) - sample) ** 2))) / denom
-    return EncodeResult(data.reshape(-1), rel, time.perf_counter() - start)
-
-
-class Executor:
-    """Runs encode jobs and yields results in submission order."""
-
-    def map(self, jobs: list[EncodeJob]) -> Iterator[EncodeResult]:
-        return (run_job(j) for j in jobs)
-
-    def status(self) -> str:
-        """A short progress note (tasks done/running/failed) for executors that have one."""
-        return ""
-
-    def close(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        """Stop now: the build failed or was interrupted."""
-        self.close()
-
-
-class ProcessExecutor(Executor):
-    """A pool of worker processes; at most 2 x workers jobs in flight to bound memory."""
-
-    def __init__(self, workers: int):
-        self.workers = workers
-        self.pool = worker_pool(workers)
-
-    def map(self, jobs: list[EncodeJob]) -> Iterator[EncodeResult]:
-        pending = []
-        it = iter(jobs)
-        for job in it:
-            pending.append(self.pool.submit(run_job, job))
-            if len(pending) >= 2 * self.workers:
-                break
-        while pending:
-            fut = pending.pop(0)
-            nxt = next(it, None)
-            if nxt is not None:
-                pending.append(self.pool.submit(run_job, nxt))
-            yield fut.result()
-
-    def close(self) -> None:
-        self.pool.shutdown(cancel_futures=True)
-
-    def abort(self) -> None:
-        stop_pool(self.pool)
-
-
-def make_executor(
-    jobs: int = 1,
-    kind: str = "local",
-    ray_address: str | None = None,
-    log: Callable[[str], None] | None = None,
-) -> Executor:
-    """``local``: this process (``jobs`` 1) or a process pool; ``ray``: tasks on a Ray cluster."""
-    check_executor(kind, ray_address, jobs, reach=False)
-    if kind == "ray":
-        from forge.distributed.quantize import RayExecutor
-
-        return RayExecutor(ray_address, log=log)
-    return Executor() if jobs == 1 else ProcessExecutor(jobs)
 
 
 def output_kvs(
@@ -264,7 +127,7 @@ def build(
     """Encode/copy every planned tensor and write ``out`` (``None``: dry run, nothing written).
 
     ``executor``: runs the encode jobs (or a factory for one, called only when there is work);
-    default: ``make_executor(jobs)``. An executor passed in is not closed here.
+    default: ``local_executor(jobs)``. An executor passed in is not closed here.
     """
     specs = [p.spec for p in plan]
     digests: list[str] = []
@@ -286,7 +149,7 @@ def build(
     if owned and not encode_jobs:  # everything copied or reused: no workers to start
         executor = Executor()
     elif executor is None:
-        executor = make_executor(jobs)
+        executor = local_executor(jobs)
     elif owned:
         executor = executor()
     try:

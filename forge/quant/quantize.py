@@ -8,19 +8,11 @@ from pathlib import Path
 
 from forge.arch import ARCHITECTURES
 from forge.atomic import check_output_path
-from forge.distributed.cluster import check_executor
 from forge.errors import ForgeError
 from forge.gguf_file import DEFAULT_ALIGNMENT, KV, T
 from forge.imatrix.formats import read_imatrix
-from forge.quant.build import (
-    BuildReport,
-    Executor,
-    apply_priors,
-    build,
-    make_executor,
-    output_kvs,
-    stamp_plan,
-)
+from forge.quant.build import BuildReport, apply_priors, build, output_kvs, stamp_plan
+from forge.quant.jobs import Executor
 from forge.quant.plan import PlannedTensor, make_plan
 from forge.quant.recipe import load_recipe, parse_overrides
 from forge.quant.reuse import ds4_keys, load_priors
@@ -44,20 +36,21 @@ def quantize(
     reuse: list[str | Path] = (),
     trust_mtime: bool = False,
     warn: Callable[[str], None] | None = None,
-    executor: str | Executor = "local",
-    ray_address: str | None = None,
+    executor: Executor | Callable[[], Executor] | None = None,
     device: str = "cpu",
 ) -> tuple[list[PlannedTensor], BuildReport]:
     """Quantize ``src`` (HF folder or GGUF) to ``out``; ``out=None`` is a dry run.
 
     ``reuse``: prior builds (files or folders) whose tensors are copied where their keys match.
-    ``executor``: ``local`` (this process, or ``jobs`` worker processes), ``ray`` (tasks on the Ray
-    cluster at ``ray_address``), or an :class:`Executor` instance. Output bytes never depend on it.
+    ``executor``: an :class:`Executor`, or a factory for one called only when there is work (see
+    ``forge.distributed.cluster.choose_executor``); default: this process, or ``jobs`` worker processes.
+    Output bytes never depend on it.
     ``device``: torch device (``cuda``) for the types that have a device encoder; same bytes as the CPU.
     """
     if out is not None:
         check_output_path(out)
-    run_on = _executor_factory(executor, jobs, ray_address, log)
+    if jobs < 1:
+        raise ForgeError("--jobs must be at least 1")
     check_device(device)
     rec = load_recipe(recipe)
     overrides = parse_overrides(list(tensor_types))
@@ -84,19 +77,18 @@ def quantize(
     extra = [KV("quantize.reuse_key", key, T.STRING), KV("quantize.reuse_key_weights", key_weights, T.STRING)]
     kvs = output_kvs(source, rec, overrides, im, str(imatrix) if imatrix else None, extra)
     report = build(
-        source, plan, kvs, Path(out) if out is not None else None, jobs, progress, log, stamps, run_on, device
+        source,
+        plan,
+        kvs,
+        Path(out) if out is not None else None,
+        jobs,
+        progress,
+        log,
+        stamps,
+        executor,
+        device,
     )
     return plan, report
-
-
-def _executor_factory(
-    executor: str | Executor, jobs: int, ray_address: str | None, log: Callable[[str], None] | None
-) -> Executor | Callable[[], Executor]:
-    """Check the executor choice up front (before any source is read); connect only when there is work."""
-    if isinstance(executor, Executor):
-        return executor
-    check_executor(executor, ray_address, jobs)
-    return lambda: make_executor(jobs, executor, ray_address, log)
 
 
 def bytes_by_type(report: BuildReport) -> dict[str, dict[str, int]]:

@@ -1,0 +1,141 @@
+"""Encode jobs and the executors that run them: one tensor's work as a picklable job, run in this process
+or in a pool of worker processes. A cluster executor (forge.distributed) runs the same jobs; the build never
+knows which one ran them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from forge.errors import ForgeError
+from forge.quant.source import QuantSource, SourceRef
+from forge.quant.torch_codecs import encode_on_device, supported_on_device
+from forge.quant.types import get_type
+from forge.workers import stop_pool, worker_pool
+
+#: rows encoded per call: bounds the float32 working set of one job to ~64 MB
+CHUNK_ELEMENTS = 16 << 20
+ERROR_SAMPLE_ROWS = 64
+
+
+@dataclass(frozen=True)
+class EncodeJob:
+    """One tensor's encode work; picklable, so a worker process can run it."""
+
+    source: SourceRef
+    name: str
+    out_type: str
+    importance: np.ndarray | None  # (n_mat, n_per_row)
+    shape: tuple[int, ...] = ()  # numpy order; lets an executor split a 3-D tensor by expert ranges
+    device: str = "cpu"  # torch device for the types that have a device encoder (same bytes)
+
+
+@dataclass
+class EncodeResult:
+    data: np.ndarray  # uint8, the tensor's bytes
+    rel_rmse: float
+    seconds: float
+
+
+_SOURCES: dict[SourceRef, QuantSource] = {}
+
+
+def open_source(ref: SourceRef) -> QuantSource:
+    """The source, opened once per process (worker processes reuse it across jobs)."""
+    if ref not in _SOURCES:
+        _SOURCES[ref] = ref.open()
+    return _SOURCES[ref]
+
+
+def encode_rows(
+    qtype: str, rows: np.ndarray, importance: np.ndarray | None, device: str = "cpu"
+) -> np.ndarray:
+    """Encode (n_rows, n_per_row) float32 rows in bounded chunks, on ``device`` where the type has a
+    torch encoder (the bytes are the same), else with the CPU codec."""
+    qt = get_type(qtype)
+    if not np.isfinite(rows).all():
+        raise ForgeError("non-finite values (NaN or inf) in the source weights")
+    if device != "cpu" and supported_on_device(qt.name()):
+        return encode_on_device(qt.name(), rows, importance, device)
+    step = max(1, CHUNK_ELEMENTS // rows.shape[1])
+    parts = [
+        qt.encode(np.ascontiguousarray(rows[i : i + step]), importance) for i in range(0, rows.shape[0], step)
+    ]
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def run_job(job: EncodeJob, values: np.ndarray | None = None) -> EncodeResult:
+    """Encode one job; ``values`` (float32) replace reading the tensor from the source."""
+    start = time.perf_counter()
+    if values is None:
+        values = open_source(job.source).float32(job.name)
+    n_per_row = values.shape[-1]
+    mats = values.reshape(-1, *values.shape[-2:]) if values.ndim >= 2 else values.reshape(1, 1, -1)
+    if job.importance is not None and job.importance.shape[0] == mats.shape[0]:
+        # routed experts: each expert's matrix with its own importance row
+        encoded = [
+            encode_rows(job.out_type, m, w, job.device) for m, w in zip(mats, job.importance, strict=True)
+        ]
+        data = np.concatenate(encoded)
+    else:
+        w = None if job.importance is None else job.importance[0]
+        data = encode_rows(job.out_type, values.reshape(-1, n_per_row), w, job.device)
+    sample = values.reshape(-1, n_per_row)[:ERROR_SAMPLE_ROWS]
+    decoded = get_type(job.out_type).decode(data[: len(sample)], n_per_row)
+    denom = float(np.sqrt(np.mean(sample.astype(np.float64) ** 2))) or 1.0
+    rel = float(np.sqrt(np.mean((decoded.astype(np.float64) - sample) ** 2))) / denom
+    return EncodeResult(data.reshape(-1), rel, time.perf_counter() - start)
+
+
+class Executor:
+    """Runs encode jobs and yields results in submission order."""
+
+    def map(self, jobs: list[EncodeJob]) -> Iterator[EncodeResult]:
+        return (run_job(j) for j in jobs)
+
+    def status(self) -> str:
+        """A short progress note (tasks done/running/failed) for executors that have one."""
+        return ""
+
+    def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        """Stop now: the build failed or was interrupted."""
+        self.close()
+
+
+class ProcessExecutor(Executor):
+    """A pool of worker processes; at most 2 x workers jobs in flight to bound memory."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.pool = worker_pool(workers)
+
+    def map(self, jobs: list[EncodeJob]) -> Iterator[EncodeResult]:
+        pending = []
+        it = iter(jobs)
+        for job in it:
+            pending.append(self.pool.submit(run_job, job))
+            if len(pending) >= 2 * self.workers:
+                break
+        while pending:
+            fut = pending.pop(0)
+            nxt = next(it, None)
+            if nxt is not None:
+                pending.append(self.pool.submit(run_job, nxt))
+            yield fut.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
+
+    def abort(self) -> None:
+        stop_pool(self.pool)
+
+
+def local_executor(jobs: int = 1) -> Executor:
+    """This process (``jobs`` 1) or a pool of ``jobs`` worker processes."""
+    return Executor() if jobs == 1 else ProcessExecutor(jobs)
