@@ -28,7 +28,7 @@ RANKINGS = ("count", "weight", "saliency")
 
 
 def random_mask(n_layers: int, n_expert: int, keep: int, seed: int = 0):  # noqa: ANN201
-    from forge.prune.mask import PruneMask
+    from forge.mask_file import PruneMask
 
     rng = np.random.default_rng(seed)
     pruned = np.ones((n_layers, n_expert), dtype=bool)

@@ -36,10 +36,11 @@ PruneMaskOpt = Annotated[
 def _apply_prune_mask(model: object, mask_file: Path | None) -> None:
     if mask_file is None:
         return
-    from forge.prune.mask import apply_mask_to_model, read_mask
+    from forge.mask_file import read_mask
+    from runtime.models import apply_prune_mask
 
     mask = read_mask(mask_file)
-    n = apply_mask_to_model(model, mask)
+    n = apply_prune_mask(model, mask)
     sys.stderr.write(
         f"expert prune mask active: {n} of {mask.pruned.size} experts masked ({mask.n_layers} layers) "
         f"from {mask_file}\n"

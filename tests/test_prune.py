@@ -15,12 +15,13 @@ from typer.testing import CliRunner
 
 from forge.errors import ForgeError
 from forge.gguf_file import KV, TensorSpec, open_gguf, write_gguf
+from forge.mask_file import PruneMask, format_mask, parse_mask, read_mask
 from forge.prune.apply import apply_mask
 from forge.prune.cli import app
 from forge.prune.collect import ExpertProfiler, collect_profile, profile_from_observer
-from forge.prune.mask import PruneMask, apply_mask_to_model, build_mask, format_mask, parse_mask, read_mask
+from forge.prune.mask import build_mask
 from forge.prune.profile import Profile
-from runtime.models import load_model
+from runtime.models import apply_prune_mask, load_model
 from runtime.observers import Observer
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
@@ -80,7 +81,7 @@ def _logits(model, ids: torch.Tensor, n_decode: int = 3) -> torch.Tensor:
 def test_masking_nothing_changes_nothing(model) -> None:
     ids = _ids(40)
     base = _logits(model, ids)
-    assert apply_mask_to_model(model, PruneMask(np.zeros((N_LAYER, N_EXPERT), dtype=bool))) == 0
+    assert apply_prune_mask(model, PruneMask(np.zeros((N_LAYER, N_EXPERT), dtype=bool))) == 0
     assert torch.equal(_logits(model, ids), base)
     model.set_prune_mask(None)
     assert torch.equal(_logits(model, ids), base)
@@ -100,7 +101,7 @@ def test_masked_experts_are_never_routed_to(model) -> None:
     ids = _ids(48, seed=1)
     base = _logits(model, ids)
     mask = _random_mask(keep=8, seed=1)
-    assert apply_mask_to_model(model, mask) == N_LAYER * (N_EXPERT - 8)
+    assert apply_prune_mask(model, mask) == N_LAYER * (N_EXPERT - 8)
     rec.chosen.clear()
     masked = _logits(model, ids)
     for row, layer in enumerate(model.routed_layers()):
@@ -132,7 +133,7 @@ def test_masked_model_equals_physically_pruned_file(
     assert np.array_equal(small.raw("output.weight"), big.raw("output.weight"))
 
     masked = model if which == "bf16" else load_model(src)
-    apply_mask_to_model(masked, mask)
+    apply_prune_mask(masked, mask)
     pruned = load_model(out)
     ids = _ids(44, seed=3)
     assert torch.equal(_logits(masked, ids), _logits(pruned, ids))
@@ -153,7 +154,7 @@ def test_qwen35moe_masked_equals_pruned_and_shared_expert_kept(tmp_path: Path) -
         assert np.array_equal(small.raw(f"blk.0.{name}"), big.raw(f"blk.0.{name}"))
     masked = load_model(src)
     assert masked.routed_layers() == list(range(N_LAYER))
-    apply_mask_to_model(masked, mask)
+    apply_prune_mask(masked, mask)
     pruned = load_model(out)
     ids = _ids(70, seed=8)  # > one 64-token delta-rule chunk
     assert torch.equal(_logits(masked, ids), _logits(pruned, ids))
@@ -163,7 +164,7 @@ def test_mask_on_a_pruned_file_is_refused(example_bf16: Path, tmp_path: Path) ->
     out = tmp_path / "pruned.gguf"
     apply_mask(example_bf16, _random_mask(keep=16), out)
     with pytest.raises(ForgeError, match="layer 0: 32 experts in the mask, the model has 16"):
-        apply_mask_to_model(load_model(out), _random_mask(keep=16))
+        apply_prune_mask(load_model(out), _random_mask(keep=16))
 
 
 # ----------------------------------------------------------------------------------------- profile
@@ -295,7 +296,7 @@ def test_wrong_masks_are_refused_naming_the_layer(example_bf16: Path, tmp_path: 
     for message, lines in cases.items():
         mask = parse_mask("\n".join(lines))
         with pytest.raises(ForgeError, match=message):
-            apply_mask_to_model(model, mask)
+            apply_prune_mask(model, mask)
         with pytest.raises(ForgeError, match=message):
             apply_mask(example_bf16, mask, tmp_path / "x.gguf")
     assert list(tmp_path.iterdir()) == []
@@ -310,7 +311,7 @@ def test_uneven_mask_is_refused_by_apply_and_leaves_nothing(
         apply_mask(example_bf16, PruneMask(pruned), tmp_path / "x.gguf")
     assert list(tmp_path.iterdir()) == []
     # the runtime takes it as a mask
-    assert apply_mask_to_model(model, PruneMask(pruned)) == N_LAYER * 24 - 1
+    assert apply_prune_mask(model, PruneMask(pruned)) == N_LAYER * 24 - 1
 
 
 # ---------------------------------------------------------------------------------------------- CLI

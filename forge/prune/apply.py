@@ -18,7 +18,7 @@ import numpy as np
 
 from forge.errors import ForgeError
 from forge.gguf_file import KV, GGUFFile, TensorSpec, open_gguf, write_gguf
-from forge.prune.mask import PruneMask
+from forge.mask_file import PruneMask
 
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 _PER_EXPERT = re.compile(

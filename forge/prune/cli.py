@@ -77,7 +77,8 @@ def mask(
 ) -> None:
     """Build a prune mask: one line per routed layer, one character per expert, 1 = prune, 0 = keep."""
     from forge.atomic import check_output_path
-    from forge.prune.mask import build_mask, write_mask
+    from forge.mask_file import write_mask
+    from forge.prune.mask import build_mask
     from forge.prune.profile import METRICS, Profile
 
     if by not in METRICS:
@@ -103,8 +104,8 @@ def apply(
     as_json: JsonOpt = False,
 ) -> None:
     """Write a physically smaller GGUF without the masked experts (same logits as the masked original)."""
+    from forge.mask_file import read_mask
     from forge.prune.apply import apply_mask
-    from forge.prune.mask import read_mask
 
     rep = apply_mask(model, read_mask(mask_file), output)
     if as_json:

@@ -83,9 +83,9 @@ def collect_profile(
     With ``prune_mask`` the profile is taken on the masked model (to refine a mask iteratively).
     """
     from forge.atomic import check_output_path
-    from forge.prune.mask import apply_mask_to_model, read_mask
+    from forge.mask_file import read_mask
     from runtime.evaluate import perplexity_tokens
-    from runtime.models import load_model
+    from runtime.models import apply_prune_mask, load_model
     from runtime.tokenizer import Tokenizer
 
     if out is not None:
@@ -104,7 +104,7 @@ def collect_profile(
     obs = ExpertProfiler()
     model = load_model(model_path, device=device, observers=[obs])
     if prune_mask is not None:
-        apply_mask_to_model(model, read_mask(prune_mask))
+        apply_prune_mask(model, read_mask(prune_mask))
     if ctx > model.n_ctx_train:
         raise ForgeError(f"--ctx {ctx} is longer than the model's context ({model.n_ctx_train})")
     ids = perplexity_tokens(Tokenizer.from_metadata(model.weights), body, ctx, chunks)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from forge.errors import ForgeError
+from forge.mask_file import PruneMask
 from runtime.models.qwen3moe import MoeCausalLM, Qwen3MoeModel, State
 from runtime.models.qwen35moe import Qwen35MoeModel
 from runtime.observers import Observer
@@ -16,7 +17,15 @@ from runtime.weights import DEFAULT_EXPERT_BUDGET, Weights, load_weights
 
 ARCHITECTURES: dict[str, type[MoeCausalLM]] = {"qwen3moe": Qwen3MoeModel, "qwen35moe": Qwen35MoeModel}
 
-__all__ = ["ARCHITECTURES", "MoeCausalLM", "State", "build_model", "load_model", "prepare_decode"]
+__all__ = [
+    "ARCHITECTURES",
+    "MoeCausalLM",
+    "State",
+    "apply_prune_mask",
+    "build_model",
+    "load_model",
+    "prepare_decode",
+]
 
 
 def build_model(weights: Weights, observers: list[Observer] | None = None) -> MoeCausalLM:
@@ -64,3 +73,10 @@ def prepare_decode(model: MoeCausalLM, log: Callable[[str], None] | None = None)
             "compiling the CPU decode kernels (first run after an install, ~30 s; cached on disk)"
         )
     cpu_kernels.warm_up()
+
+
+def apply_prune_mask(model: object, mask: PruneMask) -> int:
+    """Mask a loaded runtime model's routed experts; returns how many are masked. Validates first."""
+    layers = model.routed_layers()  # type: ignore[attr-defined]
+    mask.validate(len(layers), model.n_expert, model.n_expert_used, layers)  # type: ignore[attr-defined]
+    return model.set_prune_mask(torch.from_numpy(mask.pruned.copy()))  # type: ignore[attr-defined]
