@@ -1,0 +1,471 @@
+"""llama.cpp's type plan over real geometries: forge's recipes against llama-quantize, preset by preset.
+
+The fixture models exercise only part of llama-quantize's mixture rules (3-4 layers, n_gqa 2). Real models
+differ exactly where the rules branch: layer counts (use_more_bits, the first eighth/sixteenth), head
+grouping (n_gqa >= 4), expert counts (n_expert >= 4, n_expert == 8), shared experts (two ffn_down per
+layer), DeltaNet layers (a fused attn_qkv counts as attn_v), MTP layers, tied embeddings. This script writes
+a bf16 GGUF for each geometry below with the *real* layer count, head counts, expert count and
+experts-used, layer pattern (DeltaNet / full attention, shared expert, MTP block) and the real tensor
+names, but small widths (hidden 256, expert FFN 256: every row length stays a multiple of 256 as in the
+real models, so no row-length fallback is triggered that the real model would not trigger), then for every
+forge preset that llama.cpp has as a file type compares the type of every tensor:
+
+- llama.cpp: ``llama_model_quantize`` of llama-cpp-python (llama.cpp's own quantizer, in process) with
+  ``dry_run`` (the types of a dry run are the ones a real run writes: both take them from the same
+  preliminary pass; ``--check-real`` quantizes for real and reads the file back), with and without an
+  imatrix (``params.imatrix``: one all-ones entry per weight tensor, per expert for ``_exps``); or the
+  ``llama-quantize`` binary (``--llama-quantize PATH`` or FORGE_LLAMA_QUANTIZE, ``--imatrix FILE`` written
+  with forge's own GGUF imatrix writer);
+- forge: ``forge.quant.plan.make_plan`` on the same file (what ``forge quantize --dry-run --json`` prints).
+
+The tensor data does not take part in the type plan, so by default the files are sparse (the header and
+zero holes): a 512-expert, 61-layer model costs a few MB of disk. ``--data random`` writes random bf16
+values instead (for the real-quantization cross-check; small geometries only).
+
+Size classes: llama-quantize's only size-class rule (``LLM_TYPE_70B``: attn_v one step up) is set by the
+llama/qwen2/deci/olmo/jais2 loaders for 80 (68) layers; ``qwen3moe`` and ``qwen35moe`` never get it (their
+classes are 30B_A3B / 235B_A22B / 35B_A3B / 122B_A10B / 397B_A17B), so no geometry here reaches it.
+
+    python benchmarks/type_plan_oracle.py                      # every geometry x every preset, a table
+    python benchmarks/type_plan_oracle.py --geometry qwen3-30b-a3b --preset q4_k_m --show-diff
+    python benchmarks/type_plan_oracle.py --json               # one JSON report
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from forge.gguf_file import KV, GGUFLayout, TensorSpec  # noqa: E402
+from forge.imatrix.formats import write_imatrix  # noqa: E402
+from forge.imatrix.model import Imatrix  # noqa: E402
+from forge.quant.plan import is_quantizable, make_plan  # noqa: E402
+from forge.quant.recipe import available_recipes, load_recipe  # noqa: E402
+from forge.quant.source import GGUFQuantSource, SrcTensor, source_ref  # noqa: E402
+from runtime.synth import SynthGeometry, synth_tensors, tokenizer_kvs  # noqa: E402
+from runtime.synth import _kvs as qwen3moe_kvs  # noqa: E402
+
+HIDDEN, EXPERT_FF, VOCAB = 256, 256, 512
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A real model's type-plan-relevant shape (widths are small; see the module docstring)."""
+
+    name: str
+    arch: str  # qwen3moe | qwen35moe
+    layers: int  # decoder layers (without the MTP block)
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    experts_used: int
+    tied: bool = False
+    mtp: int = 0  # qwen35moe: MTP blocks exported as extra layers (forge convert's default: 1)
+    full_attention_interval: int = 4  # qwen35moe: every 4th layer is full attention, the rest DeltaNet
+    linear_k_heads: int = 0  # qwen35moe DeltaNet key heads
+    linear_v_heads: int = 0  # qwen35moe DeltaNet value heads
+    linear_head_dim: int = 128
+    source: str = ""  # where the numbers come from
+
+    @property
+    def block_count(self) -> int:
+        return self.layers + self.mtp
+
+
+#: The geometry table (config.json of each model; widths reduced). Recorded in the test as well.
+GEOMETRIES = {
+    g.name: g
+    for g in (
+        Geometry("qwen3-30b-a3b", "qwen3moe", 48, 32, 4, 128, 128, 8,
+                 source="Qwen/Qwen3-30B-A3B config.json"),
+        Geometry("qwen3-235b-a22b", "qwen3moe", 94, 64, 4, 128, 128, 8,
+                 source="Qwen/Qwen3-235B-A22B config.json"),
+        Geometry("qwen3-coder-480b-a35b", "qwen3moe", 62, 96, 8, 128, 160, 8,
+                 source="Qwen/Qwen3-Coder-480B-A35B-Instruct config.json"),
+        Geometry("qwen3.6-35b-a3b", "qwen35moe", 40, 16, 2, 256, 256, 8, mtp=1,
+                 linear_k_heads=16, linear_v_heads=32,
+                 source="Qwen/Qwen3.6-35B-A3B config.json (as Qwen3.5-35B-A3B); MTP block exported"),
+        Geometry("qwen3.6-35b-a3b-nomtp", "qwen35moe", 40, 16, 2, 256, 256, 8, mtp=0,
+                 linear_k_heads=16, linear_v_heads=32,
+                 source="the same converted with --no-mtp (llama.cpp converters without MTP support)"),
+        Geometry("qwen3.5-397b-a17b", "qwen35moe", 60, 32, 2, 256, 512, 10, mtp=1,
+                 linear_k_heads=16, linear_v_heads=64,
+                 source="Qwen/Qwen3.5-397B-A17B config.json; MTP block exported"),
+        Geometry("qwen3-30b-a3b-tied", "qwen3moe", 48, 32, 4, 128, 128, 8, tied=True,
+                 source="Qwen3-30B-A3B with tied embeddings (no output.weight): synthetic"),
+        Geometry("qwen3moe-8x-synthetic", "qwen3moe", 32, 32, 8, 128, 8, 2,
+                 source="synthetic: 8 experts (llama.cpp's Mixtral n_expert == 8 rules), n_gqa 4"),
+    )
+}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ the files
+
+
+def _head_dim(g: Geometry) -> int:
+    # small heads, but n_head x head_dim (attn_output's row) stays a multiple of 256 like the real one's
+    return 64
+
+
+def qwen3moe_model(g: Geometry) -> tuple[list[KV], list[TensorSpec]]:
+    sg = SynthGeometry(g.layers, g.experts, g.experts_used, HIDDEN, EXPERT_FF, g.heads, g.kv_heads,
+                       _head_dim(g), VOCAB)  # fmt: skip
+    specs = synth_tensors(sg, Q.BF16)
+    if g.tied:
+        specs = [s for s in specs if s.name != "output.weight"]
+    kvs = [*qwen3moe_kvs(sg, g.name), KV("general.file_type", 32, GGUFValueType.UINT32)]
+    return kvs + tokenizer_kvs(VOCAB), specs
+
+
+def qwen35moe_model(g: Geometry) -> tuple[list[KV], list[TensorSpec]]:
+    """llama.cpp's qwen35moe tensor set (as forge convert and convert_hf_to_gguf.py write it)."""
+    h, hd, ff, bf, f32 = HIDDEN, _head_dim(g), EXPERT_FF, Q.BF16, Q.F32
+    nk, nv, dh = g.linear_k_heads, g.linear_v_heads, g.linear_head_dim
+    specs = [TensorSpec("token_embd.weight", (VOCAB, h), bf)]
+    for i in range(g.block_count):
+        p = f"blk.{i}."
+        layer = [
+            TensorSpec(p + "attn_norm.weight", (h,), f32),
+            TensorSpec(p + "post_attention_norm.weight", (h,), f32),
+            TensorSpec(p + "ffn_gate_inp.weight", (g.experts, h), f32),
+            TensorSpec(p + "ffn_gate_exps.weight", (g.experts, ff, h), bf),
+            TensorSpec(p + "ffn_up_exps.weight", (g.experts, ff, h), bf),
+            TensorSpec(p + "ffn_down_exps.weight", (g.experts, h, ff), bf),
+            TensorSpec(p + "ffn_gate_shexp.weight", (ff, h), bf),
+            TensorSpec(p + "ffn_up_shexp.weight", (ff, h), bf),
+            TensorSpec(p + "ffn_down_shexp.weight", (h, ff), bf),
+            TensorSpec(p + "ffn_gate_inp_shexp.weight", (1, h), f32),
+        ]
+        recurrent = i < g.layers and (i + 1) % g.full_attention_interval != 0
+        if recurrent:  # Gated DeltaNet
+            layer += [
+                TensorSpec(p + "ssm_a", (nv,), f32),
+                TensorSpec(p + "ssm_conv1d.weight", (2 * nk * dh + nv * dh, 4), f32),
+                TensorSpec(p + "ssm_dt.bias", (nv,), f32),
+                TensorSpec(p + "ssm_alpha.weight", (nv, h), bf),
+                TensorSpec(p + "ssm_beta.weight", (nv, h), bf),
+                TensorSpec(p + "attn_qkv.weight", (2 * nk * dh + nv * dh, h), bf),
+                TensorSpec(p + "attn_gate.weight", (nv * dh, h), bf),
+                TensorSpec(p + "ssm_norm.weight", (dh,), f32),
+                TensorSpec(p + "ssm_out.weight", (h, nv * dh), bf),
+            ]
+        else:  # gated full attention (q carries the gate: 2 x n_head x head_dim rows)
+            layer += [
+                TensorSpec(p + "attn_q.weight", (2 * g.heads * hd, h), bf),
+                TensorSpec(p + "attn_k.weight", (g.kv_heads * hd, h), bf),
+                TensorSpec(p + "attn_v.weight", (g.kv_heads * hd, h), bf),
+                TensorSpec(p + "attn_output.weight", (h, g.heads * hd), bf),
+                TensorSpec(p + "attn_q_norm.weight", (hd,), f32),
+                TensorSpec(p + "attn_k_norm.weight", (hd,), f32),
+            ]
+        if i >= g.layers:  # the MTP block (llama.cpp's NextN names)
+            layer += [
+                TensorSpec(p + "nextn.eh_proj.weight", (h, 2 * h), bf),
+                TensorSpec(p + "nextn.enorm.weight", (h,), f32),
+                TensorSpec(p + "nextn.hnorm.weight", (h,), f32),
+                TensorSpec(p + "nextn.shared_head_norm.weight", (h,), f32),
+            ]
+        specs += sorted(layer, key=lambda s: s.name)
+    if not g.tied:
+        specs.append(TensorSpec("output.weight", (VOCAB, h), bf))
+    specs.append(TensorSpec("output_norm.weight", (h,), f32))
+
+    a, u, f = "qwen35moe.", GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    kvs = [
+        KV("general.architecture", "qwen35moe", GGUFValueType.STRING),
+        KV("general.type", "model", GGUFValueType.STRING),
+        KV("general.name", f"type-plan oracle {g.name} (small widths)", GGUFValueType.STRING),
+        KV(a + "block_count", g.block_count, u),
+        KV(a + "context_length", 262144, u),
+        KV(a + "embedding_length", h, u),
+        KV(a + "attention.head_count", g.heads, u),
+        KV(a + "attention.head_count_kv", g.kv_heads, u),
+        KV(a + "rope.freq_base", 1e7, f),
+        KV(a + "attention.layer_norm_rms_epsilon", 1e-6, f),
+        KV(a + "expert_count", g.experts, u),
+        KV(a + "expert_used_count", g.experts_used, u),
+        KV(a + "attention.key_length", hd, u),
+        KV(a + "attention.value_length", hd, u),
+        KV("general.file_type", 32, u),
+        KV(a + "expert_feed_forward_length", ff, u),
+        KV(a + "expert_shared_feed_forward_length", ff, u),
+        KV(a + "ssm.conv_kernel", 4, u),
+        KV(a + "ssm.state_size", dh, u),
+        KV(a + "ssm.group_count", nk, u),
+        KV(a + "ssm.time_step_rank", nv, u),
+        KV(a + "ssm.inner_size", nv * dh, u),
+        KV(a + "full_attention_interval", g.full_attention_interval, u),
+        KV(a + "rope.dimension_count", hd // 4, u),
+        KV(a + "rope.dimension_sections", [11, 11, 10, 0], GGUFValueType.ARRAY, GGUFValueType.INT32),
+        KV("general.quantization_version", 2, u),
+    ]
+    if g.mtp:
+        kvs.append(KV(a + "nextn_predict_layers", g.mtp, u))
+    return kvs + tokenizer_kvs(VOCAB), specs
+
+
+def model(g: Geometry) -> tuple[list[KV], list[TensorSpec]]:
+    return qwen3moe_model(g) if g.arch == "qwen3moe" else qwen35moe_model(g)
+
+
+def write_model(g: Geometry, dest: Path, data: str = "sparse", seed: int = 0) -> int:
+    """The bf16 GGUF of ``g``; ``data``: 'sparse' (zero holes, no disk) or 'random' (bf16 of N(0, 0.02))."""
+    kvs, specs = model(g)
+    layout = GGUFLayout(kvs, specs)  # forge's own GGUF layout: header, offsets, alignment
+    rng = np.random.default_rng(seed)
+    with open(dest, "wb") as f:
+        f.write(layout.header)
+        if data == "random":
+            for spec, off in zip(specs, layout.offsets, strict=True):
+                f.seek(layout.data_start + off)
+                if spec.ggml_type == Q.F32:
+                    f.write(np.ones(spec.shape, np.float32).tobytes())
+                else:
+                    x = (rng.standard_normal(spec.shape, dtype=np.float32) * 0.02).view(np.uint32)
+                    f.write(((x + 0x8000) >> 16).astype(np.uint16).tobytes())
+        f.truncate(layout.total_size)
+    return layout.total_size
+
+
+# ------------------------------------------------------------------------------------------ imatrix
+
+
+def imatrix_for(specs: list[TensorSpec]) -> Imatrix:
+    """What llama-imatrix would hold: every quantizable weight in a block (per expert for ``_exps``), ones."""
+    im = Imatrix(datasets=["type-plan-oracle"], chunk_count=1, chunk_size=512)
+    for s in specs:
+        if s.name.startswith("blk.") and is_quantizable(SrcTensor(s.name, s.shape, s.ggml_type)):
+            n_mat = s.shape[0] if len(s.shape) == 3 else 1
+            im.sums[s.name] = np.ones((n_mat, s.shape[-1]), np.float32)
+            im.counts[s.name] = np.ones(n_mat, np.int64)
+    im.check()
+    return im
+
+
+# ------------------------------------------------------------------------------------------ the two sides
+
+
+def llama_ftype(preset: str) -> int | None:
+    """llama.cpp's LLAMA_FTYPE_* of a preset, or None when llama.cpp has no such mix (forge's own presets)."""
+    import llama_cpp
+
+    return getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{preset.upper()}", None)
+
+
+def comparable_presets() -> list[str]:
+    return [p for p in available_recipes() if llama_ftype(p) is not None]
+
+
+def forge_types(path: Path, preset: str, imatrix: Imatrix | None) -> dict[str, str]:
+    src = GGUFQuantSource(source_ref(path))
+    return {t.name: t.out_type.name for t in make_plan(src, load_recipe(preset), imatrix=imatrix)}
+
+
+_LINE = re.compile(r"\[\s*\d+/\s*\d+\]\s+(\S+)\s+- \[[^\]]*\], type =\s*(\w+), size =[^\n(]*(?:\((\w+)\))?")
+
+
+def parse_dry_run(log: str) -> dict[str, str]:
+    """Tensor -> type from llama-quantize's per-tensor log lines (dry run or real run)."""
+    out = {}
+    for m in _LINE.finditer(log):
+        out[m.group(1)] = (m.group(3) or m.group(2)).upper()
+    return out
+
+
+_LOG: list[bytes] = []  # llama.cpp's log text of the current call
+_LOG_CB = None
+
+
+def llama_types(path: Path, preset: str, imatrix: Imatrix | None, real: bool = False) -> dict[str, str]:
+    """llama.cpp's types, in process (llama-cpp-python's llama_model_quantize)."""
+    import llama_cpp
+
+    global _LOG_CB
+    if _LOG_CB is None:
+        _LOG_CB = llama_cpp.llama_log_callback(lambda level, text, ud: _LOG.append(text or b""))
+        llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p())
+    _LOG.clear()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_ftype(preset)
+    params.nthread = 2
+    params.dry_run = not real
+    keep = []
+    if imatrix is not None:
+        entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix.sums) + 1))()
+        for k, name in enumerate(imatrix.names()):
+            v = np.ascontiguousarray((imatrix.sums[name] / imatrix.counts[name][:, None]).reshape(-1))
+            keep.append(v)
+            entries[k].name = name.encode()
+            entries[k].data = v.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            entries[k].size = v.size
+        entries[len(imatrix.sums)].name = None
+        params.imatrix = entries
+        keep.append(entries)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        out = Path(tmp) / "out.gguf"
+        rc = llama_cpp.llama_model_quantize(str(path).encode(), str(out).encode(), ctypes.byref(params))
+        log = b"".join(_LOG).decode(errors="replace")
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize {preset} on {path.name} failed ({rc}):\n{log[-2000:]}")
+        if real:
+            return gguf_types(out)
+    return parse_dry_run(log)
+
+
+def gguf_types(path: Path) -> dict[str, str]:
+    from gguf import GGUFReader
+
+    return {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+
+
+def llama_quantize_binary() -> str | None:
+    """The llama-quantize binary FORGE_LLAMA_QUANTIZE names, if it is there."""
+    path = os.environ.get("FORGE_LLAMA_QUANTIZE", "")
+    return path if path and os.access(path, os.X_OK) else None
+
+
+def binary_types(binary: str, path: Path, preset: str, imatrix_file: Path | None) -> dict[str, str]:
+    """llama.cpp's types from the llama-quantize binary's --dry-run."""
+    cmd = [binary, "--dry-run"] + (["--imatrix", str(imatrix_file)] if imatrix_file else [])
+    cmd += [str(path), str(path.with_suffix(".unused.gguf")), preset.upper(), "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{(r.stdout + r.stderr)[-2000:]}")
+    return parse_dry_run(r.stdout + r.stderr)
+
+
+# ------------------------------------------------------------------------------------------ comparison
+
+
+def compare(ours: dict[str, str], theirs: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(tensor, forge's type, llama.cpp's type) for every tensor where they differ (or one lacks it)."""
+    names = sorted(set(ours) | set(theirs))
+    return [(n, ours.get(n, "-"), theirs.get(n, "-")) for n in names if ours.get(n) != theirs.get(n)]
+
+
+def needs_imatrix(preset: str) -> bool:
+    return preset.lower() in {"iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq1_s", "iq1_m", "iq3_xxs", "q2_k_s",
+                              "iq3_xs", "iq3_m", "iq3_s"}  # fmt: skip
+
+
+@dataclass
+class PairResult:
+    geometry: str
+    preset: str
+    imatrix: bool
+    oracle: str  # 'llama_cpp' (in process) or 'llama-quantize' (binary)
+    tensors: int
+    diffs: list
+
+    @property
+    def ok(self) -> bool:
+        return not self.diffs
+
+
+def run_pairs(geometries: list[str], presets: list[str], workdir: Path, imatrix_modes: tuple[bool, ...] = (False, True),
+              binary: str | None = None) -> list[PairResult]:  # fmt: skip
+    results = []
+    for gname in geometries:
+        g = GEOMETRIES[gname]
+        path = workdir / f"{gname}.gguf"
+        write_model(g, path)
+        im = imatrix_for(model(g)[1])
+        im_file = None
+        if binary:
+            im_file = workdir / f"{gname}-imatrix.gguf"
+            write_imatrix(im_file, im)
+        for preset in presets:
+            for with_im in imatrix_modes:
+                if not with_im and _forge_needs_imatrix(path, preset):
+                    continue  # forge (like llama-quantize without --dry-run) refuses: compared with one only
+                imx = im if with_im else None
+                ours = forge_types(path, preset, imx)
+                if binary:
+                    theirs = binary_types(binary, path, preset, im_file if with_im else None)
+                else:
+                    theirs = llama_types(path, preset, imx)
+                results.append(PairResult(gname, preset, with_im, "llama-quantize" if binary else "llama_cpp",
+                                          len(theirs), compare(ours, theirs)))  # fmt: skip
+        path.unlink()
+    return results
+
+
+def _forge_needs_imatrix(path: Path, preset: str) -> bool:
+    from forge.errors import ForgeError
+
+    try:
+        forge_types(path, preset, None)
+    except ForgeError as e:
+        if "needs an importance matrix" in str(e):
+            return True
+        raise
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--geometry", action="append", choices=list(GEOMETRIES), help="default: all")
+    ap.add_argument("--preset", action="append", help="default: every forge preset llama.cpp has")
+    ap.add_argument("--imatrix", choices=("both", "with", "without"), default="both")
+    ap.add_argument(
+        "--llama-quantize",
+        default=llama_quantize_binary(),
+        help="use this llama-quantize binary (default: $FORGE_LLAMA_QUANTIZE) instead of llama_cpp",
+    )
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--show-diff", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    geometries = args.geometry or list(GEOMETRIES)
+    presets = args.preset or comparable_presets()
+    modes = {"both": (False, True), "with": (True,), "without": (False,)}[args.imatrix]
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        results = run_pairs(geometries, presets, Path(tmp), modes, args.llama_quantize)
+    if args.json:
+        print(json.dumps({"geometries": [asdict(GEOMETRIES[g]) for g in geometries],
+                          "results": [{**r.__dict__, "ok": r.ok} for r in results],
+                          "seconds": round(time.time() - t0, 1)}, indent=1))  # fmt: skip
+        return 0 if all(r.ok for r in results) else 1
+    width = max(len(p) for p in presets)
+    print(f"{'preset':<{width}}  " + "  ".join(f"{g[:14]:>14}" for g in geometries))
+    for preset in presets:
+        cells = []
+        for g in geometries:
+            rs = [r for r in results if r.geometry == g and r.preset == preset]
+            cells.append(
+                " ".join(f"{'im' if r.imatrix else 'no'}:{'ok' if r.ok else len(r.diffs)}" for r in rs)
+            )
+        print(f"{preset:<{width}}  " + "  ".join(f"{c:>14}" for c in cells))
+    bad = [r for r in results if not r.ok]
+    print(f"{len(results) - len(bad)}/{len(results)} (geometry, preset, imatrix) runs identical "
+          f"({len({(r.geometry, r.preset) for r in results})} (geometry, preset) pairs, oracle "
+          f"{results[0].oracle if results else '-'}), {time.time() - t0:.0f} s")  # fmt: skip
+    if args.show_diff:
+        for r in bad:
+            print(f"\n{r.geometry} {r.preset} {'with' if r.imatrix else 'without'} imatrix:")
+            for n, ours, theirs in r.diffs:
+                print(f"  {n:<40} forge {ours:<8} llama.cpp {theirs}")
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
