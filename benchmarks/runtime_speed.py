@@ -300,7 +300,7 @@ def compare(row: dict, llama: dict) -> dict:
     out = {**row, "llama_cpp": llama}
     for k in ("pp", "tg"):
         if llama.get(k):
-            out[f"ratio_{k}"] = round(row[k] / llama[k], 3)
+            out[f"ratio_{k}"] = float(f"{row[k] / llama[k]:.3g}")
     return out
 
 
@@ -315,8 +315,8 @@ def print_comparison(rows: list[dict]) -> None:
             continue
         lc = r["llama_cpp"]
         print(f"{r['file']:<42} {r.get('expert_cache_mib', ''):>9} | {r['pp']:>9.1f} {fig(lc.get('pp')):>9} "
-              f"{fig(r.get('ratio_pp'), '.2f'):>6} | {r['tg']:>8.1f} {fig(lc.get('tg')):>9} "
-              f"{fig(r.get('ratio_tg'), '.2f'):>6}" + (f"  ({lc['error']})" if "error" in lc else ""))  # fmt: skip
+              f"{fig(r.get('ratio_pp'), '.3g'):>6} | {r['tg']:>8.1f} {fig(lc.get('tg')):>9} "
+              f"{fig(r.get('ratio_tg'), '.3g'):>6}" + (f"  ({lc['error']})" if "error" in lc else ""))  # fmt: skip
 
 
 def main() -> None:
