@@ -266,7 +266,12 @@ def tokenizer_kvs(vocab: int) -> list[KV]:
 def synth(
     output: Annotated[Path, typer.Option("-o", "--output", help="GGUF file to write")],
     geometry: Annotated[str, typer.Option(help=f"one of: {', '.join(GEOMETRIES)}")] = "qwen3.6-35b-a3b",
-    type_: Annotated[str, typer.Option("--type", help="quant type of the weights")] = "q4_k",
+    type_: Annotated[
+        str,
+        typer.Option(
+            "--type", help=f"weights' quant type: {', '.join(t.name.lower() for t in _FP16_FIELDS)}"
+        ),
+    ] = "q4_k",
     layers: Annotated[int | None, typer.Option(help="fewer layers than the geometry's")] = None,
     vocab: Annotated[int | None, typer.Option(help="vocabulary size (default: the geometry's)")] = None,
     seed: Annotated[int, typer.Option(help="random seed")] = 0,
