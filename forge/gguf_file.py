@@ -50,11 +50,19 @@ class TensorSpec:
         return tensor_nbytes(self.shape, self.ggml_type)
 
 
-def tensor_nbytes(shape: Sequence[int], ggml_type: GGMLQuantizationType) -> int:
-    block, size = GGML_QUANT_SIZES[ggml_type]
+def tensor_nbytes(shape: Sequence[int], ggml_type: int, what: str = "") -> int:
+    """Bytes of a tensor of ``shape`` (numpy order) in ``ggml_type``; ``what`` prefixes the error."""
+    try:
+        qtype = GGMLQuantizationType(ggml_type)
+        block, size = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise ForgeError(f"{what + ': ' if what else ''}unknown GGML tensor type id {ggml_type}") from None
     n_per_row = shape[-1] if shape else 1
     if n_per_row % block:
-        raise ForgeError(f"row length {n_per_row} is not a multiple of {ggml_type.name}'s block size {block}")
+        raise ForgeError(
+            f"{what + ': ' if what else ''}row length {n_per_row} is not a multiple of {qtype.name}'s block "
+            f"size {block}"
+        )
     return int(np.prod(shape, dtype=np.int64)) // block * size
 
 
@@ -321,6 +329,10 @@ class GGUFFile:
     @property
     def architecture(self) -> str:
         return str(self.kv("general.architecture", "unknown"))
+
+    def mapped(self) -> np.ndarray:
+        """The whole file as a read-only uint8 memmap."""
+        return self._mm
 
     def raw(self, name: str) -> np.ndarray:
         """A tensor's bytes as a uint8 memmap view (zero copy)."""

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from forge.errors import ForgeError
-from forge.layout.gguf_raw import tensor_nbytes, type_geometry
+from forge.gguf_file import tensor_nbytes
+from forge.layout.gguf_raw import type_geometry
 from forge.layout.source import ROLES, SourcePlan, routed_name
 
 PAGE = 4096
@@ -77,7 +78,7 @@ def check_component(c: Component, role: int, experts: int, where: str) -> None:
     if any(d == 0 for d in c.dims) or c.dims[2] != experts:
         raise ForgeError(f"{where} {name}: dims {list(c.dims)} invalid for {experts} experts")
     try:
-        total = tensor_nbytes(c.ggml_type, c.dims, f"{where} {name}")
+        total = tensor_nbytes(tuple(reversed(c.dims)), c.ggml_type, f"{where} {name}")
     except ForgeError as e:
         raise ForgeError(str(e)) from None
     if c.expert_bytes * experts != total:

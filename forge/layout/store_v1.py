@@ -14,8 +14,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from forge.errors import ForgeError
-from forge.gguf_file import align_up
-from forge.layout.gguf_raw import tensor_nbytes
+from forge.gguf_file import align_up, tensor_nbytes
 from forge.layout.records import PAGE, Component, LayerRecords, check_component, check_ffn_shape
 from forge.layout.source import FAMILY_NAMES, FAMILY_QWEN3MOE, FAMILY_QWEN35MOE
 
@@ -204,7 +203,7 @@ def parse_store(buf: memoryview | bytes, where: str) -> StoreV1:
             ggml_type, src, ne0, ne1 = f[2 + 4 * role : 6 + 4 * role]
             c = Component(role, ggml_type, (ne0, ne1, e), 0, offset)
             lw = f"{where}: layer {f[0]}"
-            c = replace(c, expert_bytes=tensor_nbytes(ggml_type, c.dims, lw) // e)
+            c = replace(c, expert_bytes=tensor_nbytes(tuple(reversed(c.dims)), ggml_type, lw) // e)
             check_component(c, role, e, lw)
             comps.append(c)
             offset += c.expert_bytes
