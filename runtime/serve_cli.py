@@ -10,14 +10,16 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from forge.errors import ForgeError
+from forge.options import require_choice, require_context, require_int
 from runtime.cli import DeviceOpt, ExpertCacheOpt, ThreadsOpt, _setup
 
 INSTALL_HINT = "forge serve needs FastAPI and uvicorn: pip install 'gguf-forge[serve]'"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn.config.LOG_LEVELS
 
 
 def require_serve_deps() -> None:
@@ -29,11 +31,70 @@ def require_serve_deps() -> None:
         raise ForgeError(f"{INSTALL_HINT} ({exc.name} is missing)") from None
 
 
-def is_loopback(host: str) -> bool:
+def _addresses(host: str, port: int) -> list[tuple[int, int, int, tuple[Any, ...]]]:
+    """What uvicorn (asyncio's create_server) will bind for ``host``: every address it resolves to."""
     try:
-        return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
-    except (OSError, ValueError):
-        return False
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise ForgeError(f"cannot serve on {host}:{port}: {reason}") from None
+    return sorted({(family, kind, proto, addr) for family, kind, proto, _, addr in infos}, key=str)
+
+
+def check_host(host: str, port: int, api_key: str | None) -> None:
+    """Before the model is loaded: ``host`` resolves, a non-loopback host has an API key, and every address
+    can be bound (a socket opened, bound as uvicorn will, and closed)."""
+    addresses = _addresses(host, port)
+    loopback = all(ipaddress.ip_address(addr[0].split("%")[0]).is_loopback for _, _, _, addr in addresses)
+    if not loopback and not api_key:
+        raise ForgeError(
+            f"--host {host} is reachable from other machines: give --api-key KEY (or FORGE_API_KEY), "
+            "or serve on 127.0.0.1"
+        )
+    for family, kind, proto, addr in addresses:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's create_server
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(addr)
+        except OSError as exc:
+            raise ForgeError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def check_options(
+    port: int,
+    ctx: int | None,
+    api_key: str | None,
+    max_queue: int,
+    imatrix_every: int,
+    imatrix_min_requests: int,
+    threads: int | None,
+    expert_cache_mib: int,
+    log_level: str,
+) -> None:
+    """Every ``forge serve`` option that can be checked without the model, in one place."""
+    require_int("--port", port, 0, 65535)
+    require_context("--ctx", ctx, None)
+    if api_key is not None and not api_key.strip():
+        raise ForgeError("--api-key must not be empty")
+    require_int("--max-queue", max_queue, 1)
+    require_int("--imatrix-every", imatrix_every, 0)
+    require_int("--imatrix-min-requests", imatrix_min_requests, 0)
+    require_int("--threads", threads, 1)
+    require_int("--expert-cache-mib", expert_cache_mib, 0)
+    require_choice("--log-level", log_level, LOG_LEVELS)
+
+
+def _model_context(model: Path) -> int | None:
+    """The trained context from a GGUF file's metadata, without loading the model (None: not known yet)."""
+    if not model.is_file():
+        return None
+    from forge.gguf_file import open_gguf
+
+    g = open_gguf(model)
+    value = g.kv(f"{g.kv('general.architecture')}.context_length")
+    return int(value) if value else None
 
 
 def serve(
@@ -65,37 +126,36 @@ def serve(
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level")] = "info",
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
+    # Everything that can fail is checked before the model is loaded: options, device, the imatrix
+    # output's folder, the address (resolved, an API key unless loopback, bound once and released).
+    log_level = log_level.lower()
+    check_options(port, ctx, api_key, max_queue, imatrix_every, imatrix_min_requests, threads,
+                  expert_cache_mib, log_level)  # fmt: skip
     require_serve_deps()
     import uvicorn
 
     from forge.imatrix.live import LiveImatrix
     from runtime.server import create_app, load_engine
 
-    if not 0 <= port <= 65535:
-        raise ForgeError("--port must be in 0..65535")
-    if imatrix_every < 0 or imatrix_min_requests < 0:
-        raise ForgeError("--imatrix-every and --imatrix-min-requests must be >= 0")
-    if max_queue < 1:
-        raise ForgeError("--max-queue must be >= 1")
-    if ctx is not None and ctx < 2:
-        raise ForgeError("--ctx must be >= 2")
+    device = _setup(device, threads)
     live = None
     if imatrix_out is not None:
         live = LiveImatrix(imatrix_out, every=imatrix_every, min_requests=imatrix_min_requests)
-    if not is_loopback(host) and api_key is None:
-        sys.stderr.write(
-            f"warning: serving on {host} without --api-key: anyone who can reach it can use it\n"
-        )
-    engine = load_engine(
-        model, _setup(device, threads), model_name, ctx, live, expert_cache_mib << 20, max_queue
-    )
+    check_host(host, port, api_key)
+    require_context("--ctx", ctx, _model_context(model))
+    engine = load_engine(model, device, model_name, ctx, live, expert_cache_mib << 20, max_queue)
+    require_context("--ctx", ctx, engine.model.n_ctx_train)  # a Hugging Face folder's, known only now
     sys.stderr.write(f"serving {engine.name!r} (context {engine.context}) on http://{host}:{port}/v1\n")
     if live is not None:
         sys.stderr.write(
             f"live imatrix -> {live.path}: every {imatrix_every} requests after {imatrix_min_requests}"
             " (prompt statistics only, no text)\n"
         )
-    uvicorn.run(create_app(engine, api_key), host=host, port=port, log_level=log_level)
+    try:
+        uvicorn.run(create_app(engine, api_key), host=host, port=port, log_level=log_level)
+    finally:  # also on SIGINT/SIGTERM, which uvicorn re-raises after its graceful shutdown
+        if engine.close_error is not None:  # the final snapshot failed: that, not the signal, is the news
+            raise ForgeError(engine.close_error)
     if live is not None and live.snapshots:
         sys.stderr.write(f"imatrix: {live.requests} requests, {live.snapshots} snapshots in {live.path}\n")
 
@@ -147,14 +207,14 @@ def demo_round_trip(model: str | Path, imatrix_out: Path | None = None, max_toke
     finally:
         server.should_exit = True
         thread.join()
+    if engine.close_error is not None:
+        raise ForgeError(engine.close_error)
     return ServeDemo(reply, len(chunks), time.perf_counter() - t0, live.requests if live else 0)
 
 
-if __name__ == "__main__":  # python -m runtime.serve_cli MODEL ... (works before `forge serve` is registered)
+if __name__ == "__main__":  # python -m runtime.serve_cli MODEL ...: `forge serve` alone, run the CLI's way
+    from forge.cli import run_app
+
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
     app.command()(serve)
-    try:
-        app()
-    except ForgeError as e:
-        sys.stderr.write(f"error: {e}\n")
-        sys.exit(1)
+    run_app(app)

@@ -49,6 +49,7 @@ from runtime.weights import DEFAULT_EXPERT_BUDGET
 
 MAX_BODY_BYTES = 32 << 20
 MAX_STOPS = 16
+DISCONNECT_POLL_S = 0.1  # how often a waiting non-streaming request checks that its client is still there
 R = TypeVar("R", bound=BaseModel)
 
 
@@ -107,10 +108,39 @@ def parse_body(raw: bytes, cls: type[R]) -> R:
         raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    _require_unicode(data)
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
         raise _validation_error(exc.errors()) from None
+
+
+def _require_unicode(data: dict[str, Any]) -> None:
+    """Refuse text that cannot be encoded as UTF-8 anywhere in the body (keys included).
+
+    JSON can spell a lone UTF-16 surrogate (``"\\ud800"``) and Python's decoder lets it through; such a
+    string can be neither tokenized nor written back, so it is a bad request, wherever it appears.
+    """
+    todo: list[tuple[str, Any]] = [("", data)]
+    while todo:  # iterative: the body may nest as deep as the JSON parser allows
+        where, value = todo.pop()
+        if isinstance(value, dict):
+            for k, v in value.items():
+                _require_encodable(k, f"a key in {where or 'the body'}", where or None)
+                todo.append((f"{where}.{k}" if where else k, v))
+        elif isinstance(value, list):
+            todo.extend((f"{where}[{i}]", v) for i, v in enumerate(value) if isinstance(v, (str, list, dict)))
+        elif isinstance(value, str):
+            _require_encodable(value, where, where)
+
+
+def _require_encodable(text: str, where: str, param: str | None) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = f"U+{ord(text[exc.start]):04X}"
+        raise APIError(400, f"{where}: the text is not valid Unicode (a lone surrogate {bad}; send UTF-8)",
+                       param, "invalid_unicode") from None  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------- request models
@@ -293,17 +323,18 @@ class _TokenTap:
     when a stop string ends generation early, and is where a cancelled request is abandoned.
     """
 
-    def __init__(self, tokenizer: Tokenizer, job: Job, gate: PrefillGate | None) -> None:
-        self.tokenizer, self.job, self.gate = tokenizer, job, gate
+    def __init__(self, engine: Engine, job: Job) -> None:
+        self.engine, self.job = engine, job
         self.count = 0
 
     def token_bytes(self, token_id: int) -> bytes:
-        if self.gate is not None:
-            self.gate.open = False
+        if self.engine.gate is not None:
+            self.engine.gate.open = False
         if self.job.cancelled.is_set():
             raise _Cancelled
         self.count += 1
-        return self.tokenizer.token_bytes(token_id)
+        self.engine.generated += 1
+        return self.engine.tokenizer.token_bytes(token_id)
 
 
 class Engine:
@@ -330,6 +361,9 @@ class Engine:
         self.max_token_chars = max(len(tokenizer.token_bytes(i)) for i in range(len(tokenizer.tokens)))
         self.created = int(time.time())
         self.served = 0
+        self.generated = 0  # completion tokens, counted as they are made
+        self.cancelled = 0  # requests abandoned because their client went away
+        self.close_error: str | None = None  # why the final imatrix snapshot failed, if it did
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread: threading.Thread | None = None
 
@@ -340,7 +374,11 @@ class Engine:
             self._thread.start()
 
     def close(self) -> None:
-        """Finish the running job, refuse the queued ones, stop the worker, write the final snapshot."""
+        """Finish the running job, refuse the queued ones, stop the worker, write the final snapshot.
+
+        A failed final snapshot does not raise (it would abort the server's shutdown); its reason is kept
+        in ``close_error`` for the caller to report.
+        """
         if self._thread is not None:
             while True:  # drain what is queued, then stop
                 try:
@@ -354,7 +392,10 @@ class Engine:
             self._thread.join()
             self._thread = None
         if self.imatrix is not None:
-            self.imatrix.close()
+            try:
+                self.imatrix.close()
+            except ForgeError as exc:
+                self.close_error = str(exc)
 
     @property
     def queued(self) -> int:
@@ -412,7 +453,8 @@ class Engine:
             self._serve(job)
 
     def _serve(self, job: Job) -> None:
-        if job.cancelled.is_set():
+        if job.cancelled.is_set():  # its client left while it was queued
+            self.cancelled += 1
             job.emit(EndEvent())
             return
         ran = False
@@ -421,7 +463,7 @@ class Engine:
                 ran = True
                 self._generate(job, index, ids)
         except _Cancelled:
-            pass
+            self.cancelled += 1
         except ForgeError as exc:
             job.emit(ErrorEvent(APIError(400, str(exc))))
         except Exception as exc:  # keep serving; the client gets a 500
@@ -439,7 +481,7 @@ class Engine:
                 sys.stderr.write(f"warning: imatrix snapshot failed: {exc}\n")
 
     def _generate(self, job: Job, index: int, ids: list[int]) -> None:
-        tap = _TokenTap(self.tokenizer, job, self.gate)
+        tap = _TokenTap(self, job)
         stop = StopText(job.stops)
 
         def on_text(piece: str) -> None:
@@ -584,7 +626,8 @@ def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int =
     @app.get("/health")
     async def health() -> dict[str, Any]:
         info: dict[str, Any] = {"status": "ok", "model": engine.name, "queued": engine.queued,
-                                "served": engine.served}  # fmt: skip
+                                "served": engine.served, "cancelled": engine.cancelled,
+                                "generated_tokens": engine.generated}  # fmt: skip
         if engine.imatrix is not None:
             info["imatrix"] = {"requests": engine.imatrix.requests, "snapshots": engine.imatrix.snapshots}
         return info
@@ -606,7 +649,7 @@ def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int =
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         ids = await run_in_threadpool(engine.encode_chat, messages)
         max_tokens = req.max_completion_tokens or req.max_tokens
-        return await _respond(engine, req, [ids], max_tokens, chat=True)
+        return await _respond(engine, request, req, [ids], max_tokens, chat=True)
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)], response_model=None)
     async def completions(request: Request) -> JSONResponse | StreamingResponse:
@@ -623,13 +666,18 @@ def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int =
             prompts = [engine.encode_tokens(x) for x in p]  # type: ignore[arg-type]
         else:
             raise APIError(400, "the prompt is empty", "prompt", "empty_prompt")
-        return await _respond(engine, req, prompts, req.max_tokens or 16, chat=False)  # OpenAI's default 16
+        return await _respond(engine, request, req, prompts, req.max_tokens or 16, chat=False)  # OpenAI: 16
 
     return app
 
 
 async def _respond(
-    engine: Engine, req: _Request, prompts: list[list[int]], max_tokens: int | None, chat: bool
+    engine: Engine,
+    request: Request,
+    req: _Request,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    chat: bool,
 ) -> JSONResponse | StreamingResponse:
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Event] = asyncio.Queue()
@@ -647,6 +695,7 @@ async def _respond(
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         stream = _stream(job, events, head, chat, req)
         return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+    watch = asyncio.create_task(_cancel_on_disconnect(request, job))
     try:
         texts: dict[int, list[str]] = {i: [] for i in range(len(prompts))}
         finishes: dict[int, FinishEvent] = {}
@@ -660,6 +709,8 @@ async def _respond(
     except asyncio.CancelledError:
         job.cancelled.set()
         raise
+    finally:
+        watch.cancel()
     choices = []
     for i, f in sorted(finishes.items()):
         text = "".join(texts[i])
@@ -669,6 +720,14 @@ async def _respond(
         else:
             choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": f.reason})
     return JSONResponse({**head, "choices": choices, "usage": _usage(finishes)})
+
+
+async def _cancel_on_disconnect(request: Request, job: Job) -> None:
+    """While a non-streaming answer is being made: if the client hangs up, cancel its job (the worker drops
+    it at its next token, or when it leaves the queue). Streaming responses get this from Starlette."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    job.cancelled.set()
 
 
 def _stream(
