@@ -388,20 +388,16 @@ def _side_files(ws: Path) -> None:
     (ws / "truncated.npz").write_bytes(b"PK\x03\x04" + b"\0" * 20)
     (ws / "noise.npz").write_bytes(np.random.default_rng(1).integers(0, 256, 2000, dtype=np.uint8).tobytes())
     (ws / "binary.txt").write_bytes(bytes(range(256)) * 8)
-    (ws / "hf-binary-config").mkdir()
-    for p in (ws / "hf").iterdir():
-        (ws / "hf-binary-config" / p.name).symlink_to(p.resolve())
-    (ws / "hf-binary-config" / "config.json").unlink()
-    (ws / "hf-binary-config" / "config.json").write_bytes(bytes(range(256)))
-    for name, tok in (
-        ("hf-list-tokenizer", "[1, 2, 3]"),
-        ("hf-wrong-tokenizer", '{"model": {"type": "BPE", "vocab": 5}}'),
-    ):
+    for name, file, content in (
+        ("hf-binary-config", "config.json", bytes(range(256))),
+        ("hf-list-tokenizer", "tokenizer.json", b"[1, 2, 3]"),
+        ("hf-wrong-tokenizer", "tokenizer.json", b'{"model": {"type": "BPE", "vocab": 5}}'),
+    ):  # the checkpoint with one file replaced (the rest linked)
         (ws / name).mkdir()
         for p in (ws / "hf").iterdir():
-            if p.name != "tokenizer.json":
+            if p.name != file:
                 (ws / name / p.name).symlink_to(p.resolve())
-        (ws / name / "tokenizer.json").write_text(tok)
+        (ws / name / file).write_bytes(content)
 
 
 SIDE_FILES = {
