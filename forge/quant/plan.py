@@ -110,6 +110,8 @@ def make_plan(
         "n_head_kv": source.hparam("attention.head_count_kv", n_head),
         "n_embd": source.hparam("embedding_length", 0),
         "has_imatrix": int(imatrix is not None),
+        # llama-quantize treats token_embd as the output (output's rules) when there is no output.weight
+        "tied_embeddings": int("output.weight" not in tensors),
     }
     facts["n_gqa"] = facts["n_head"] // max(facts["n_head_kv"], 1)
     counters: dict[Rule, dict[str, int]] = {}

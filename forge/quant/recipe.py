@@ -10,7 +10,8 @@ A rule's ``when`` is a small arithmetic/boolean expression over: ``i`` and ``n``
 "layer"``, the default: the tensor's layer number and the layer count; with ``index = "counter"``:
 the tensor's position among the tensors the rule's pattern matches, in llama-quantize's processing
 order, and their number), and model facts ``n_layer``, ``n_expert``, ``n_head``, ``n_head_kv``,
-``n_gqa``, ``n_embd``, ``has_imatrix``. ``/`` and ``//`` are integer divisions (as in llama.cpp's C).
+``n_gqa``, ``n_embd``, ``has_imatrix``, ``tied_embeddings`` (no ``output.weight``: llama-quantize gives
+``token_embd`` the output's type). ``/`` and ``//`` are integer divisions (as in llama.cpp's C).
 """
 
 from __future__ import annotations
