@@ -210,7 +210,7 @@ def prefill(args: argparse.Namespace, gen: torch.Generator) -> None:
         t_ms = do_bench(
             lambda raw=raw, x=x, qtype=qtype, k=k: x.bfloat16() @ dequantize(raw, qtype, k, torch.bfloat16).T
         )
-        for prec in ("tf32", "bf16"):
+        for prec in ("tf32x3", "tf32", "bf16"):
             ms = do_bench(
                 lambda raw=raw, x=x, qtype=qtype, prec=prec: ck.linear(x, raw, qtype, precision=prec)
             )
@@ -222,7 +222,7 @@ def prefill(args: argparse.Namespace, gen: torch.Generator) -> None:
         ids = torch.stack(
             [torch.randperm(EXPERTS, device="cuda", generator=gen)[:TOP_K] for _ in range(m)]
         ).int()
-        for prec in ("tf32", "bf16"):
+        for prec in ("tf32x3", "tf32", "bf16"):
             ms = do_bench(
                 lambda raw=raw, x=x, ids=ids, qtype=qtype, prec=prec: ck.moe_linear(x, raw, qtype, ids, prec)
             )

@@ -93,17 +93,38 @@ def _cuda_encoded(weights: Weights, name: str) -> tuple[torch.Tensor, Q] | None:
 
 
 class Linear:
-    """x @ W.T for a weight decoded at load, reporting its input to the observers."""
+    """x @ W.T for a weight decoded at load (on CUDA, for the types the kernels decode: kept as the file
+    bytes, and decoded to float32 only if a caller asks for ``weight``), reporting its input to the observers."""
 
     def __init__(self, weights: Weights, name: str, observers: list[Observer]) -> None:
         self.name, self.observers = name, observers
-        # held transposed ((n_in, n_out) contiguous; ``weight`` is the (n_out, n_in) view): faster for one
-        # token on CPU. A one-output projection may be stored 1-D (ffn_gate_inp_shexp): one row.
-        self.weight_t = weights.columns([name])
-        self.weight = self.weight_t.T
+        self.encoded = _cuda_encoded(weights, name)  # (file bytes on the GPU, type) for the cuda kernels
+        self._weights, self._weight_t = weights, None
+        if self.encoded is None:
+            # held transposed ((n_in, n_out) contiguous; ``weight`` is the (n_out, n_in) view): faster for one
+            # token on CPU. A one-output projection may be stored 1-D (ffn_gate_inp_shexp): one row.
+            self.weight_t = weights.columns([name])
+        self.n_out = self.encoded[0].shape[0] if self.encoded is not None else self.weight.shape[0]
         self.rounding = ggml_input_rounding(weights.qtype(name)) if weights.ggml_numerics else None
         self.rows = self.weight.numpy() if weights.cpu_kernels else None  # for the compiled one-token path
-        self.encoded = _cuda_encoded(weights, name)  # (file bytes on the GPU, type) for the cuda kernels
+
+    @property
+    def weight_t(self) -> torch.Tensor:
+        if self._weight_t is None:  # an encoded weight a torch-path caller asks for: decoded once
+            self._weight_t = self._weights.columns([self.name])
+        return self._weight_t
+
+    @weight_t.setter
+    def weight_t(self, value: torch.Tensor) -> None:
+        self._weight_t = value
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.weight_t.T
+
+    @weight.setter
+    def weight(self, value: torch.Tensor) -> None:
+        self._weight_t = value.T
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.observers:
@@ -396,6 +417,7 @@ class RoutedExperts:
         rows = self.router.weight[self.kept]  # held in the full router's layout: the same matmul results
         self.kept_router.weight = rows if self.router.weight.is_contiguous() else rows.T.contiguous().T
         self.kept_router.weight_t = self.kept_router.weight.T
+        self.kept_router.encoded = None  # the surviving rows only: the torch product
         self.kept_router.rows = None if self.router.rows is None else rows.numpy()
 
     def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -788,7 +810,7 @@ class MoeCausalLM:
         self.output_norm = weights.dense("output_norm.weight")
         head = "output.weight" if weights.has("output.weight") else "token_embd.weight"
         self.output = Linear(weights, head, self.observers)
-        self.vocab_size = self.output.weight.shape[0]
+        self.vocab_size = self.output.n_out
         if not weights.has("token_embd.weight"):
             raise ForgeError(f"{weights.source}: missing tensor token_embd.weight")
         # one-token forward passes take each block's ``step`` (not with ggml numerics: llama.cpp's roundings)
