@@ -66,7 +66,7 @@ def run_case(
     repeat: int,
     chunk_elems: int | None,
 ) -> dict[str, object]:
-    from forge.quant.kernels import enabled as kernels_enabled
+    from forge.jit import enabled as kernels_enabled
     from forge.quant.torch_codecs import encode_on_device
     from forge.quant.types import get_type
 

@@ -21,7 +21,7 @@ import torch
 from numba import config as numba_config
 from numba import get_num_threads, njit, prange, set_num_threads
 
-from forge.quant.kernels import enabled as numba_enabled
+from forge.jit import enabled as numba_enabled
 from runtime.cpu_rows import dot_row, group_sums
 
 _FASTMATH = {"reassoc", "contract"}  # vectorized sums and FMA; no assumptions about NaN or infinity

@@ -16,7 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from numba import njit
 
-from forge.quant.kernels._core import bits_f32, fp16_to_f32
+from forge.jit import bits_f32, fp16_to_f32
 
 #: types whose rows ``decode_row`` decodes (the float types and those of the common K-quant mixes)
 ROW_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})

@@ -20,7 +20,9 @@ pytest.importorskip("numba")
 
 from numba import njit  # noqa: E402
 
-from forge.quant.kernels import _core, enabled, kernel, kernel_table, warm_up  # noqa: E402
+from forge import jit as _core
+from forge.jit import enabled
+from forge.quant.kernels import kernel, kernel_table, warm_up  # noqa: E402
 
 # kernel name -> (numpy reference encoder, reads importance, needs importance)
 KERNELS = {

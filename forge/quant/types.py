@@ -98,7 +98,7 @@ class BlockCodec(QuantType):
             importance = None
         elif importance is None and cls.requires_importance:
             raise ForgeError(f"{cls.name()} needs importance weights (an imatrix); none were given")
-        from forge.quant.kernels import enabled
+        from forge.jit import enabled
 
         fn = cls._encode_chunk
         # numpy codecs vectorize over a chunk's blocks and want big chunks; compiled kernels loop,

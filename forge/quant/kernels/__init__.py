@@ -1,39 +1,26 @@
 """Compiled (numba) encoder kernels: the numpy codecs' algorithms as ggml's C loops, same bytes.
 
 A codec opts in with ``_encode_chunk = staticmethod(accelerated("module.function", numpy_encoder))``:
-the kernel runs when numba is importable and ``FORGE_NO_NUMBA`` is unset (checked at every call, so
-tests can switch paths), otherwise the numpy encoder, which stays the reference. Kernels compile on
+the kernel runs unless ``FORGE_NO_NUMBA`` is set (``forge.jit.enabled``, checked at every call, so tests
+can switch paths); the numpy encoder stays the reference. Kernels compile on
 first use and are cached on disk (numba ``cache=True``, in this package's ``__pycache__``).
 
 Caveat when editing: numba invalidates a cached kernel only when its own source file changes, not
-when a jitted helper it calls from another module does (``_core``, ``kquants.make_qp``, ...). After
-editing a helper module, delete ``forge/quant/kernels/__pycache__``.
+when a jitted helper it calls from another module does (``forge.jit``, ``kquants.make_qp``, ...). After
+editing a helper module, delete ``forge/quant/kernels/__pycache__`` (and ``runtime/__pycache__``).
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Callable
 from functools import cache
 
 import numpy as np
 
+from forge.jit import enabled
+
 Encoder = Callable[[np.ndarray, "np.ndarray | None"], np.ndarray]
-
-
-@cache
-def numba_available() -> bool:
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def enabled() -> bool:
-    """Kernels are used: numba importable and FORGE_NO_NUMBA unset (or empty/0)."""
-    return os.environ.get("FORGE_NO_NUMBA", "") in ("", "0") and numba_available()
 
 
 @cache

@@ -11,8 +11,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from numba import njit
 
+from forge.jit import F32, JIT, nearest_int, put_fp16
 from forge.quant.codecs.iq1 import X_M, X_P
-from forge.quant.kernels._core import F32, JIT, nearest_int, put_fp16
 from forge.quant.kernels.iq2 import _tables
 
 QK = 256

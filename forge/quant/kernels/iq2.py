@@ -11,8 +11,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from numba import njit
 
+from forge.jit import F32, GROUP_MAX_EPS, JIT, nearest_int, put_fp16
 from forge.quant.iq2_grid import codebook
-from forge.quant.kernels._core import F32, GROUP_MAX_EPS, JIT, nearest_int, put_fp16
 from forge.quant.kernels.kquants import make_qp
 
 QK = 256

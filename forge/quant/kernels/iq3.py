@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from forge.jit import F32, JIT, nearest_int, put_fp16
 from forge.quant.iq3_grid import iq3s_grid, iq3xxs_grid
-from forge.quant.kernels._core import F32, JIT, nearest_int, put_fp16
 
 QK = 256
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from forge.jit import F32, GROUP_MAX_EPS, JIT, nearest_int, put_fp16
 from forge.quant.codecs.iq4 import IQ4_LEVELS
-from forge.quant.kernels._core import F32, GROUP_MAX_EPS, JIT, nearest_int, put_fp16
 
 _LEVELS = IQ4_LEVELS.astype(np.float32)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from forge.quant.kernels._core import F32, GROUP_MAX_EPS, JIT, fp16_round, nearest_int, put_fp16
+from forge.jit import F32, GROUP_MAX_EPS, JIT, fp16_round, nearest_int, put_fp16
 
 QK = 256
 _LIMIT = F32(4194303.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from forge.quant.kernels._core import F32, JIT, put_fp16
+from forge.jit import F32, JIT, put_fp16
 from forge.quant.kernels.kquants import make_qkx, make_qx_lanes
 
 QK = 32

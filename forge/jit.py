@@ -1,4 +1,5 @@
-"""Scalar float32 primitives for the compiled (numba) encoder kernels, bit-exact with ggml's C.
+"""The compiled (numba) code's shared leaf: the switch that turns it off, and scalar float32 primitives
+bit-exact with ggml's C, used by the quantizer's encoder kernels and the runtime's row kernels alike.
 
 Every kernel is compiled with :data:`JIT`: no fastmath (so LLVM neither reorders nor fuses float32
 operations), the GIL released (the row-chunk thread pool runs kernels in parallel) and numpy's error
@@ -8,12 +9,20 @@ model (float division by zero gives inf/nan as in C instead of raising). Float c
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
 JIT = {"cache": True, "nogil": True, "error_model": "numpy"}
+
+
+def enabled() -> bool:
+    """Compiled kernels are used unless ``FORGE_NO_NUMBA`` is set (to anything but empty or 0); checked at
+    every call, so tests can switch paths."""
+    return os.environ.get("FORGE_NO_NUMBA", "") in ("", "0")
 
 F32 = np.float32
 GROUP_MAX_EPS = F32(1e-15)
