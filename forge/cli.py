@@ -340,7 +340,11 @@ def run_app(typer_app: typer.Typer) -> None:
     except Exception as e:  # click's usage errors and exits arrive here in non-standalone mode
         if not hasattr(e, "exit_code"):
             raise
-        if hasattr(e, "show"):
+        if hasattr(e, "format_message") and type(e).__name__ != "NoArgsIsHelpError":
+            ctx = getattr(e, "ctx", None)
+            where = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+            sys.stderr.write(f"error: {' '.join(e.format_message().split())}{where}\n")
+        elif hasattr(e, "show"):
             e.show()
         sys.exit(e.exit_code)
     if isinstance(code, int) and code:

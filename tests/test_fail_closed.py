@@ -368,6 +368,10 @@ OPTIONS = {
     "serve --host 999.1.1.1": ("serve m.gguf --host 999.1.1.1 --api-key k", "999.1.1.1"),
     "serve --host 0.0.0.0 without a key": ("serve m.gguf --host 0.0.0.0", "--api-key"),
     "serve --port 70000": ("serve m.gguf --port 70000", "--port"),
+    "a word for a number": ("synth -o s.gguf --vocab many", "--vocab"),
+    "an unknown option": ("quantize m.gguf -o q.gguf --bogus", "--bogus"),
+    "a missing argument": ("quantize -o q.gguf", "src"),
+    "an unknown command": ("quantise m.gguf", "quantise"),
 }
 
 
