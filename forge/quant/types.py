@@ -1,8 +1,9 @@
 """The quant-type registry: every GGUF tensor type we can encode and/or decode.
 
 A type is a subclass of :class:`QuantType` carrying its geometry as class attributes; defining the
-subclass registers it (the ``gguf`` package's ``quants.py`` pattern). The quantizer uses
-``encode``; the runtime imports only ``decode`` (and its torch twin, registered beside it).
+subclass registers it (the ``gguf`` package's ``quants.py`` pattern). The quantizer uses ``encode`` and
+``decode`` (numpy, the reference); the runtime does not import this package: its torch dequantizers
+(``runtime/dequant*.py``) and compiled row kernels (``runtime/cpu_rows.py``) are tested against ``decode``.
 """
 
 from __future__ import annotations
