@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import hashlib
 import json
 import os
 import re
@@ -53,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from forge.errors import ForgeError  # noqa: E402
 from forge.gguf_file import KV, GGUFLayout, TensorSpec  # noqa: E402
 from forge.imatrix.formats import write_imatrix  # noqa: E402
 from forge.imatrix.model import Imatrix  # noqa: E402
@@ -74,7 +76,7 @@ class Geometry:
     layers: int  # decoder layers (without the MTP block)
     heads: int
     kv_heads: int
-    head_dim: int
+    head_dim: int  # the real one (recorded); the files use 64, keeping n_head x head_dim a multiple of 256
     experts: int
     experts_used: int
     tied: bool = False
@@ -307,18 +309,8 @@ def llama_types(path: Path, preset: str, imatrix: Imatrix | None, real: bool = F
     params.ftype = llama_ftype(preset)
     params.nthread = 2
     params.dry_run = not real
-    keep = []
     if imatrix is not None:
-        entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix.sums) + 1))()
-        for k, name in enumerate(imatrix.names()):
-            v = np.ascontiguousarray((imatrix.sums[name] / imatrix.counts[name][:, None]).reshape(-1))
-            keep.append(v)
-            entries[k].name = name.encode()
-            entries[k].data = v.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-            entries[k].size = v.size
-        entries[len(imatrix.sums)].name = None
-        params.imatrix = entries
-        keep.append(entries)
+        params.imatrix = _llama_imatrix(imatrix)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / "out.gguf"
         rc = llama_cpp.llama_model_quantize(str(path).encode(), str(out).encode(), ctypes.byref(params))
@@ -328,6 +320,29 @@ def llama_types(path: Path, preset: str, imatrix: Imatrix | None, real: bool = F
         if real:
             return gguf_types(out)
     return parse_dry_run(log)
+
+
+_IMATRIX_ENTRIES: dict[int, tuple] = {}
+
+
+def _llama_imatrix(imatrix: Imatrix) -> object:
+    """The imatrix as llama_model_imatrix_data entries (what llama-quantize loads from a file), made once."""
+    import llama_cpp
+
+    if id(imatrix) not in _IMATRIX_ENTRIES:
+        _IMATRIX_ENTRIES.clear()
+        names = imatrix.names()
+        entries = (llama_cpp.llama_model_imatrix_data * (len(names) + 1))()
+        values = []
+        for k, name in enumerate(names):
+            v = np.ascontiguousarray((imatrix.sums[name] / imatrix.counts[name][:, None]).reshape(-1))
+            values.append(v)
+            entries[k].name = name.encode()
+            entries[k].data = v.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            entries[k].size = v.size
+        entries[len(names)].name = None
+        _IMATRIX_ENTRIES[id(imatrix)] = (imatrix, entries, values)  # the arrays live as long as the entries
+    return _IMATRIX_ENTRIES[id(imatrix)][1]
 
 
 def gguf_types(path: Path) -> dict[str, str]:
@@ -361,9 +376,10 @@ def compare(ours: dict[str, str], theirs: dict[str, str]) -> list[tuple[str, str
     return [(n, ours.get(n, "-"), theirs.get(n, "-")) for n in names if ours.get(n) != theirs.get(n)]
 
 
-def needs_imatrix(preset: str) -> bool:
-    return preset.lower() in {"iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq1_s", "iq1_m", "iq3_xxs", "q2_k_s",
-                              "iq3_xs", "iq3_m", "iq3_s"}  # fmt: skip
+def plan_digest(types: dict[str, str]) -> str:
+    """A short digest of a whole type plan (sorted ``name=TYPE`` lines), for the recorded oracle."""
+    text = "\n".join(f"{n}={t}" for n, t in sorted(types.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -371,8 +387,10 @@ class PairResult:
     geometry: str
     preset: str
     imatrix: bool
-    oracle: str  # 'llama_cpp' (in process) or 'llama-quantize' (binary)
+    oracle: str  # 'llama_cpp' (in process), 'llama-quantize' (the binary), 'recorded' or 'forge only'
     tensors: int
+    forge_digest: str  # plan_digest of forge's plan
+    llama_digest: str  # plan_digest of llama.cpp's plan ('' with no oracle)
     diffs: list
 
     @property
@@ -380,44 +398,74 @@ class PairResult:
         return not self.diffs
 
 
-def run_pairs(geometries: list[str], presets: list[str], workdir: Path, imatrix_modes: tuple[bool, ...] = (False, True),
-              binary: str | None = None) -> list[PairResult]:  # fmt: skip
-    results = []
-    for gname in geometries:
-        g = GEOMETRIES[gname]
-        path = workdir / f"{gname}.gguf"
-        write_model(g, path)
-        im = imatrix_for(model(g)[1])
+class Oracle:
+    """llama.cpp's type plans: in process (``llama_cpp``) or from a ``llama-quantize`` binary."""
+
+    def __init__(self, binary: str | None = None):
+        self.binary = binary
+        self.name = "llama-quantize" if binary else "llama_cpp"
+        self._imatrix_files: dict[int, Path] = {}
+
+    def types(self, path: Path, preset: str, imatrix: Imatrix | None) -> dict[str, str]:
+        if not self.binary:
+            return llama_types(path, preset, imatrix)
         im_file = None
-        if binary:
-            im_file = workdir / f"{gname}-imatrix.gguf"
-            write_imatrix(im_file, im)
+        if imatrix is not None:
+            im_file = self._imatrix_files.get(id(imatrix))
+            if im_file is None:
+                im_file = path.with_name(path.stem + "-imatrix.gguf")
+                write_imatrix(im_file, imatrix)  # forge's writer: llama.cpp's GGUF imatrix format
+                self._imatrix_files = {id(imatrix): im_file}
+        return binary_types(self.binary, path, preset, im_file)
+
+
+def run_geometry(gname: str, presets: list[str], workdir: Path, modes: tuple[bool, ...] = (False, True),
+                 oracle: Oracle | None = None) -> list[PairResult]:  # fmt: skip
+    """Every (preset, with/without imatrix) of one geometry; presets forge refuses without an imatrix (as
+    llama-quantize does) are compared with one only."""
+    g = GEOMETRIES[gname]
+    path = workdir / f"{gname}.gguf"
+    write_model(g, path)
+    im = imatrix_for(model(g)[1])
+    results = []
+    try:
         for preset in presets:
-            for with_im in imatrix_modes:
-                if not with_im and _forge_needs_imatrix(path, preset):
-                    continue  # forge (like llama-quantize without --dry-run) refuses: compared with one only
+            for with_im in modes:
                 imx = im if with_im else None
-                ours = forge_types(path, preset, imx)
-                if binary:
-                    theirs = binary_types(binary, path, preset, im_file if with_im else None)
-                else:
-                    theirs = llama_types(path, preset, imx)
-                results.append(PairResult(gname, preset, with_im, "llama-quantize" if binary else "llama_cpp",
-                                          len(theirs), compare(ours, theirs)))  # fmt: skip
+                try:
+                    ours = forge_types(path, preset, imx)
+                except ForgeError as e:
+                    if imx is None and "needs an importance matrix" in str(e):
+                        continue
+                    raise
+                if oracle is None:
+                    results.append(PairResult(gname, preset, with_im, "forge only", len(ours), plan_digest(ours),
+                                              "", []))  # fmt: skip
+                    continue
+                theirs = oracle.types(path, preset, imx)
+                results.append(PairResult(gname, preset, with_im, oracle.name, len(theirs), plan_digest(ours),
+                                          plan_digest(theirs), compare(ours, theirs)))  # fmt: skip
+    finally:
         path.unlink()
     return results
 
 
-def _forge_needs_imatrix(path: Path, preset: str) -> bool:
-    from forge.errors import ForgeError
+def recorded_check(
+    gname: str, presets: list[str], workdir: Path, recorded: dict[str, str]
+) -> list[PairResult]:
+    """forge's plans against recorded digests of llama.cpp's (``--record``; no llama.cpp needed)."""
+    results = []
+    for r in run_geometry(gname, presets, workdir):
+        want = recorded.get(record_key(gname, r.preset, r.imatrix), "not recorded")
+        diffs = [] if want == r.forge_digest else [("(plan digest)", r.forge_digest, want)]
+        results.append(
+            PairResult(gname, r.preset, r.imatrix, "recorded", r.tensors, r.forge_digest, want, diffs)
+        )
+    return results
 
-    try:
-        forge_types(path, preset, None)
-    except ForgeError as e:
-        if "needs an importance matrix" in str(e):
-            return True
-        raise
-    return False
+
+def record_key(geometry: str, preset: str, imatrix: bool) -> str:
+    return f"{geometry} {preset} {'imatrix' if imatrix else 'plain'}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -430,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         default=llama_quantize_binary(),
         help="use this llama-quantize binary (default: $FORGE_LLAMA_QUANTIZE) instead of llama_cpp",
     )
+    ap.add_argument("--record", type=Path, help="also write llama.cpp's plan digests to this JSON file")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--show-diff", action="store_true")
     ap.add_argument("--json", action="store_true")
@@ -437,34 +486,51 @@ def main(argv: list[str] | None = None) -> int:
     geometries = args.geometry or list(GEOMETRIES)
     presets = args.preset or comparable_presets()
     modes = {"both": (False, True), "with": (True,), "without": (False,)}[args.imatrix]
+    oracle = Oracle(args.llama_quantize)
     t0 = time.time()
+    results = []
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        results = run_pairs(geometries, presets, Path(tmp), modes, args.llama_quantize)
+        for g in geometries:
+            results += run_geometry(g, presets, Path(tmp), modes, oracle)
+    if args.record:
+        from importlib.metadata import version
+
+        args.record.write_text(json.dumps({
+            "oracle": f"llama.cpp of llama-cpp-python {version('llama-cpp-python')} ({oracle.name})",
+            "made_by": "python benchmarks/type_plan_oracle.py --record " + str(args.record),
+            "digest": "sha256 of the sorted 'name=TYPE' lines of llama.cpp's plan, first 16 hex digits",
+            "geometries": {g: asdict(GEOMETRIES[g]) for g in geometries},
+            "plans": {record_key(r.geometry, r.preset, r.imatrix): r.llama_digest for r in results},
+        }, indent=1) + "\n")  # fmt: skip
     if args.json:
         print(json.dumps({"geometries": [asdict(GEOMETRIES[g]) for g in geometries],
                           "results": [{**r.__dict__, "ok": r.ok} for r in results],
                           "seconds": round(time.time() - t0, 1)}, indent=1))  # fmt: skip
         return 0 if all(r.ok for r in results) else 1
-    width = max(len(p) for p in presets)
-    print(f"{'preset':<{width}}  " + "  ".join(f"{g[:14]:>14}" for g in geometries))
-    for preset in presets:
-        cells = []
-        for g in geometries:
-            rs = [r for r in results if r.geometry == g and r.preset == preset]
-            cells.append(
-                " ".join(f"{'im' if r.imatrix else 'no'}:{'ok' if r.ok else len(r.diffs)}" for r in rs)
-            )
-        print(f"{preset:<{width}}  " + "  ".join(f"{c:>14}" for c in cells))
+    print(table(results, geometries, presets))
     bad = [r for r in results if not r.ok]
     print(f"{len(results) - len(bad)}/{len(results)} (geometry, preset, imatrix) runs identical "
-          f"({len({(r.geometry, r.preset) for r in results})} (geometry, preset) pairs, oracle "
-          f"{results[0].oracle if results else '-'}), {time.time() - t0:.0f} s")  # fmt: skip
+          f"({len({(r.geometry, r.preset) for r in results})} (geometry, preset) pairs, oracle {oracle.name}), "
+          f"{time.time() - t0:.0f} s")  # fmt: skip
     if args.show_diff:
         for r in bad:
             print(f"\n{r.geometry} {r.preset} {'with' if r.imatrix else 'without'} imatrix:")
             for n, ours, theirs in r.diffs:
                 print(f"  {n:<40} forge {ours:<8} llama.cpp {theirs}")
     return 0 if not bad else 1
+
+
+def table(results: list[PairResult], geometries: list[str], presets: list[str]) -> str:
+    """Markdown: a row per preset, a column per geometry; cells 'plain/imatrix' ok or the number of diffs."""
+    lines = ["| preset | " + " | ".join(geometries) + " |", "|---" * (len(geometries) + 1) + "|"]
+    for preset in presets:
+        cells = []
+        for g in geometries:
+            rs = [r for r in results if r.geometry == g and r.preset == preset]
+            marks = {r.imatrix: "ok" if r.ok else f"{len(r.diffs)} diff" for r in rs}
+            cells.append(" / ".join(marks.get(m, "-") for m in (False, True)))
+        lines.append(f"| {preset} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
