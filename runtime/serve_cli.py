@@ -156,8 +156,10 @@ def serve(
     finally:  # also on SIGINT/SIGTERM, which uvicorn re-raises after its graceful shutdown
         if engine.close_error is not None:  # the final snapshot failed: that, not the signal, is the news
             raise ForgeError(engine.close_error)
-    if live is not None and live.snapshots:
-        sys.stderr.write(f"imatrix: {live.requests} requests, {live.snapshots} snapshots in {live.path}\n")
+        if live is not None and live.snapshots:
+            sys.stderr.write(
+                f"imatrix: {live.requests} requests, {live.snapshots} snapshots in {live.path}\n"
+            )
 
 
 @dataclass
