@@ -85,6 +85,7 @@ class Geometry:
     linear_k_heads: int = 0  # qwen35moe DeltaNet key heads
     linear_v_heads: int = 0  # qwen35moe DeltaNet value heads
     linear_head_dim: int = 128
+    hidden: int = HIDDEN  # embedding length (256 keeps every row a multiple of 256, as in the real models)
     source: str = ""  # where the numbers come from
 
     @property
@@ -115,6 +116,8 @@ GEOMETRIES = {
                  source="Qwen3-30B-A3B with tied embeddings (no output.weight): synthetic"),
         Geometry("qwen3moe-8x-synthetic", "qwen3moe", 32, 32, 8, 128, 8, 2,
                  source="synthetic: 8 experts (llama.cpp's Mixtral n_expert == 8 rules), n_gqa 4"),
+        Geometry("qwen3moe-hidden1088-synthetic", "qwen3moe", 24, 16, 4, 128, 64, 4, hidden=1088,
+                 source="synthetic: hidden 1088 (not a multiple of 256): row-length fallbacks, output rule"),
     )
 }  # fmt: skip
 
@@ -128,7 +131,7 @@ def _head_dim(g: Geometry) -> int:
 
 
 def qwen3moe_model(g: Geometry) -> tuple[list[KV], list[TensorSpec]]:
-    sg = SynthGeometry(g.layers, g.experts, g.experts_used, HIDDEN, EXPERT_FF, g.heads, g.kv_heads,
+    sg = SynthGeometry(g.layers, g.experts, g.experts_used, g.hidden, EXPERT_FF, g.heads, g.kv_heads,
                        _head_dim(g), VOCAB)  # fmt: skip
     specs = synth_tensors(sg, Q.BF16)
     if g.tied:
@@ -139,7 +142,7 @@ def qwen3moe_model(g: Geometry) -> tuple[list[KV], list[TensorSpec]]:
 
 def qwen35moe_model(g: Geometry) -> tuple[list[KV], list[TensorSpec]]:
     """llama.cpp's qwen35moe tensor set (as forge convert and convert_hf_to_gguf.py write it)."""
-    h, hd, ff, bf, f32 = HIDDEN, _head_dim(g), EXPERT_FF, Q.BF16, Q.F32
+    h, hd, ff, bf, f32 = g.hidden, _head_dim(g), EXPERT_FF, Q.BF16, Q.F32
     nk, nv, dh = g.linear_k_heads, g.linear_v_heads, g.linear_head_dim
     specs = [TensorSpec("token_embd.weight", (VOCAB, h), bf)]
     for i in range(g.block_count):
