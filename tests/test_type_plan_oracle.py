@@ -34,16 +34,17 @@ RECORDED = SHIPPED / "type_plan_oracle.json"
 # attention, every 4th). Qwen3.5-397B-A17B's numbers are from memory of its config.json (60 layers, 32 / 2
 # heads, 512 experts top 10, 16 / 64 DeltaNet key / value heads): the rules only see n_gqa >= 4 (16 either way),
 # n_expert (not 8, >= 4) and the layer count (llama.cpp's loader names 60 layers 397B_A17B, which agrees).
-#   name                    arch       blocks heads kv experts used shexp DeltaNet tied
+#   name                            arch       blocks heads kv experts used shexp DeltaNet tied  hidden
 GEOMETRY_TABLE = [
-    ("qwen3-30b-a3b",          "qwen3moe",  48, 32, 4, 128, 8,  False, 0,  False),
-    ("qwen3-235b-a22b",        "qwen3moe",  94, 64, 4, 128, 8,  False, 0,  False),
-    ("qwen3-coder-480b-a35b",  "qwen3moe",  62, 96, 8, 160, 8,  False, 0,  False),
-    ("qwen3.6-35b-a3b",        "qwen35moe", 41, 16, 2, 256, 8,  True,  30, False),
-    ("qwen3.6-35b-a3b-nomtp",  "qwen35moe", 40, 16, 2, 256, 8,  True,  30, False),
-    ("qwen3.5-397b-a17b",      "qwen35moe", 61, 32, 2, 512, 10, True,  45, False),
-    ("qwen3-30b-a3b-tied",     "qwen3moe",  48, 32, 4, 128, 8,  False, 0,  True),
-    ("qwen3moe-8x-synthetic",  "qwen3moe",  32, 32, 8, 8,   2,  False, 0,  False),
+    ("qwen3-30b-a3b",                 "qwen3moe",  48, 32, 4, 128, 8,  False, 0,  False, 256),
+    ("qwen3-235b-a22b",               "qwen3moe",  94, 64, 4, 128, 8,  False, 0,  False, 256),
+    ("qwen3-coder-480b-a35b",         "qwen3moe",  62, 96, 8, 160, 8,  False, 0,  False, 256),
+    ("qwen3.6-35b-a3b",               "qwen35moe", 41, 16, 2, 256, 8,  True,  30, False, 256),
+    ("qwen3.6-35b-a3b-nomtp",         "qwen35moe", 40, 16, 2, 256, 8,  True,  30, False, 256),
+    ("qwen3.5-397b-a17b",             "qwen35moe", 61, 32, 2, 512, 10, True,  45, False, 256),
+    ("qwen3-30b-a3b-tied",            "qwen3moe",  48, 32, 4, 128, 8,  False, 0,  True,  256),
+    ("qwen3moe-8x-synthetic",         "qwen3moe",  32, 32, 8, 8,   2,  False, 0,  False, 256),
+    ("qwen3moe-hidden1088-synthetic", "qwen3moe",  24, 16, 4, 64,  4,  False, 0,  False, 1088),
 ]  # fmt: skip
 GEOMETRIES = [row[0] for row in GEOMETRY_TABLE]
 
@@ -54,7 +55,7 @@ def _row(g: tpo.Geometry) -> tuple:
     deltanet = sum(f"blk.{i}.ssm_out.weight" in names for i in range(g.block_count))
     shexp = "blk.0.ffn_down_shexp.weight" in names
     return (g.name, g.arch, g.block_count, g.heads, g.kv_heads, g.experts, g.experts_used, shexp, deltanet,
-            "output.weight" not in names)  # fmt: skip
+            "output.weight" not in names, g.hidden)  # fmt: skip
 
 
 def test_geometry_table_is_what_the_files_hold() -> None:
