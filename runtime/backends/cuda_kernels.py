@@ -78,8 +78,11 @@ def supported_types() -> list[GGMLQuantizationType]:
     return sorted(_GROUP, key=int)
 
 
+_TYPE_IDS = frozenset(int(t) for t in _GROUP)
+
+
 def supports(qtype: GGMLQuantizationType | int) -> bool:
-    return int(qtype) in {int(t) for t in _GROUP}
+    return int(qtype) in _TYPE_IDS
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -504,12 +507,12 @@ if triton is not None:
 # Host side
 # ---------------------------------------------------------------------------------------------------
 
-_TABLES: dict[tuple[int, str], torch.Tensor] = {}
+_TABLES: dict[tuple[int, int | None], torch.Tensor] = {}
 
 
 def _table(qtype: GGMLQuantizationType, device: torch.device) -> torch.Tensor:
     """The codebook a type decodes through (float32, on ``device``); a 1-value dummy for the others."""
-    key = (int(qtype), str(device))
+    key = (int(qtype), device.index)
     if key not in _TABLES:
         from gguf import quants as gq
 
@@ -579,7 +582,7 @@ def linear(
 
     Up to DECODE_TOKENS rows take the GEMV kernel (exact float32 products); more take the GEMM
     kernel, whose operands are rounded to ``precision`` ("tf32x3", "tf32", "ieee", "fp16", "bf16")."""
-    qtype = T(int(qtype))
+    qtype = qtype if isinstance(qtype, T) else T(int(qtype))
     raw = raw if raw.is_contiguous() else raw.contiguous()
     lead, kx = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, kx)
@@ -613,7 +616,7 @@ def moe_linear(
     per slot (the down projection); ``ids`` (T, top_k) integer expert ids on x's device. Returns
     float32 (T, top_k, N). Decode (T * top_k <= 64 pairs) takes the GEMV kernel, one program per
     pair; more pairs are grouped by expert on the device and take the GEMM kernel."""
-    qtype = T(int(qtype))
+    qtype = qtype if isinstance(qtype, T) else T(int(qtype))
     raw = raw if raw.is_contiguous() else raw.contiguous()
     n_tok, top_k = ids.shape
     e_count, n = raw.shape[0], raw.shape[1]
@@ -669,6 +672,10 @@ def _group_by_expert(
     return order, ec.to(torch.int32), (seg_start[ec] + row0).to(torch.int32), rows.to(torch.int32)
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a jit function in newer Tritons: slow to call from Python
+
+
 def _next_pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
@@ -686,7 +693,7 @@ def _as_words(qtype: GGMLQuantizationType, w: torch.Tensor, k: int) -> torch.Ten
     choice = os.environ.get("FORGE_CUDA_WORDS", "")
     if dtype is None or k % 256 or choice == "0" or (qtype != T.Q6_K and choice != "all"):
         return None
-    size = torch.empty((), dtype=dtype).element_size()
+    size = 4 if dtype == torch.int32 else 2
     if w.shape[-1] % size or w.data_ptr() % size or w.stride(-2) % size:
         return None
     return w.view(dtype)
@@ -721,7 +728,7 @@ def _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, sy, top_k, nt
     if words is not None:
         if split > 1:
             y.zero_()
-        _gemv_words_kernel[(triton.cdiv(n, bn), pairs if moe else 1, split)](
+        _gemv_words_kernel[(_cdiv(n, bn), pairs if moe else 1, split)](
             x,
             words,
             y,
@@ -743,7 +750,7 @@ def _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, sy, top_k, nt
         )
         return
     g = _groups(k, s, bs, 256 if nt <= 4 else 128)
-    grid = (triton.cdiv(n, bn), pairs if moe else 1)
+    grid = (_cdiv(n, bn), pairs if moe else 1)
     _gemv_kernel[grid](
         x,
         w,
@@ -781,8 +788,8 @@ def _launch_gemm(
         g = max(g, 16 // s)
     moe = maps is not None
     order, tile_expert, tile_start, tile_rows = maps if moe else (tab, tab, tab, tab)
-    tiles_m = tile_rows.numel() if moe else triton.cdiv(m, bm)
-    _gemm_kernel[(triton.cdiv(n, bn), tiles_m)](
+    tiles_m = tile_rows.numel() if moe else _cdiv(m, bm)
+    _gemm_kernel[(_cdiv(n, bn), tiles_m)](
         x,
         w,
         y,
