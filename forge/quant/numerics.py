@@ -413,10 +413,16 @@ def check_rows(
 
 
 def _threads() -> int:
-    env = os.environ.get("FORGE_THREADS")
-    if env and env.isdigit() and int(env) > 0:
+    """Encoder threads: ``FORGE_THREADS``, else every core this process may run on."""
+    env = os.environ.get("FORGE_THREADS", "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ForgeError(f"FORGE_THREADS must be a positive whole number, not {env!r}")
         return int(env)
-    return max(1, min(os.cpu_count() or 1, 8))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity API (macOS)
+        return max(1, os.cpu_count() or 1)
 
 
 def map_row_chunks(
