@@ -72,12 +72,15 @@ def check_options(
     threads: int | None,
     expert_cache_mib: int,
     log_level: str,
+    model_name: str | None,
 ) -> None:
     """Every ``forge serve`` option that can be checked without the model, in one place."""
     require_int("--port", port, 0, 65535)
     require_context("--ctx", ctx, None)
     if api_key is not None and not api_key.strip():
         raise ForgeError("--api-key must not be empty")
+    if model_name is not None and not model_name.strip():
+        raise ForgeError("--model-name must not be empty")
     require_int("--max-queue", max_queue, 1)
     require_int("--imatrix-every", imatrix_every, 0)
     require_int("--imatrix-min-requests", imatrix_min_requests, 0)
@@ -123,14 +126,16 @@ def serve(
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = None,
     expert_cache_mib: ExpertCacheOpt = 1024,
-    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level")] = "info",
+    log_level: Annotated[
+        str, typer.Option("--log-level", help="uvicorn log level: " + ", ".join(LOG_LEVELS))
+    ] = "info",
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
     # Everything that can fail is checked before the model is loaded: options, device, the imatrix
     # output's folder, the address (resolved, an API key unless loopback, bound once and released).
     log_level = log_level.lower()
     check_options(port, ctx, api_key, max_queue, imatrix_every, imatrix_min_requests, threads,
-                  expert_cache_mib, log_level)  # fmt: skip
+                  expert_cache_mib, log_level, model_name)  # fmt: skip
     require_serve_deps()
     import uvicorn
 

@@ -230,6 +230,21 @@ def test_bad_request_content_gets_4xx_without_traceback(
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.parametrize(
+    "params",
+    [{"temperature": 1e-300}, {"temperature": 1e-40, "top_p": 0.5}, {"temperature": 1, "top_p": 5e-324}],
+)
+def test_tiny_sampling_values_act_as_their_limits(
+    server: ServerThread, capfd: pytest.CaptureFixture[str], params: dict
+) -> None:
+    """Valid values that float32 sampling cannot take (they used to be a 500): their limit, greedy."""
+    greedy = post(server, COMP, comp(prompt="Once upon a time", max_tokens=4, temperature=0))
+    r = post(server, COMP, comp(prompt="Once upon a time", max_tokens=4, seed=3, **params))
+    assert r.status_code == 200, r.text[:300]
+    assert r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+    no_traceback(capfd)
+
+
 def test_the_traceback_check_would_see_one(
     server: ServerThread, engine: Engine, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -373,6 +388,7 @@ BAD_OPTIONS = {
     "--threads 0": (["--threads", "0"], ["--threads"]),
     "--expert-cache-mib -5": (["--expert-cache-mib", "-5"], ["--expert-cache-mib"]),
     "--api-key empty": (["--api-key="], ["--api-key"]),
+    "--model-name empty": (["--model-name", " "], ["--model-name"]),
     "--host 0.0.0.0 without a key": (["--host", "0.0.0.0"], ["0.0.0.0", "--api-key"]),
     "--host :: without a key": (["--host", "::"], ["::", "--api-key"]),
     "--host 999.1.1.1": (["--host", "999.1.1.1", "--api-key", "k", "--port", "8123"], ["999.1.1.1:8123"]),
