@@ -336,6 +336,31 @@ def test_a_final_snapshot_that_cannot_be_written_is_reported_not_raised(
     assert "Application shutdown failed" not in out_ + err and "Traceback" not in out_ + err, err[-3000:]
 
 
+def test_a_full_disk_at_the_final_snapshot_is_one_error_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from forge.errors import ForgeError
+
+    out = tmp_path / "live.gguf"
+    live = LiveImatrix(out, every=0, min_requests=1)
+    live.on_matmul_input("blk.0.attn_q.weight", torch.randn(32, 8), None)
+    live.request_done()
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(ForgeError) as e:
+        live.close()
+    assert str(e.value).startswith(f"imatrix snapshot: {out}: {os.strerror(errno.ENOSPC)}")
+    assert str(e.value).count(str(out)) == 1
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+    assert live.close() and out.exists()  # the data was kept: a later snapshot can still succeed
+
+
 def test_live_imatrix_refuses_an_unusable_folder_at_once(tmp_path: Path) -> None:
     from forge.errors import ForgeError
 
