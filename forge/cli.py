@@ -203,6 +203,7 @@ def _register_subcommands() -> None:
     from forge.imatrix.cli import app as imatrix_app
     from forge.layout.cli import app as layout_app
     from forge.prune.cli import app as prune_app
+    from forge.search.cli import app as recipe_app
     from runtime.cli import eval_, run
     from runtime.serve_cli import serve
     from runtime.synth import synth
@@ -224,6 +225,7 @@ def _register_subcommands() -> None:
         name="prune",
         help="Expert pruning: profile routed experts, build a prune mask, write a smaller GGUF.",
     )
+    app.add_typer(recipe_app, name="recipe", help="Recipes found by measurement: search.")
     app.command("run")(run)
     app.command("eval")(eval_)
     app.command("serve")(serve)

@@ -1,0 +1,338 @@
+"""``forge recipe search``: the recipe with the least measured KL divergence within a size budget.
+
+1. groups and options with exact sizes (``measure.make_groups``); impossible budgets fail here, before work;
+2. one GGUF per candidate type (``forge.quant.quantize``), kept in ``OUT.search/`` and reused by later runs;
+3. the cost of each (group, type): mean KLD from the base model with that group alone quantized, persisted
+   in ``OUT.search.json`` after every measurement (an interrupted search resumes from there);
+4. an exact multiple-choice knapsack over the sizes (``knapsack.solve``), predicted KLD = the sum of costs;
+5. a recipe TOML (exact ``name`` rules over a default type), its exact file size from a dry run, and with
+   ``quantize_out`` the file itself (built with ``reuse=`` of the type files: every tensor copied) and its
+   measured size and KLD.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gguf import LlamaFileType
+
+from forge.atomic import atomic_output
+from forge.errors import ForgeError
+from forge.search.knapsack import bounds, solve
+from forge.search.measure import (
+    Group,
+    KldMeter,
+    Measurements,
+    cost_table,
+    make_groups,
+    measure,
+    parse_types,
+    settings_key,
+    type_file_recipe,
+)
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class Budget:
+    """A target as bytes of tensor data the groups may use (``capacity``), from bpw or a file size."""
+
+    kind: str  # "bpw" or "size"
+    value: float
+    capacity: int
+
+
+@dataclass
+class SearchResult:
+    recipe: Path
+    target: dict
+    groups: list[dict]
+    predicted_bytes: int  # file size (dry run of the written recipe)
+    predicted_tensor_bytes: int
+    predicted_bpw: float
+    predicted_kld: float
+    parameters: int
+    measured: int  # (group, type) costs measured by this run
+    measurements: int  # all costs used
+    seconds: dict = field(default_factory=dict)
+    front_states: int = 0
+    quantized: Path | None = None
+    measured_bytes: int | None = None
+    measured_bpw: float | None = None
+    measured_kld: float | None = None
+    base_perplexity: float | None = None
+    scored_tokens: int | None = None
+
+    def to_json(self) -> dict:
+        out = {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
+        return {k: v for k, v in out.items() if v is not None}
+
+
+def search_paths(output: Path) -> tuple[Path, Path]:
+    """(measurements JSON, folder of type files) next to the output recipe."""
+    return output.with_name(output.name + ".search.json"), output.with_name(output.name + ".search")
+
+
+def _file_type(label: str) -> str | None:
+    for name in (f"MOSTLY_{label}", f"MOSTLY_{label}_M"):
+        if name in LlamaFileType.__members__:
+            return name
+    return None
+
+
+def recipe_text(groups: list[Group], choice: list[int], header: list[str]) -> str:
+    """A recipe giving each tensor its chosen type: the most common type as default, exact names for the
+    rest (the types are after fallbacks, so planning the recipe gives exactly these types)."""
+    per_tensor = [(n, t) for g, j in zip(groups, choice, strict=True)
+                  for n, t in zip(g.tensors, g.options[j].types, strict=True)]  # fmt: skip
+    default = Counter(t.name for _, t in per_tensor).most_common(1)[0][0]
+    by_bytes: Counter[str] = Counter()
+    for g, j in zip(groups, choice, strict=True):
+        by_bytes[g.options[j].types[0].name] += g.options[j].size
+    lines = [f"# {h}" for h in header]
+    lines += ['name = "searched"', "version = 1"]
+    ft = _file_type(by_bytes.most_common(1)[0][0])  # general.file_type: the type holding the most bytes
+    if ft:
+        lines.append(f'file_type = "{ft}"')
+    lines.append(f'default = "{default.lower()}"')
+    for name, t in per_tensor:
+        if t.name != default:
+            lines += ["", "[[rules]]", f'name = "{name}"', f'type = "{t.name.lower()}"']
+    return "\n".join(lines) + "\n"
+
+
+def dry_run_bytes(model: Path, recipe: Path, imatrix: Path | None) -> tuple[int, int]:
+    """(file bytes, tensor bytes) ``forge quantize --recipe`` would write."""
+    from forge.quant.quantize import quantize
+
+    _, rep = quantize(model, None, str(recipe), imatrix=imatrix)
+    return rep.bytes, sum(r["bytes"] for r in rep.tensors)
+
+
+def search(
+    model: Path,
+    output: Path,
+    text: Path,
+    imatrix: Path | None = None,
+    target_bpw: float | None = None,
+    target_size: int | None = None,
+    types: str | None = None,
+    granularity: str = "tensor",
+    ctx: int = 512,
+    chunks: int = 4,
+    quantize_out: Path | None = None,
+    log: Log | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> SearchResult:
+    from forge.imatrix.formats import read_imatrix
+    from forge.quant.source import source_ref
+
+    say = log or (lambda _: None)
+    t_start = time.perf_counter()
+    if (target_bpw is None) == (target_size is None):
+        raise ForgeError("give exactly one of --target-bpw or --target-size")
+    if not text.is_file():
+        raise ForgeError(f"{text}: no such file")
+    try:
+        body = text.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ForgeError(f"{text}: not UTF-8 text") from None
+    labels = parse_types(types)
+    im = read_imatrix(imatrix) if imatrix is not None else None
+    ref = source_ref(model, True)
+    source = ref.open()
+    groups, fixed = make_groups(source, labels, im, granularity)
+    parameters = sum(math.prod(t.shape) for t in source.tensors())
+    sizes = [[o.size for o in g.options] for g in groups]
+    lo, hi = bounds(sizes)
+    overhead = 0
+    if target_size is not None:  # the file's bytes besides tensor data: a dry run of the smallest recipe
+        measurements_path, folder = search_paths(output)
+        folder.mkdir(exist_ok=True)
+        probe = folder / "probe.toml"
+        smallest = [min(range(len(g.options)), key=lambda j, g=g: g.options[j].size) for g in groups]
+        with atomic_output(probe) as f:
+            f.write(recipe_text(groups, smallest, ["probe"]).encode())
+        file_bytes, tensor_bytes = dry_run_bytes(model, probe, imatrix)
+        overhead = file_bytes - tensor_bytes
+        budget = Budget("size", float(target_size), target_size - overhead - fixed)
+        smallest_file, largest_file = lo + fixed + overhead, hi + fixed + overhead
+        if budget.capacity < lo:
+            raise ForgeError(
+                f"--target-size {target_size:,} bytes is below the smallest file these types make "
+                f"({smallest_file:,} bytes, {8 * (lo + fixed) / parameters:.3f} bpw)"
+            )
+        if budget.capacity > hi:
+            raise ForgeError(
+                f"--target-size {target_size:,} bytes is above the largest file these types make "
+                f"({largest_file:,} bytes, {8 * (hi + fixed) / parameters:.3f} bpw): every tensor at its "
+                "largest type already fits"
+            )
+    else:
+        assert target_bpw is not None
+        budget = Budget("bpw", target_bpw, math.floor(target_bpw * parameters / 8) - fixed)
+        if budget.capacity < lo:
+            raise ForgeError(
+                f"--target-bpw {target_bpw} is below the smallest file these types make "
+                f"({8 * (lo + fixed) / parameters:.4f} bpw, {lo + fixed:,} bytes of tensors)"
+            )
+        if budget.capacity > hi:
+            raise ForgeError(
+                f"--target-bpw {target_bpw} is above the largest file these types make "
+                f"({8 * (hi + fixed) / parameters:.4f} bpw): every tensor at its largest type already fits"
+            )
+    n_options = sum(len(g.options) for g in groups)
+    say(f"{len(groups)} groups ({granularity}), {n_options} candidates over {len(labels)} types; "
+        f"{fixed:,} bytes of tensors kept as they are")  # fmt: skip
+
+    # 2. the type files ------------------------------------------------------------------------------
+    measurements_path, folder = search_paths(output)
+    folder.mkdir(exist_ok=True)
+    store = Measurements(measurements_path, settings_key(model, imatrix, body, ctx, chunks, granularity))
+    if store.stale:
+        say(f"{measurements_path} was made with other settings (model, imatrix, text, ctx, chunks or "
+            "granularity): measuring again")  # fmt: skip
+        store.costs, store.reference = {}, {}
+    elif store.count:
+        say(f"resuming: {store.count} of {n_options} candidates already measured in {measurements_path}")
+    used = [lb for lb in labels if any(o.label == lb for g in groups for o in g.options)]
+    type_files = {lb: folder / f"{lb}.gguf" for lb in used}
+    known = store.reference.setdefault("type_files", {})
+    t0 = time.perf_counter()
+    need_files = [lb for lb in used if any(store.get(g.name, o.label) is None
+                                           for g in groups for o in g.options if o.label == lb)]  # fmt: skip
+    if quantize_out is not None:
+        need_files = used  # the final build copies every tensor from them
+    for k, lb in enumerate(need_files):
+        path = type_files[lb]
+        if path.is_file() and known.get(lb) == _stamp(path):
+            continue
+        say(f"encoding the candidates' {lb} tensors ({k + 1}/{len(need_files)}) -> {path}")
+        _build_type_file(model, source, lb, im, imatrix, folder, path)
+        known[lb] = _stamp(path)
+        store.save()
+    seconds = {"encode": round(time.perf_counter() - t0, 2)}
+
+    # 3. measurements ---------------------------------------------------------------------------------
+    base = _base_gguf(model, folder, say)
+    meter: KldMeter | None = None
+    before = store.count
+    missing = any(store.get(g.name, o.label) is None for g in groups for o in g.options)
+    if missing or quantize_out is not None:
+        from runtime.evaluate import perplexity_tokens
+        from runtime.tokenizer import Tokenizer
+        from runtime.weights import load_weights
+
+        tok = Tokenizer.from_metadata(load_weights(base, "cpu", verify_experts=False))
+        ids = perplexity_tokens(tok, body, ctx, chunks)
+        t0 = time.perf_counter()
+        meter = KldMeter(base, ids, ctx, chunks)
+        store.reference.update({"perplexity": meter.perplexity, "scored_tokens": meter.scored})
+        seconds["reference"] = round(time.perf_counter() - t0, 2)
+    if missing:
+        assert meter is not None
+        seconds["measure"] = round(measure(groups, meter, type_files, store, progress), 2)
+    measured_now = store.count - before
+
+    # 4. the knapsack ---------------------------------------------------------------------------------
+    costs = cost_table(groups, store)
+    t0 = time.perf_counter()
+    capacity = budget.capacity
+    for _ in range(8):
+        sol = solve(sizes, costs, capacity)
+        if sol is None:  # pragma: no cover - the bounds were checked above
+            raise ForgeError("no recipe fits the budget")
+        header = [
+            f"forge recipe search: {model.name}, target {_target_text(budget)}, {len(groups)} groups "
+            f"({granularity}), types {','.join(labels).lower()}",
+            f"calibration {text.name}: {chunks} x {ctx} tokens; predicted mean KLD {sol.cost:.6f} "
+            "(sum of the measured per-group costs)",
+        ]
+        text_out = recipe_text(groups, sol.choice, header)
+        with atomic_output(output) as f:
+            f.write(text_out.encode())
+        file_bytes, tensor_bytes = dry_run_bytes(model, output, imatrix)
+        if tensor_bytes != sol.size + fixed:  # pragma: no cover - the plan disagrees with our sizes
+            raise ForgeError(
+                f"internal error: the recipe plans {tensor_bytes:,} bytes of tensors, the search {sol.size + fixed:,}"
+            )
+        if budget.kind == "bpw" or file_bytes <= budget.value:
+            break
+        capacity -= file_bytes - int(budget.value)  # the header grew with the recipe's rules: shrink
+    else:  # pragma: no cover
+        raise ForgeError("could not fit the recipe's own header into --target-size")
+    seconds["solve"] = round(time.perf_counter() - t0, 2)
+    rows = [{"group": g.name, "type": g.options[j].label.lower(), "tensors": len(g.tensors),
+             "bytes": g.options[j].size, "kld": costs[i][j]}
+            for i, (g, j) in enumerate(zip(groups, sol.choice, strict=True))]  # fmt: skip
+    res = SearchResult(
+        recipe=output,
+        target={"kind": budget.kind, "value": budget.value},
+        groups=rows,
+        predicted_bytes=file_bytes,
+        predicted_tensor_bytes=tensor_bytes,
+        predicted_bpw=8 * tensor_bytes / parameters,
+        predicted_kld=sol.cost,
+        parameters=parameters,
+        measured=measured_now,
+        measurements=n_options,
+        front_states=sol.states,
+        base_perplexity=store.reference.get("perplexity"),
+        scored_tokens=store.reference.get("scored_tokens"),
+    )
+
+    # 5. the file ------------------------------------------------------------------------------------
+    if quantize_out is not None:
+        from forge.quant.quantize import quantize
+
+        assert meter is not None
+        t0 = time.perf_counter()
+        say(f"quantizing {quantize_out} with the recipe (reusing the search's encodings)")
+        _, rep = quantize(model, quantize_out, str(output), imatrix=imatrix, reuse=[folder])
+        res.quantized = quantize_out
+        res.measured_bytes = quantize_out.stat().st_size
+        res.measured_bpw = 8 * sum(r["bytes"] for r in rep.tensors) / parameters
+        res.measured_kld = meter.kld_of_file(quantize_out)
+        seconds["quantize"] = round(time.perf_counter() - t0, 2)
+    seconds["total"] = round(time.perf_counter() - t_start, 2)
+    res.seconds = seconds
+    return res
+
+
+def _target_text(b: Budget) -> str:
+    return f"{b.value:g} bpw" if b.kind == "bpw" else f"{int(b.value):,} bytes"
+
+
+def _stamp(path: Path) -> dict:
+    st = path.stat()
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _build_type_file(
+    model: Path, source: object, label: str, im: object, imatrix: Path | None, folder: Path, path: Path
+) -> None:
+    from forge.quant.quantize import quantize
+
+    recipe = folder / f"{label}.toml"
+    with atomic_output(recipe) as f:
+        f.write(type_file_recipe(source, label, im).encode())  # type: ignore[arg-type]
+    quantize(model, path, str(recipe), imatrix=imatrix)
+
+
+def _base_gguf(model: Path, folder: Path, say: Log) -> Path:
+    """The unquantized model as a GGUF the runtime maps (a Hugging Face folder is converted once)."""
+    if not model.is_dir():
+        return model
+    from forge.convert import convert_checkpoint
+
+    out = folder / "source.gguf"
+    if not out.is_file():
+        say(f"converting {model} -> {out} (the reference model)")
+        convert_checkpoint(model, out, "bf16")
+    return out
