@@ -190,7 +190,7 @@ def libggml() -> ctypes.CDLL:
 
 def llama_quantize() -> str:
     """llama.cpp's ``llama-quantize`` binary (an optional oracle for type plans): the file
-    FORGE_LLAMA_QUANTIZE names (``../shared/tools/build_llamacpp.sh`` builds one); skips without it."""
+    FORGE_LLAMA_QUANTIZE names (``build/bin/llama-quantize`` of a llama.cpp CMake build); skips without it."""
     path = os.environ.get("FORGE_LLAMA_QUANTIZE", "")
     if not (os.path.isfile(path) and os.access(path, os.X_OK)):
         pytest.skip("no llama-quantize (set FORGE_LLAMA_QUANTIZE to the binary of a llama.cpp build)")
