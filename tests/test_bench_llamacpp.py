@@ -199,7 +199,7 @@ def test_side_by_side_end_to_end(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_real_llama_bench(tmp_path: Path) -> None:
-    """With a real llama-bench (``LLAMA_BENCH=PATH``, e.g. from ../shared/tools/build_llamacpp.sh): it loads a
+    """With a real llama-bench (``LLAMA_BENCH=PATH``, e.g. build/bin/llama-bench of a llama.cpp CMake build): it loads a
     synth file and the script reports both sides."""
     import os
 
