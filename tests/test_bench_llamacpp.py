@@ -199,8 +199,8 @@ def test_side_by_side_end_to_end(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_real_llama_bench(tmp_path: Path) -> None:
-    """With a real llama-bench (``LLAMA_BENCH=PATH``, e.g. build/bin/llama-bench of a llama.cpp CMake build): it loads a
-    synth file and the script reports both sides."""
+    """With a real llama-bench (``LLAMA_BENCH=PATH``, e.g. build/bin/llama-bench of a llama.cpp CMake build):
+    it loads a synth file and the script reports both sides."""
     import os
 
     exe = os.environ.get("LLAMA_BENCH")
