@@ -102,7 +102,9 @@ def _model_context(model: Path) -> int | None:
 
 def serve(
     model: Annotated[Path, typer.Argument(help="GGUF file (or Hugging Face folder)")],
-    host: Annotated[str, typer.Option(help="address to bind (default: loopback only)")] = "127.0.0.1",
+    host: Annotated[
+        str, typer.Option(help="address to bind (other than loopback: needs --api-key)")
+    ] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8080,
     model_name: Annotated[
         str | None, typer.Option("--model-name", help="model id clients send (default: the file stem)")
@@ -110,7 +112,11 @@ def serve(
     ctx: Annotated[int | None, typer.Option(help="context length (default: the model's)")] = None,
     api_key: Annotated[
         str | None,
-        typer.Option("--api-key", envvar="FORGE_API_KEY", help="require 'Authorization: Bearer KEY'"),
+        typer.Option(
+            "--api-key",
+            envvar="FORGE_API_KEY",
+            help="require 'Authorization: Bearer KEY' (needed off loopback)",
+        ),
     ] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", help="queued requests before 503")] = 64,
     imatrix_out: Annotated[
