@@ -4,8 +4,10 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 ``stream: true`` as server-sent events ending in ``data: [DONE]``) and ``GET /health``.
 
 One worker thread owns the model and serves queued requests one at a time; HTTP handlers only
-validate, tokenize, enqueue and relay events. A bad request gets a 4xx with OpenAI's error body
-``{"error": {"message", "type", "param", "code"}}`` and never reaches the worker.
+validate, tokenize, enqueue and relay events. A bad request (text that is not valid Unicode included)
+gets a 4xx with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}`` and never
+reaches the worker. A client that hangs up, streaming or not, cancels its job: the worker drops it at
+its next token, or as it leaves the queue (``/health`` counts ``cancelled`` and ``generated_tokens``).
 
 Live imatrix: the model is loaded with a :class:`PrefillGate` observer that forwards matmul inputs to a
 :class:`~forge.imatrix.live.LiveImatrix` only while a prompt is being prefilled (as ds4's server
