@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as T
 from forge.quant import numerics as nx
 from forge.quant.codecs import iq1, iq2, iq3, iq4, kquants, legacy
 from forge.quant.types import get_type
+from tests import oracle
 
 pytest.importorskip("numba")
 
@@ -143,19 +144,13 @@ def test_scalar_helpers_match_numpy() -> None:
 # against ggml itself (optional), at magnitudes where x*x overflows float32
 
 
-def _ggml_quantize_chunk():  # noqa: ANN202
-    from tests.test_codecs_legacy_kquants import _ggml_quantize_chunk
-
-    return _ggml_quantize_chunk()
-
-
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q5_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_kernel_matches_libggml_at_extreme_magnitudes(type_name: str, weighted: bool) -> None:
     """Where the numpy reference parts from ggml (an argmax over NaN scales once x² overflows, in
     Q3_K/Q6_K; a signed zero picked as the block maximum of an all-zero Q4_0/Q5_0 block), the kernels
     follow ggml."""
-    quantize_chunk = _ggml_quantize_chunk()
+    quantize_chunk = oracle.libggml().ggml_quantize_chunk
     qtype = get_type(type_name)
     name = {"Q8_0": "q8.q8_0", "Q4_0": "legacy.q4_0", "Q5_0": "legacy.q5_0"}.get(
         type_name, f"kquants.{type_name.lower()}"
