@@ -118,6 +118,11 @@ GEOMETRIES = {
                  source="synthetic: 8 experts (llama.cpp's Mixtral n_expert == 8 rules), n_gqa 4"),
         Geometry("qwen3moe-hidden1088-synthetic", "qwen3moe", 24, 16, 4, 128, 64, 4, hidden=1088,
                  source="synthetic: hidden 1088 (not a multiple of 256): row-length fallbacks, output rule"),
+        Geometry("qwen35moe-gqa2-synthetic", "qwen35moe", 24, 4, 2, 64, 32, 4, mtp=1, linear_k_heads=2,
+                 linear_v_heads=4, linear_head_dim=64,
+                 source="synthetic: the tiny-qwen35moe fixture's geometry at 24 layers (n_gqa 2 < 4)"),
+        Geometry("qwen3moe-gqa2-2x-synthetic", "qwen3moe", 16, 8, 4, 64, 2, 1,
+                 source="synthetic: n_gqa 2 and 2 experts (the IQ1/IQ2 family's low attn_v branch)"),
     )
 }  # fmt: skip
 

@@ -45,6 +45,8 @@ GEOMETRY_TABLE = [
     ("qwen3-30b-a3b-tied",            "qwen3moe",  48, 32, 4, 128, 8,  False, 0,  True,  256),
     ("qwen3moe-8x-synthetic",         "qwen3moe",  32, 32, 8, 8,   2,  False, 0,  False, 256),
     ("qwen3moe-hidden1088-synthetic", "qwen3moe",  24, 16, 4, 64,  4,  False, 0,  False, 1088),
+    ("qwen35moe-gqa2-synthetic",      "qwen35moe", 25, 4,  2, 32,  4,  True,  18, False, 256),
+    ("qwen3moe-gqa2-2x-synthetic",    "qwen3moe",  16, 8,  4, 2,   1,  False, 0,  False, 256),
 ]  # fmt: skip
 GEOMETRIES = [row[0] for row in GEOMETRY_TABLE]
 
