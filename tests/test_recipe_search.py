@@ -1,0 +1,257 @@
+"""`forge recipe search` (issue 20): the exact knapsack, recipes that reproduce their predicted file, the
+partial forward the measurements use, bad budgets, and (slow) whole searches that resume."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from forge.errors import ForgeError
+from forge.search.knapsack import bounds, solve
+
+ROOT = Path(__file__).resolve().parents[1]
+IMATRIX = ROOT / "tests/fixtures/llamacpp/tiny-qwen3moe/tiny-qwen3moe-imatrix.gguf"
+CALIB = ROOT / "tests/fixtures/text/calib.txt"
+
+
+# --- the knapsack -------------------------------------------------------------------------------------
+
+
+def _brute(sizes: list[list[int]], costs: list[list[float]], budget: int) -> float | None:
+    best = None
+    for ch in itertools.product(*[range(len(s)) for s in sizes]):
+        if sum(sizes[i][j] for i, j in enumerate(ch)) <= budget:
+            c = sum(costs[i][j] for i, j in enumerate(ch))
+            best = c if best is None else min(best, c)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_knapsack_matches_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(150):
+        n = rng.randint(1, 6)
+        sizes = [[rng.randint(1, 40) for _ in range(rng.randint(1, 4))] for _ in range(n)]
+        costs = [[rng.choice([0.0, round(rng.random(), 4)]) for _ in s] for s in sizes]
+        lo, hi = bounds(sizes)
+        budget = rng.randint(lo - 5, hi + 5)
+        want = _brute(sizes, costs, budget)
+        sol = solve(sizes, costs, budget)
+        if want is None:
+            assert sol is None
+            continue
+        assert sol is not None
+        assert sol.size == sum(sizes[i][j] for i, j in enumerate(sol.choice)) <= budget
+        assert sol.cost == pytest.approx(want, abs=1e-9)
+        assert sol.cost == pytest.approx(sum(costs[i][j] for i, j in enumerate(sol.choice)), abs=1e-12)
+
+
+def test_knapsack_budget_is_exact_to_the_byte() -> None:
+    # the cheapest answer needs every byte: one byte less must give a worse answer
+    sizes = [[100, 170], [64, 129], [7, 9]]
+    costs = [[1.0, 0.1], [1.0, 0.2], [0.5, 0.0]]
+    full = solve(sizes, costs, 170 + 129 + 9)
+    assert full is not None and full.choice == [1, 1, 1] and full.size == 308
+    short = solve(sizes, costs, 307)
+    assert short is not None and short.size <= 307 and short.cost > full.cost
+    assert solve(sizes, costs, 170) is None  # below the smallest total (171)
+    assert bounds(sizes) == (171, 308)
+
+
+# --- groups, options and recipes on the example model -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def source_and_imatrix(example_bf16: Path):  # noqa: ANN201
+    from forge.imatrix.formats import read_imatrix
+    from forge.quant.source import source_ref
+
+    return source_ref(example_bf16, True).open(), read_imatrix(IMATRIX)
+
+
+def test_options_follow_fallbacks_and_imatrix_requirements(source_and_imatrix) -> None:  # noqa: ANN001
+    from gguf import GGMLQuantizationType as Q
+
+    from forge.search.measure import make_groups
+
+    source, im = source_and_imatrix
+    groups, fixed = make_groups(source, ["IQ2_XXS", "Q4_K", "Q8_0"], im, "tensor")
+    by_name = {g.name: g for g in groups}
+    assert len(groups) == 30 and fixed > 0  # 4 layers x 7 + token_embd + output; norms and routers kept
+    # the imatrix has no entry for the embedding/head: IQ2_XXS cannot be made for them, the rest can
+    assert [o.label for o in by_name["output"].options] == ["Q4_K", "Q8_0"]
+    assert [o.label for o in by_name["blk.0.ffn_up_exps"].options] == ["IQ2_XXS", "Q4_K", "Q8_0"]
+    assert by_name["blk.0.ffn_up_exps"].options[1].size == 32 * 256 * 256 // 256 * 144
+    # without an imatrix IQ2_XXS is no candidate anywhere
+    groups_no_im, _ = make_groups(source, ["IQ2_XXS", "Q4_K"], None, "tensor")
+    assert all(o.types != (Q.IQ2_XXS,) for g in groups_no_im for o in g.options)
+    fam, fixed2 = make_groups(source, ["Q4_K", "Q8_0"], im, "family-layer")
+    assert fixed2 == fixed
+    assert [g.name for g in fam][:4] == ["output", "token_embd", "blk.0.attn", "blk.0.ffn_exps"]
+    assert len(fam) == 2 + 4 * 2 and sum(len(g.tensors) for g in fam) == 30
+
+
+def test_fallback_types_are_options_with_their_real_size(source_and_imatrix) -> None:  # noqa: ANN001
+    from gguf import GGMLQuantizationType as Q
+
+    from forge.quant.source import SrcTensor
+    from forge.search.measure import option_for
+
+    t = SrcTensor("blk.0.attn_q.weight", (256, 96), Q.BF16)  # 96 columns: no 256-blocks
+    assert option_for(t, Q.Q4_K, None) == Q.Q5_0
+    assert option_for(t, Q.Q6_K, None) == Q.Q8_0
+    assert option_for(t, Q.IQ2_XXS, None) == Q.IQ4_NL  # the fallback needs no imatrix (make_plan's rule)
+    full = SrcTensor("blk.0.attn_q.weight", (256, 256), Q.BF16)
+    assert option_for(full, Q.IQ2_XXS, None) is None
+
+
+def test_recipe_reproduces_the_chosen_types_and_size(
+    source_and_imatrix, example_bf16: Path, tmp_path: Path
+) -> None:  # noqa: ANN001
+    from forge.quant.plan import make_plan
+    from forge.quant.recipe import parse_recipe
+    from forge.search.measure import make_groups
+    from forge.search.search import dry_run_bytes, recipe_text
+
+    source, im = source_and_imatrix
+    groups, fixed = make_groups(source, ["IQ2_XXS", "Q2_K", "IQ4_XS", "Q6_K", "Q8_0"], im, "tensor")
+    rng = random.Random(7)
+    choice = [rng.randrange(len(g.options)) for g in groups]
+    text = recipe_text(groups, choice, ["test"])
+    plan = {p.name: p.out_type for p in make_plan(source, parse_recipe(text), imatrix=im)}
+    for g, j in zip(groups, choice, strict=True):
+        for name, t in zip(g.tensors, g.options[j].types, strict=True):
+            assert plan[name] == t, name
+    path = tmp_path / "r.toml"
+    path.write_text(text)
+    _, tensor_bytes = dry_run_bytes(example_bf16, path, IMATRIX)
+    assert tensor_bytes == fixed + sum(g.options[j].size for g, j in zip(groups, choice, strict=True))
+
+
+def test_bad_budgets_are_errors_before_any_work(example_bf16: Path, tmp_path: Path) -> None:
+    from forge.search.search import search
+
+    out = tmp_path / "best.toml"
+    kw = dict(imatrix=IMATRIX, types="q2_k,q8_0", ctx=32, chunks=1)
+    with pytest.raises(ForgeError, match=r"below the smallest file these types make \(2\.\d+ bpw"):
+        search(example_bf16, out, CALIB, target_bpw=2.0, **kw)
+    with pytest.raises(ForgeError, match=r"above the largest file these types make \(8\.5\d+ bpw"):
+        search(example_bf16, out, CALIB, target_bpw=8.6, **kw)
+    with pytest.raises(ForgeError, match="below the smallest file"):
+        search(example_bf16, out, CALIB, target_size=1 << 20, **kw)
+    with pytest.raises(ForgeError, match="above the largest file"):
+        search(example_bf16, out, CALIB, target_size=1 << 30, **kw)
+    with pytest.raises(ForgeError, match="exactly one of"):
+        search(example_bf16, out, CALIB, target_bpw=4.0, target_size=1 << 24, **kw)
+    with pytest.raises(ForgeError, match="unknown"):
+        search(example_bf16, out, CALIB, target_bpw=4.0, imatrix=IMATRIX, types="q4_k,q9_z")
+    assert not out.exists() and not (tmp_path / "best.toml.search.json").exists()
+
+
+def test_cli_bad_budget_is_one_error_line(example_bf16: Path, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "forge", "recipe", "search", str(example_bf16), "--text", str(CALIB),
+           "-o", str(tmp_path / "b.toml"), "--target-bpw", "1", "--types", "q4_k,q8_0"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert (
+        r.stderr.strip().splitlines() == [r.stderr.strip().splitlines()[-1]]
+        and "below the smallest file" in r.stderr
+    )
+    assert "Traceback" not in r.stderr
+
+
+# --- the measurements -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_thread():  # noqa: ANN201
+    """Many small forward passes: one torch thread (two contend badly on a loaded 2-core box)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_partial_forward_equals_the_full_forward(
+    example_bf16: Path, tmp_path: Path, one_thread: None
+) -> None:
+    """A variant measured from layer L on (earlier layers taken from the reference) gives the KLD of the whole
+    forward pass; the base model against itself gives 0."""
+    from forge.quant.quantize import quantize
+    from forge.search.measure import KldMeter
+    from runtime.evaluate import perplexity_tokens
+    from runtime.tokenizer import Tokenizer
+    from runtime.weights import GGUFWeights, load_weights
+
+    recipe = tmp_path / "one.toml"
+    recipe.write_text('default = "bf16"\n[[rules]]\nname = "blk.2.attn_v.weight"\ntype = "q2_k"\n'
+                      '[[rules]]\nname = "output.weight"\ntype = "q2_k"\n')  # fmt: skip
+    q = tmp_path / "one.gguf"
+    quantize(example_bf16, q, str(recipe))
+    tok = Tokenizer.from_metadata(load_weights(example_bf16))
+    ids = perplexity_tokens(tok, CALIB.read_text(encoding="utf-8"), 32, 2)
+    meter = KldMeter(example_bf16, ids, 32, 2)
+    assert meter.kld(meter.variant({}), -1) == pytest.approx(0.0, abs=1e-9)
+    w = GGUFWeights(q)
+    v = meter.variant({"blk.2.attn_v.weight": w})
+    partial, full = meter.kld(v, 2), meter.kld(v, -1)
+    assert partial > 1e-6
+    assert partial == pytest.approx(full, rel=1e-4, abs=1e-9)
+    head = meter.variant({"output.weight": w})
+    assert meter.kld(head, 4) == pytest.approx(meter.kld(head, -1), rel=1e-4)
+    assert meter.kld_of_file(q) > max(partial, meter.kld(head, 4))  # both groups at once
+
+
+def test_measurements_of_other_settings_are_not_used(tmp_path: Path) -> None:
+    from forge.search.measure import Measurements
+
+    p = tmp_path / "m.json"
+    m = Measurements(p, {"ctx": 32})
+    m.put("blk.0.attn_q", "Q4_K", 0.25)
+    again = Measurements(p, {"ctx": 32})
+    assert again.get("blk.0.attn_q", "Q4_K") == 0.25 and not again.stale
+    other = Measurements(p, {"ctx": 64})
+    assert other.stale and other.get("blk.0.attn_q", "Q4_K") is None
+
+
+@pytest.mark.slow
+def test_search_resumes_and_reproduces_its_file(example_bf16: Path, tmp_path: Path, one_thread: None) -> None:
+    from forge.search.search import search
+
+    out = tmp_path / "best.toml"
+    kw = dict(imatrix=IMATRIX, types="q2_k,q4_k,q8_0", granularity="family-layer", ctx=32, chunks=2)
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_3(done: int, total: int, what: str) -> None:
+        if done == 3:
+            raise Stop
+
+    with pytest.raises(Stop):
+        search(example_bf16, out, CALIB, target_bpw=4.0, progress=stop_after_3, **kw)
+    saved = json.loads((tmp_path / "best.toml.search.json").read_text())
+    assert sum(len(v) for v in saved["costs"].values()) == 3
+    q = tmp_path / "best.gguf"
+    res = search(example_bf16, out, CALIB, target_bpw=4.0, quantize_out=q, **kw)
+    assert res.measured == res.measurements - 3 == 30 - 3
+    assert res.predicted_bytes == q.stat().st_size
+    assert res.predicted_bpw <= 4.0 and res.measured_bpw == pytest.approx(res.predicted_bpw)
+    assert res.measured_kld is not None and 0 < res.measured_kld < 1
+    # another budget on the same settings measures nothing
+    res2 = search(example_bf16, out, CALIB, target_bpw=3.0, **kw)
+    assert res2.measured == 0 and res2.predicted_bpw <= 3.0 and res2.predicted_kld >= res.predicted_kld
+    # the recipe is an ordinary one: forge quantize writes the same bytes
+    from forge.quant.quantize import quantize
+
+    q2 = tmp_path / "again.gguf"
+    quantize(example_bf16, q2, str(out), imatrix=IMATRIX)
+    assert q2.stat().st_size == res2.predicted_bytes
