@@ -45,18 +45,26 @@ class GenerationResult:
         return steps / self.decode_seconds if self.decode_seconds else 0.0
 
 
+# Valid but tiny values that float32 sampling cannot take (logits / 1e-40 overflow; top_p 1e-320 rounds to 0
+# and drops every token) act as their limits: greedy below vLLM's 1e-5 threshold, and the smallest float32
+# top_p, which keeps only the most likely token as any top_p that small does.
+GREEDY_BELOW = 1e-5
+MIN_TOP_P = float(torch.finfo(torch.float32).tiny)
+
+
 def sample(logits: torch.Tensor, params: Sampling, generator: torch.Generator | None = None) -> int:
     """One token id from (vocab,) logits."""
-    if params.temperature <= 0:
+    if params.temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
     logits = logits.float() / params.temperature
     if params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
+        top_p = max(params.top_p, MIN_TOP_P)
         sorted_logits, order = torch.sort(logits, descending=True)
         cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, -1) >= params.top_p  # keep the smallest set reaching top_p
+        drop = cum - torch.softmax(sorted_logits, -1) >= top_p  # keep the smallest set reaching top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     probs = torch.softmax(logits, -1).cpu()
     return int(torch.multinomial(probs, 1, generator=generator))

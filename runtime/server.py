@@ -531,19 +531,12 @@ def load_engine(
 # ------------------------------------------------------------------------------------------ HTTP layer
 
 
-# Valid but tiny values that float32 sampling cannot take (logits / 1e-40 overflow; top_p 1e-320 rounds to 0
-# and drops every token) are replaced by their limits: greedy below vLLM's 1e-5 threshold, and the smallest
-# float32 top_p, which keeps only the most likely token as any top_p that small does.
-GREEDY_BELOW = 1e-5
-MIN_TOP_P = float(torch.finfo(torch.float32).tiny)
-
-
 def _sampling(req: _Request) -> Sampling:
     temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default
     return Sampling(
-        temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+        temperature=temperature,
         top_k=req.top_k or 0,
-        top_p=1.0 if req.top_p is None else max(req.top_p, MIN_TOP_P),
+        top_p=1.0 if req.top_p is None else req.top_p,
         seed=req.seed,
     )
 
