@@ -34,6 +34,10 @@ RECORDED = SHIPPED / "type_plan_oracle.json"
 # attention, every 4th). Qwen3.5-397B-A17B's numbers are from memory of its config.json (60 layers, 32 / 2
 # heads, 512 experts top 10, 16 / 64 DeltaNet key / value heads): the rules only see n_gqa >= 4 (16 either way),
 # n_expert (not 8, >= 4) and the layer count (llama.cpp's loader names 60 layers 397B_A17B, which agrees).
+# Dense layers: none of these models has any (decoder_sparse_step 1, mlp_only_layers []), and llama.cpp's
+# qwen3moe / qwen35moe loaders know none. Size classes: only LLM_TYPE_70B changes a rule, and no qwen3moe /
+# qwen35moe model gets it. The -synthetic rows reach branches the real ones do not: n_expert == 8, n_gqa < 4,
+# n_expert < 4, rows that are not a multiple of 256.
 #   name                            arch       blocks heads kv experts used shexp DeltaNet tied  hidden
 GEOMETRY_TABLE = [
     ("qwen3-30b-a3b",                 "qwen3moe",  48, 32, 4, 128, 8,  False, 0,  False, 256),
