@@ -6,8 +6,8 @@
 The search calibrates on `tests/fixtures/text/calib.txt` (short chunks: the search's own cost) and every file
 is judged on the held-out `tests/fixtures/text/val.txt` (ctx 512, the first --val-chunks chunks, mean KLD
 against the bf16 model, top-k 128 reference logits as `forge eval --reference-logits`). Measurements are made
-once and reused by every budget (they do not depend on it). Each searched row names the presets of equal or
-larger size it beats. `--png` draws bits per weight vs mean KLD for all files (matplotlib; without it the
+once and reused by every budget (they do not depend on it). Each preset is compared with the largest searched
+file no larger than it. `--png` draws bits per weight vs mean KLD for all files (matplotlib; without it the
 table is printed and the PNG skipped). Everything lands in --work (reused by a rerun).
 """
 
@@ -111,14 +111,24 @@ def main() -> None:
         bpw = 8 * sum(r["bytes"] for r in rep.tensors) / n_el
         keep({"kind": "preset", "name": name, "bytes": out.stat().st_size, "bpw": bpw, **judge(out)})
     presets = [r for r in rows if r["kind"] == "preset"]
-    print("\nsearched recipe vs every preset of equal or larger size (held-out KLD):")
-    for r in [r for r in rows if r["kind"] == "searched"]:
-        beaten = [p["name"] for p in presets if p["bytes"] >= r["bytes"] and p["kld"] > r["kld"]]
-        worse = [p["name"] for p in presets if p["bytes"] >= r["bytes"] and p["kld"] <= r["kld"]]
-        print(f"{r['name']:<12}{r['bpw']:.3f} bpw KLD {r['kld']:.6f}: beats {','.join(beaten) or '-'}"
-              + (f"; NOT {','.join(worse)}" if worse else "")
-              + f" (calibration KLD predicted {r['predicted_kld_calib']:.5f}, measured {r['measured_kld_calib']:.5f};"
-              f" size predicted {r['predicted_bytes']:,} written {r['bytes']:,})")  # fmt: skip
+    searched = sorted([r for r in rows if r["kind"] == "searched"], key=lambda r: r["bytes"])
+    print("\nsearched recipes (size and calibration KLD: predicted -> written/measured):")
+    for r in searched:
+        print(f"{r['name']:<12}{r['predicted_bytes']:>12,} -> {r['bytes']:,} bytes; calibration KLD "
+              f"{r['predicted_kld_calib']:.5f} -> {r['measured_kld_calib']:.5f}")  # fmt: skip
+    print("\neach preset vs the largest searched file no larger than it (held-out KLD):")
+    wins = losses = 0
+    for p in sorted(presets, key=lambda r: r["bytes"]):
+        fit = [r for r in searched if r["bytes"] <= p["bytes"]]
+        if not fit:
+            print(f"{p['name']:<10}{p['bpw']:.3f} bpw {p['kld']:.6f}: no searched file this small")
+            continue
+        r = fit[-1]
+        won = r["kld"] < p["kld"]
+        wins, losses = wins + won, losses + (not won)
+        print(f"{p['name']:<10}{p['bpw']:.3f} bpw {p['kld']:.6f} vs {r['name']} {r['bpw']:.3f} bpw {r['kld']:.6f}: "
+              + ("searched lower" if won else "PRESET LOWER"))  # fmt: skip
+    print(f"searched file lower in {wins} of {wins + losses} comparisons")
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     if a.png:

@@ -200,6 +200,7 @@ class Measurements:
         self.costs: dict[str, dict[str, float]] = {}
         self.reference: dict = {}
         self.stale = False
+        self.previous: dict = {}
         if path.is_file():
             try:
                 data = json.loads(path.read_text(encoding="utf-8"))
@@ -209,7 +210,7 @@ class Measurements:
                 self.costs = {g: dict(v) for g, v in data.get("costs", {}).items()}
                 self.reference = data.get("reference", {})
             else:
-                self.stale = True
+                self.stale, self.previous = True, data
 
     def get(self, group: str, label: str) -> float | None:
         return self.costs.get(group, {}).get(label)

@@ -199,6 +199,9 @@ def search(
         say(f"{measurements_path} was made with other settings (model, imatrix, text, ctx, chunks or "
             "granularity): measuring again")  # fmt: skip
         store.costs, store.reference = {}, {}
+        prev = store.previous.get("settings", {})
+        if all(prev.get(k) == store.settings[k] for k in ("model", "imatrix")):  # the encodings still hold
+            store.reference["type_files"] = store.previous.get("reference", {}).get("type_files", {})
     elif store.count:
         say(f"resuming: {store.count} of {n_options} candidates already measured in {measurements_path}")
     used = [lb for lb in labels if any(o.label == lb for g in groups for o in g.options)]
