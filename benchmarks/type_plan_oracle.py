@@ -423,20 +423,8 @@ class Oracle:
             if im_file is None:
                 im_file = path.with_name(path.stem + "-imatrix.gguf")
                 write_imatrix(imatrix, im_file)  # forge's writer: llama.cpp's GGUF imatrix format
-                _pad_to_alignment(im_file)
                 self._imatrix_files = {id(imatrix): im_file}
         return binary_types(self.binary, path, preset, im_file)
-
-
-def _pad_to_alignment(path: Path, alignment: int = 32) -> None:
-    """Work around forge.gguf_file.write_gguf leaving the last tensor unpadded: llama.cpp pads after every
-    tensor and its reader (gguf_init_from_file with data, as llama-quantize loads an imatrix) needs the padded
-    blob ("failed to read tensor data binary blob" when the last entry is a dense ``.counts``, 4 bytes).
-    With the padding, forge's file of the tiny-qwen35moe imatrix is byte-identical to llama-imatrix's."""
-    size = path.stat().st_size
-    if size % alignment:
-        with open(path, "ab") as f:
-            f.write(b"\0" * (-size % alignment))
 
 
 def run_geometry(gname: str, presets: list[str], workdir: Path, modes: tuple[bool, ...] = (False, True),

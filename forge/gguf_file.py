@@ -442,9 +442,11 @@ class GGUFLayout:
 
     @property
     def total_size(self) -> int:
+        """The file's size: like llama.cpp's and gguf-py's writers, the last tensor is padded to the
+        alignment too (llama.cpp's loaders expect the data section to be a whole number of aligned blocks)."""
         if not self.tensors:
             return self.data_start
-        return self.data_start + self.offsets[-1] + self.tensors[-1].nbytes
+        return self.data_start + align_up(self.offsets[-1] + self.tensors[-1].nbytes, self.alignment)
 
 
 TensorData = np.ndarray | bytes | memoryview
@@ -505,6 +507,7 @@ def _write_layout(
         _write_tensor_bytes(f, spec, item)
         if on_tensor:
             on_tensor(spec)
+    f.write(b"\0" * (layout.total_size - f.tell()))
 
 
 # ------------------------------------------------------------------------------------------ splits

@@ -92,6 +92,14 @@ def test_writers_reproduce_llamacpp_bytes(tmp_path):
     assert (tmp_path / "ours.dat").read_bytes() == fixture_file("dat").read_bytes()
 
 
+def test_gguf_writer_pads_the_last_tensor_as_llamacpp_does(tmp_path):
+    """tiny-qwen35moe's imatrix ends with a dense ``.counts`` tensor of 4 bytes: llama-imatrix pads it to the
+    alignment, and its loaders refuse a file without that padding."""
+    src = oracle.llamacpp_file("tiny-qwen35moe", "tiny-qwen35moe-imatrix.gguf")
+    write_imatrix(read_imatrix(src), tmp_path / "ours.gguf")
+    assert (tmp_path / "ours.gguf").read_bytes() == src.read_bytes()
+
+
 def test_importance_equals_llama_quantize_view():
     g = read_imatrix(fixture_file("gguf"))
     ref = oracle.llamacpp_importance(MODEL)
