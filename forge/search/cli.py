@@ -99,7 +99,7 @@ def search_cmd(
             sys.stderr.write(f"measured {done}/{total}\n")
 
     res = search(model, output, text, imatrix, target_bpw, size, types, granularity, ctx, chunks,
-                 quantize_out, log, progress)  # fmt: skip
+                 quantize_out, log, None if as_json else progress)  # fmt: skip
     if as_json:
         sys.stdout.write(json.dumps(res.to_json(), indent=1) + "\n")
         return

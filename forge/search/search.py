@@ -217,7 +217,7 @@ def search(
         if path.is_file() and known.get(lb) == _stamp(path):
             continue
         say(f"encoding the candidates' {lb} tensors ({k + 1}/{len(need_files)}) -> {path}")
-        _build_type_file(model, source, lb, im, imatrix, folder, path)
+        _build_type_file(model, source, lb, im, imatrix, folder, path, progress is not None)
         known[lb] = _stamp(path)
         store.save()
     seconds = {"encode": round(time.perf_counter() - t0, 2)}
@@ -318,14 +318,21 @@ def _stamp(path: Path) -> dict:
 
 
 def _build_type_file(
-    model: Path, source: object, label: str, im: object, imatrix: Path | None, folder: Path, path: Path
+    model: Path,
+    source: object,
+    label: str,
+    im: object,
+    imatrix: Path | None,
+    folder: Path,
+    path: Path,
+    show_progress: bool = False,
 ) -> None:
     from forge.quant.quantize import quantize
 
     recipe = folder / f"{label}.toml"
     with atomic_output(recipe) as f:
         f.write(type_file_recipe(source, label, im).encode())  # type: ignore[arg-type]
-    quantize(model, path, str(recipe), imatrix=imatrix)
+    quantize(model, path, str(recipe), imatrix=imatrix, progress=show_progress)
 
 
 def _base_gguf(model: Path, folder: Path, say: Log) -> Path:
