@@ -183,7 +183,10 @@ def quantize(
 @app.command()
 def demo(
     model: Annotated[
-        Path | None, typer.Option(help="HF folder (default: the bundled examples/tiny-qwen3moe)")
+        Path | None,
+        typer.Option(
+            help="HF folder (default: the checkout's examples/tiny-qwen3moe, else random weights in its geometry)"
+        ),
     ] = None,
     keep: Annotated[
         Path | None, typer.Option(help="keep the outputs in this folder instead of a temp folder")
