@@ -24,6 +24,7 @@ def enabled() -> bool:
     every call, so tests can switch paths."""
     return os.environ.get("FORGE_NO_NUMBA", "") in ("", "0")
 
+
 F32 = np.float32
 GROUP_MAX_EPS = F32(1e-15)
 _MAGIC = F32(12582912.0)  # 1.5 * 2**23
