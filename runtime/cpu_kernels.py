@@ -1,5 +1,5 @@
 """Compiled (numba) one-token kernels for the CPU decode path: one call per block and token (attention,
-Gated DeltaNet, shared expert, routed experts with their top-k routing, matrix-vector products with RMSNorm
+Gated DeltaNet, shared expert, routed experts (routed outside, by ``runtime.moe.Router``), matrix-vector products with RMSNorm
 folded in) over row-major float32 weights, and routed experts kept encoded (``runtime.cpu_rows``).
 
 For one input row, torch's CPU matmul runs these shapes on one core well below memory speed (a 256 x 512
@@ -83,26 +83,6 @@ def _norm_gemv(
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
-def _top_k_softmax(logits: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> None:
-    """ids: the top-k of ``logits`` (descending, first index on ties, like torch.topk), k = ids.shape[0];
-    weights: the softmax of those logits."""
-    taken = np.zeros(logits.shape[0], np.bool_)
-    for i in range(ids.shape[0]):
-        best = -1
-        for e in range(logits.shape[0]):
-            if not taken[e] and (best < 0 or logits[e] > logits[best]):
-                best = e
-        taken[best] = True
-        ids[i] = best
-    total = np.float32(0)
-    for i in range(ids.shape[0]):
-        weights[i] = np.exp(logits[ids[i]] - logits[ids[0]])
-        total += weights[i]
-    for i in range(ids.shape[0]):
-        weights[i] /= total
-
-
-@njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
 def _encoded_row(buf: np.ndarray, meta: np.ndarray, part: int, expert: int, row: int) -> np.ndarray:
     start = meta[part, 0] + expert * meta[part, 1] + row * meta[part, 2]
     return buf[start : start + meta[part, 3]]
@@ -111,26 +91,22 @@ def _encoded_row(buf: np.ndarray, meta: np.ndarray, part: int, expert: int, row:
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
 def _routed_ffn_encoded(
     x: np.ndarray,
-    logits: np.ndarray,
     gate: np.ndarray,
     up: np.ndarray,
     down: np.ndarray,
     meta: np.ndarray,
     h: np.ndarray,
-    route: bool,
     ids: np.ndarray,
     weights: np.ndarray,
     act: np.ndarray,
     out: np.ndarray,
 ) -> None:
-    """``_routed_ffn`` over encoded experts (``route`` False: ids/weights are given, logits unused).
+    """``_routed_ffn`` over encoded experts.
 
     gate, up, down: flat uint8 buffers; meta (3, 5): per part the offset, expert stride, row stride, row bytes
     and type of its rows (see ``EncodedExperts``). Each row's dot product is taken from its bytes (``dot_row``).
     """
     k, n_ff = act.shape
-    if route:
-        _top_k_softmax(logits, ids, weights)
     x_sums = np.empty(x.shape[0] // 32, np.float32)
     group_sums(x, x_sums)
     for r in prange(k * n_ff):
@@ -156,7 +132,6 @@ def _routed_ffn_encoded(
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
 def _routed_ffn(
     x: np.ndarray,
-    logits: np.ndarray,
     gate_up: np.ndarray,
     down: np.ndarray,
     h: np.ndarray,
@@ -167,11 +142,10 @@ def _routed_ffn(
 ) -> None:
     """out = h + sum_i weights[i] * down[ids[i]] @ (silu(gate) * up), gate|up = gate_up[ids[i]] @ x.
 
-    ids/weights: the top-k of ``logits`` (descending, first index on ties, like torch.topk) and the softmax
-    of those logits; k = ids.shape[0]. act (k, n_ff) receives the SwiGLU outputs.
+    ids/weights: the routed experts and their weights (routed by ``runtime.moe.Router``, outside the
+    kernels); k = ids.shape[0]. act (k, n_ff) receives the SwiGLU outputs.
     """
     k, n_ff = act.shape
-    _top_k_softmax(logits, ids, weights)
     for r in prange(k * n_ff):
         i = r // n_ff
         f = r - i * n_ff
@@ -408,61 +382,47 @@ def norm_gemv(
 
 
 def routed_ffn_encoded(
-    x: torch.Tensor,
-    logits: torch.Tensor | None,
-    k: int,
-    experts: EncodedExperts,
-    h: torch.Tensor,
-    routes: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``routed_ffn`` with the experts kept encoded (see ``EncodedExperts``); same returns. ``routes``:
-    given (ids, weights) instead of the top-k of ``logits`` (ids index ``experts``' first axis)."""
-    ids, weights = (torch.empty(k, dtype=torch.int64), torch.empty(k)) if routes is None else routes
-    act, out = torch.empty(k, experts.n_ff), torch.empty(1, h.shape[-1])
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: EncodedExperts, h: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``routed_ffn`` with the experts kept encoded (see ``EncodedExperts``; ``ids`` index its first axis);
+    same returns."""
+    act, out = torch.empty(len(ids), experts.n_ff), torch.empty(1, h.shape[-1])
     _routed_ffn_encoded(
         _vec(x),
-        _vec(logits) if logits is not None else np.empty(0, np.float32),
         *experts.buffers,
         experts.meta,
         _vec(h),
-        routes is None,
-        ids.numpy(),
-        weights.numpy(),
+        _ids(ids),
+        _vec(weights.float()),
         act.numpy(),
         out.numpy()[0],
     )
-    return out, ids, weights, act
-
-
-def top_k_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The routing the kernels compute: top-k ids of logits (1, n_expert) and the softmax of those logits."""
-    ids, weights = torch.empty(k, dtype=torch.int64), torch.empty(k)
-    _top_k_softmax(_vec(logits), ids.numpy(), weights.numpy())
-    return ids, weights
+    return out, act
 
 
 def routed_ffn(
-    x: torch.Tensor, logits: torch.Tensor, k: int, gate_up: np.ndarray, down: np.ndarray, h: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h + the top-k routed experts' SwiGLU output for one token x (1, n_embd); logits (1, n_expert).
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: np.ndarray,
+    down: np.ndarray,
+    h: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h + the routed experts' SwiGLU output for one token x (1, n_embd): experts ``ids`` (k,) weighted by
+    ``weights`` (k,), as ``runtime.moe.Router`` routed them.
 
     gate_up: (n_expert, 2 n_ff, n_embd) with the gate rows first; down: (n_expert, n_embd, n_ff).
-    Returns that (1, n_embd), the expert ids (k,), their weights (k,) and SwiGLU outputs (k, n_ff).
+    Returns that (1, n_embd) and the SwiGLU outputs (k, n_ff).
     """
-    ids, weights = torch.empty(k, dtype=torch.int64), torch.empty(k)
-    act, out = torch.empty(k, down.shape[2]), torch.empty(1, h.shape[-1])
+    act, out = torch.empty(len(ids), down.shape[2]), torch.empty(1, h.shape[-1])
     _routed_ffn(
-        _vec(x),
-        _vec(logits),
-        gate_up,
-        down,
-        _vec(h),
-        ids.numpy(),
-        weights.numpy(),
-        act.numpy(),
-        out.numpy()[0],
+        _vec(x), gate_up, down, _vec(h), _ids(ids), _vec(weights.float()), act.numpy(), out.numpy()[0]
     )
-    return out, ids, weights, act
+    return out, act
+
+
+def _ids(ids: torch.Tensor) -> np.ndarray:
+    return ids.detach().reshape(-1).to(torch.int64).contiguous().numpy()
 
 
 def attention_step(
@@ -533,7 +493,6 @@ def cached_on_disk() -> bool:
         _gemv_parallel,
         _norm_gemv,
         _routed_ffn,
-        _top_k_softmax,
         _routed_ffn_encoded,
         _attention_step,
         _deltanet_step,
@@ -553,9 +512,8 @@ def warm_up() -> None:
     gemv(one, rows)
     gemv(one, np.ones((PARALLEL_MIN // 64, 64), np.float32), torch.ones(1, PARALLEL_MIN // 64))
     norm_gemv(one, rows[0], 1e-6, rows)
-    routed_ffn(
-        one, torch.ones(1, 4), 2, np.ones((4, 64, 64), np.float32), np.ones((4, 64, 32), np.float32), one
-    )
+    ids, weights = torch.tensor([1, 0]), torch.full((2,), 0.5)
+    routed_ffn(one, ids, weights, np.ones((4, 64, 64), np.float32), np.ones((4, 64, 32), np.float32), one)
     kv = torch.zeros(1, 2, 32)
     attention_step(
         one, one[0], 1e-6, np.ones((4 * 32, 64), np.float32), 2, 0, np.ones((3, 32), np.float32),
@@ -567,6 +525,5 @@ def warm_up() -> None:
         np.ones((64, 16), np.float32),
     )  # fmt: skip
     shared_ffn(one, np.ones((65, 64), np.float32), np.ones((64, 32), np.float32), one)
-    top_k_softmax(torch.ones(1, 4), 2)
     experts = np.zeros((4, 64, 256), np.uint8)  # float32 rows (type 0) of 64 values
-    routed_ffn_encoded(one, torch.ones(1, 4), 2, EncodedExperts(experts, 0, experts, 0, experts, 0), one)
+    routed_ffn_encoded(one, ids, weights, EncodedExperts(experts, 0, experts, 0, experts, 0), one)

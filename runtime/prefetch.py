@@ -35,7 +35,7 @@ class Prefetcher(Observer):
         cache.prefetching = True
         self.n_used = int(model.n_expert_used)
         layers = [i for i in model.routed_layers() if i in cache.layers]
-        self.routers = {i: model.blocks[i].moe.router.weight for i in layers}
+        self.routers = {i: model.blocks[i].moe.router.proj.weight for i in layers}
         self.next_layer = dict(zip(layers, layers[1:], strict=False))
         self.predicted = 0  # experts predicted (whether already cached or not)
         self._x: tuple[int, torch.Tensor] | None = None

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime import cpu_kernels as ck
+from runtime.moe import softmax_top_k
 
 pytest.importorskip("numba")
 
@@ -65,7 +66,8 @@ def test_routed_ffn_equals_topk_softmax_swiglu(k: int) -> None:
     n_expert, n_ff, n_embd = 16, 48, 64
     gate_up, down = _rand(n_expert, 2 * n_ff, n_embd, seed=7), _rand(n_expert, n_embd, n_ff, seed=8)
     x, h, logits = _rand(1, n_embd, seed=9), _rand(1, n_embd, seed=10), _rand(1, n_expert, seed=11)
-    out, ids, w, act = ck.routed_ffn(x, logits, k, gate_up.numpy(), down.numpy(), h)
+    ids, w = (t[0] for t in softmax_top_k(logits, k))  # routed outside the kernels (runtime.moe.Router)
+    out, act = ck.routed_ffn(x, ids, w, gate_up.numpy(), down.numpy(), h)
     want, want_ids, want_w, want_act = _routed_reference(x, logits, k, gate_up, down, h)
     assert torch.equal(ids, want_ids)
     _close(w, want_w)
@@ -78,9 +80,13 @@ def test_routed_ffn_skips_masked_experts_and_breaks_ties_by_index() -> None:
     gate_up, down = _rand(n_expert, 2 * n_ff, n_embd, seed=12), _rand(n_expert, n_embd, n_ff, seed=13)
     logits = torch.full((1, n_expert), -1e30)
     logits[0, [6, 2, 5]] = torch.tensor([0.5, 0.5, 1.0])
-    _, ids, w, _ = ck.routed_ffn(_rand(1, n_embd), logits, 3, gate_up.numpy(), down.numpy(), _rand(1, n_embd))
+    ids, w = (t[0] for t in softmax_top_k(logits, 3))  # the router's choice, given to the kernel
     assert ids.tolist() == [5, 2, 6]
     _close(w, torch.softmax(torch.tensor([1.0, 0.5, 0.5]), -1))
+    x, h = _rand(1, n_embd), _rand(1, n_embd)
+    out, _ = ck.routed_ffn(x, ids, w, gate_up.numpy(), down.numpy(), h)
+    want = _routed_reference(x, logits, 3, gate_up, down, h)[0]
+    _close(out, want)
 
 
 def _attention_reference(h, norm, eps, w_in, n_head, n_gate, qk_norm, cos, sin, keys, values, pos, w_out):  # noqa: ANN001, ANN202, PLR0913
@@ -290,7 +296,8 @@ def test_routed_ffn_encoded_equals_decoded(types: tuple[str, str, str]) -> None:
     down = _encoded_rows(qt[2], n_expert * n_embd, n_ff, 43).reshape(n_expert, n_embd, -1)
     x, h, logits = _rand(1, n_embd, seed=44), _rand(1, n_embd, seed=45), _rand(1, n_expert, seed=46)
     experts = ck.EncodedExperts(gate, qt[0], up, qt[1], down, qt[2])
-    out, ids, w, act = ck.routed_ffn_encoded(x, logits, k, experts, h)
+    ids, w = (t[0] for t in softmax_top_k(logits, k))  # routed outside the kernels (runtime.moe.Router)
+    out, act = ck.routed_ffn_encoded(x, ids, w, experts, h)
     dec = [
         dequantize(torch.from_numpy(a), t, c)
         for a, t, c in zip((gate, up, down), qt, (n_embd, n_embd, n_ff), strict=True)
@@ -304,4 +311,4 @@ def test_routed_ffn_encoded_equals_decoded(types: tuple[str, str, str]) -> None:
     fused = np.concatenate([gate, up], axis=1) if qt[0] == qt[1] else None
     if fused is not None:
         halves = ck.EncodedExperts(fused[:, :n_ff], qt[0], fused[:, n_ff:], qt[1], down, qt[2])
-        assert torch.equal(ck.routed_ffn_encoded(x, logits, k, halves, h)[0], out)
+        assert torch.equal(ck.routed_ffn_encoded(x, ids, w, halves, h)[0], out)

@@ -123,12 +123,13 @@ def test_observers_see_every_matmul_and_routing(model) -> None:
 
 def test_no_observer_means_no_calls(model, monkeypatch) -> None:
     import runtime.models.qwen3moe as q
+    import runtime.moe as moe
 
     def boom(*a, **k):
         raise AssertionError("observer hook called without observers")
 
     monkeypatch.setattr(q, "notify_matmul", boom)
-    monkeypatch.setattr(q, "notify_routing", boom)
+    monkeypatch.setattr(moe, "notify_routing", boom)
     model.forward(_ids(5), model.new_state())
 
 

@@ -6,7 +6,6 @@ and the routed-expert FFN (gathering the selected experts, decoding only those).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,12 +16,12 @@ from gguf import GGMLQuantizationType as Q
 from forge.errors import ForgeError
 from runtime import cpu_kernels
 from runtime.backends import cuda_kernels
+from runtime.moe import SoftmaxTopK
 from runtime.observers import (
     Observer,
     expert_output_observers,
     notify_expert_output,
     notify_matmul,
-    notify_routing,
 )
 from runtime.weights import ExpertTensor, Weights
 
@@ -59,10 +58,6 @@ def ggml_input_rounding(qtype: Q):  # noqa: ANN201 - returns a function or None
     if qtype == Q.F32:
         return None
     return _round_q8_k  # K-quants and i-quants
-
-
-# Router score given to pruned experts: finite (like ds4's -1e30) so softmax over a top-k never sees -inf.
-MASKED_SCORE = -1e30
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -148,12 +143,19 @@ class Linear:
 
     def normed_step(self, h: torch.Tensor, norm: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
         """One token: rms_norm(h) * norm, then this product; eps: a (1, 1) tensor."""
+        return self.normed_input_step(h, norm, eps)[1]
+
+    def normed_input_step(
+        self, h: torch.Tensor, norm: torch.Tensor, eps: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``normed_step``, also returning its input rms_norm(h) * norm."""
         if self.rows is None:
-            return self.step(rms_norm_row(h, norm, eps))
+            x = rms_norm_row(h, norm, eps)
+            return x, self.step(x)
         x, y = cpu_kernels.norm_gemv(h, norm.numpy(), float(eps), self.rows)
         if self.observers:
             notify_matmul(self.observers, self.name, x)
-        return y
+        return x, y
 
 
 class FusedLinear:
@@ -339,10 +341,9 @@ class RoutedExperts:
     def __init__(self, weights: Weights, layer: int, n_used: int, observers: list[Observer]) -> None:
         p = f"blk.{layer}."
         self.layer, self.n_used, self.observers = layer, n_used, observers
-        self.router = Linear(weights, p + "ffn_gate_inp.weight", observers)
-        self.n_expert = self.router.weight.shape[0]
-        self.kept: torch.Tensor | None = None  # surviving expert ids under a prune mask
-        self.kept_router: Linear | None = None
+        gate_inp = Linear(weights, p + "ffn_gate_inp.weight", observers)
+        self.router = SoftmaxTopK(gate_inp, layer, n_used, observers)
+        self.n_expert = self.router.n_expert
         self.names = (p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", p + "ffn_down_exps.weight")
         self.gate_up: ExpertTensor | None = None
         self.gate: ExpertTensor | None = None
@@ -400,36 +401,8 @@ class RoutedExperts:
         )
 
     def set_mask(self, pruned: torch.Tensor | None) -> None:
-        """pruned: (n_expert,) bool, True = never route to this expert; None removes the mask.
-
-        The router then scores only the surviving experts (the same matmul a physically pruned file does)
-        and gives the others MASKED_SCORE, so each token goes to its best surviving experts.
-        """
-        if pruned is None:
-            self.kept = self.kept_router = None
-            return
-        if pruned.shape != (self.n_expert,) or pruned.dtype != torch.bool:
-            raise ForgeError(f"layer {self.layer}: a prune mask needs {self.n_expert} booleans")
-        if int((~pruned).sum()) < self.n_used:
-            raise ForgeError(f"layer {self.layer}: a prune mask must keep at least {self.n_used} experts")
-        self.kept = torch.nonzero(~pruned.cpu())[:, 0].to(self.router.weight.device)
-        self.kept_router = copy.copy(self.router)
-        rows = self.router.weight[self.kept]  # held in the full router's layout: the same matmul results
-        self.kept_router.weight = rows if self.router.weight.is_contiguous() else rows.T.contiguous().T
-        self.kept_router.weight_t = self.kept_router.weight.T
-        self.kept_router.encoded = None  # the surviving rows only: the torch product
-        self.kept_router.rows = None if self.router.rows is None else rows.numpy()
-
-    def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kept_router is None:
-            return self.router(x)
-        return self._scatter(self.kept_router(x))
-
-    def _scatter(self, part: torch.Tensor) -> torch.Tensor:
-        """The surviving experts' router logits (T, kept) -> (T, n_expert), the others MASKED_SCORE."""
-        logits = part.new_full((part.shape[0], self.n_expert), MASKED_SCORE)
-        logits[:, self.kept] = part
-        return logits
+        """pruned: (n_expert,) bool, True = never route to this expert; None removes the mask."""
+        self.router.set_mask(pruned)
 
     def _gate_up(self, hit: list[int]) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         if self.fused is not None:
@@ -453,12 +426,7 @@ class RoutedExperts:
         notify_matmul(self.observers, self.names[2], act, ids)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self._router_logits(x)
-        # softmax over the top-k logits = the top-k softmax probabilities renormalized to sum 1
-        top_logits, top_ids = torch.topk(logits, self.n_used, dim=-1)
-        top_w = torch.softmax(top_logits, dim=-1)
-        if self.observers:
-            notify_routing(self.observers, self.layer, top_ids, top_w, logits)
+        top_ids, top_w = self.router.route(self.router.logits(x))
         if self.cuda_experts is not None and not expert_output_observers(self.observers):
             return self._cuda_ffn(x, top_ids, top_w)
         if x.shape[0] == 1:
@@ -468,54 +436,40 @@ class RoutedExperts:
     def normed_step(self, h: torch.Tensor, norm: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
         """One token: h (1, n_embd) the residual stream -> h + the routed experts' output on rms_norm(h) * norm;
         eps: a (1, 1) tensor."""
-        router = self.router if self.kept_router is None else self.kept_router
-        if router.rows is None:
-            return self.step(rms_norm_row(h, norm, eps), h)
-        x, logits = cpu_kernels.norm_gemv(h, norm.numpy(), float(eps), router.rows)  # type: ignore[arg-type]
-        if self.observers:
-            notify_matmul(self.observers, self.router.name, x)
-        if self.kept_router is not None:
-            logits = self._scatter(logits)
+        x, logits = self.router.normed_logits(h, norm, eps)
         return self._experts_step(x, logits, h)
 
     def step(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """One token: x (1, n_embd) the normed input, h the residual -> h + the routed experts' output."""
-        logits = self.router.step(x) if self.kept_router is None else self._scatter(self.kept_router.step(x))
-        return self._experts_step(x, logits, h)
+        return self._experts_step(x, self.router.logits_step(x), h)
 
     def _experts_step(self, x: torch.Tensor, logits: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """h + the routed experts' output for one token given its router logits (1, n_expert).
 
         The compiled path serves resident, per-use and streamed experts alike (same routing, same sums:
         the three give identical logits) unless an observer wants each expert's output."""
+        top_ids, top_w = self.router.route(logits)
+        ids, w = top_ids[0], top_w[0]
         compiled = not (self.observers and expert_output_observers(self.observers))
         if compiled and (self.kernel_rows is not None or self.encoded is not None):
             if self.encoded is not None:
-                out, ids, w, act = cpu_kernels.routed_ffn_encoded(x, logits, self.n_used, self.encoded, h)
+                out, act = cpu_kernels.routed_ffn_encoded(x, ids, w, self.encoded, h)
             else:
-                out, ids, w, act = cpu_kernels.routed_ffn(x, logits, self.n_used, *self.kernel_rows, h)
+                out, act = cpu_kernels.routed_ffn(x, ids, w, *self.kernel_rows, h)
             if self.observers:
-                notify_routing(self.observers, self.layer, ids[None], w[None], logits)
                 self._report(x.expand(len(ids), -1), act, ids)
             return out
         if compiled and self.streamed is not None:
-            ids, w = cpu_kernels.top_k_softmax(logits, self.n_used)
-            if self.observers:
-                notify_routing(self.observers, self.layer, ids[None], w[None], logits)
             return self._streamed_step(x, ids, w, h)
-        top_logits, top_ids = torch.topk(logits, self.n_used, dim=-1)
-        top_w = torch.softmax(top_logits, dim=-1)
-        if self.observers:
-            notify_routing(self.observers, self.layer, top_ids, top_w, logits)
         if self.cuda_experts is not None and compiled:
             return h + self._cuda_ffn(x, top_ids, top_w)
         if self.observers or self.gate_up_t is None or self.down_t is None:
-            return h + self._one_token(x, top_ids[0], top_w[0])
+            return h + self._one_token(x, ids, w)
         n_ff, out = self.n_ff, h
-        for e, w in zip(top_ids[0].tolist(), top_w[0].tolist(), strict=True):
+        for e, wi in zip(ids.tolist(), w.tolist(), strict=True):
             gu = torch.mm(x, self.gate_up_t[e])
             act = F.silu(gu[:, :n_ff]).mul_(gu[:, n_ff:])
-            out = torch.addmm(out, act, self.down_t[e], alpha=w)
+            out = torch.addmm(out, act, self.down_t[e], alpha=wi)
         return out
 
     def _streamed_step(
@@ -534,7 +488,7 @@ class RoutedExperts:
                 for c in lay.components
             }
             experts = cpu_kernels.EncodedExperts(*part["gate"], *part["up"], *part["down"])
-            out, _, _, act = cpu_kernels.routed_ffn_encoded(x, None, k, experts, h, (torch.tensor(slots), w))
+            out, act = cpu_kernels.routed_ffn_encoded(x, torch.tensor(slots), w, experts, h)
         if self.observers:
             self._report(x.expand(k, -1), act, ids)
         return out
