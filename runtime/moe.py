@@ -11,12 +11,24 @@ take the token ids).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 
 from forge.errors import ForgeError
-from runtime.observers import Observer, notify_routing
+from runtime import cpu_kernels
+from runtime.backends import cuda_kernels
+from runtime.observers import (
+    Observer,
+    expert_output_observers,
+    notify_expert_output,
+    notify_matmul,
+    notify_routing,
+)
+from runtime.weights import ExpertTensor, Weights
 
 # Router score given to pruned experts: finite (like ds4's -1e30) so softmax over a top-k never sees -inf.
 MASKED_SCORE = -1e30
@@ -112,3 +124,199 @@ def softmax_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     """logits (T, n_expert) -> the top-k ids (T, k) (torch.topk's order) and the softmax of their logits."""
     top_logits, ids = torch.topk(logits, k, dim=-1)
     return ids, torch.softmax(top_logits, dim=-1)
+
+
+# the observer / numerics boundary ------------------------------------------------------------------------
+class Taps:
+    """Where a routed-expert layer meets the observers and ``--ggml-numerics``: every backend reports the
+    matmul inputs of the expert projections through ``inputs`` (rows = routed (token, slot) pairs, before
+    any rounding), and the torch reference rounds with ``round_in`` / ``round_act`` (ggml numerics only;
+    the other backends are not chosen then). ``watchers``: the observers that want each expert's output
+    (they are served by the torch reference, which computes it separately)."""
+
+    def __init__(
+        self,
+        names: tuple[str, str, str],
+        layer: int,
+        observers: list[Observer],
+        round_in: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        round_act: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        self.names, self.layer, self.observers = names, layer, observers
+        self.round_in, self.round_act = round_in, round_act
+
+    @property
+    def rounds(self) -> bool:
+        return self.round_in is not None or self.round_act is not None
+
+    def watchers(self) -> list[Observer]:
+        return expert_output_observers(self.observers) if self.observers else []
+
+    def inputs(self, x: torch.Tensor, act: torch.Tensor, ids: torch.Tensor) -> None:
+        """x (rows, n_embd) the gate/up input rows, act (rows, n_ff) the down inputs, ids (rows,) experts."""
+        if self.observers:
+            notify_matmul(self.observers, self.names[0], x, ids)
+            notify_matmul(self.observers, self.names[1], x, ids)
+            notify_matmul(self.observers, self.names[2], act, ids)
+
+    def outputs(self, ids: torch.Tensor, outputs: torch.Tensor, weights: torch.Tensor) -> None:
+        if watch := self.watchers():
+            notify_expert_output(watch, self.layer, ids, outputs, weights)
+
+
+# expert sources ------------------------------------------------------------------------------------------
+class ExpertSource:
+    """Where one layer's routed experts are held, separate from how they are computed.
+
+    ``kind``: ``resident`` (decoded to float32 at load, within the expert budget), ``per-use`` (the file's
+    encoded bytes, mapped; on CUDA: on the device) or ``streamed`` (an expert cache's slots). A source hands
+    out its experts as records for the backends: ``records(ids)`` (the compiled CPU kernels: encoded rows,
+    or the resident float32 rows), ``device_parts`` (the cuda kernels: the file bytes on the GPU), and
+    ``gate_up`` / ``down`` (the torch reference: float32 matrices of the experts asked for, decoded per use
+    unless resident).
+    """
+
+    def __init__(self, weights: Weights, layer: int) -> None:
+        p = f"blk.{layer}."
+        self.layer = layer
+        self.names = (p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", p + "ffn_down_exps.weight")
+        self.gate_up: ExpertTensor | None = None
+        self.gate: ExpertTensor | None = None
+        self.up: ExpertTensor | None = None
+        if weights.has(p + "ffn_gate_up_exps.weight"):
+            self.gate_up = weights.experts(p + "ffn_gate_up_exps.weight")
+        else:
+            self.gate, self.up = weights.experts(self.names[0]), weights.experts(self.names[1])
+        self.down = weights.experts(self.names[2])
+        self.n_ff = self.down.cols
+        parts = (self.gate_up,) if self.gate_up is not None else (self.gate, self.up)
+        self.parts: tuple[ExpertTensor, ...] = (*parts, self.down)  # type: ignore[arg-type]
+        self.up_name = p + "ffn_gate_up_exps.weight" if self.gate_up is not None else self.names[1]
+        # Resident gate and up are kept as one (n_expert, 2 n_ff, n_embd) tensor: one matmul per expert.
+        self.fused: torch.Tensor | None = None
+        if self.gate_up is not None and self.gate_up.resident:
+            self.fused = self.gate_up.decoded()
+        elif self.gate is not None and self.up is not None and self.gate.resident and self.up.resident:
+            self.fused = torch.cat([self.gate.decoded(), self.up.decoded()], dim=1)
+            self.gate.release()
+            self.up.release()
+        self.resident = self.fused is not None and self.down.resident
+        self.cache: Any = None
+        self.cache_layer: Any = None
+        if weights.expert_cache is not None and layer in weights.expert_cache.layers:
+            self.kind = "streamed"
+            self.cache = weights.expert_cache
+            self.cache_layer = streamed_layer(weights, layer)
+        else:
+            self.kind = "resident" if self.resident else "per-use"
+        self._rows: tuple[np.ndarray, np.ndarray] | None = None
+        self._encoded: cpu_kernels.EncodedExperts | None = None
+
+    # torch reference: float32 matrices ------------------------------------------------------------------------
+    def gate_up_matrices(self, hit: list[int]) -> list[torch.Tensor] | tuple[list[torch.Tensor], ...]:
+        """Experts ``hit``'s gate|up (rows 2 n_ff) matrices, or a (gate, up) pair of lists."""
+        if self.fused is not None:
+            return [self.fused[e] for e in hit]
+        if self.gate_up is not None:
+            return self.gate_up.per_expert(hit)
+        assert self.gate is not None and self.up is not None
+        return self.gate.per_expert(hit), self.up.per_expert(hit)
+
+    def down_matrices(self, hit: list[int]) -> Sequence[torch.Tensor]:
+        return self.down.per_expert(hit)
+
+    # cuda kernels: the file bytes on the device ----------------------------------------------------------------
+    def device_parts(self) -> tuple[ExpertTensor, ...] | None:
+        """(gate_up,) or (gate, up), then down, when all are file bytes on a GPU of types the cuda kernels
+        decode; else None."""
+        if self.kind == "streamed" or not all(
+            t.raw.numel() and t.raw.is_contiguous() and cuda_kernels.computes(t.raw.device, t.qtype)
+            for t in self.parts
+        ):
+            return None
+        return self.parts
+
+    # compiled CPU kernels: records --------------------------------------------------------------------------------
+    def has_records(self) -> bool:
+        """``records`` can serve (host memory; encoded parts of types the kernels decode)."""
+        if self.kind == "streamed":
+            return self.cache_layer is not None
+        if self.resident:
+            return self.fused is not None and self.fused.device.type == "cpu"
+        return self._encoded_records() is not None
+
+    def _encoded_records(self) -> cpu_kernels.EncodedExperts | None:
+        if self._encoded is None and self.kind == "per-use":
+            self._encoded = encoded_experts(self.gate_up, self.gate, self.up, self.down)
+        return self._encoded
+
+    @contextmanager
+    def records(self, ids: torch.Tensor) -> Iterator[tuple[Any, torch.Tensor]]:
+        """Experts ``ids`` (k,) as the compiled kernels read them, and their index along the records' first
+        axis: resident experts as (gate_up, down) float32 arrays, the others as ``EncodedExperts`` (over the
+        mapped file, or over the cache's slots, held for the block: computed in place, no copy)."""
+        if self.kind == "streamed":
+            cache, lay = self.cache_layer
+            k = len(ids)
+            cache.stats.peak_decoded = max(cache.stats.peak_decoded, k)
+            with cache.held(self.layer, ids.tolist()) as (slab, slots):
+                part = {
+                    c.role: (
+                        slab[:, c.slot_offset : c.slot_offset + c.expert_bytes].reshape(
+                            len(slab), c.rows, -1
+                        ),
+                        c.qtype,
+                    )
+                    for c in lay.components
+                }
+                yield (
+                    cpu_kernels.EncodedExperts(*part["gate"], *part["up"], *part["down"]),
+                    torch.tensor(slots),
+                )
+            return
+        if self.resident:
+            if self._rows is None:
+                assert self.fused is not None
+                self._rows = (self.fused.contiguous().numpy(), self.down.decoded().contiguous().numpy())
+            yield self._rows, ids
+            return
+        encoded = self._encoded_records()
+        assert encoded is not None
+        yield encoded, ids
+
+
+def encoded_experts(
+    gate_up: ExpertTensor | None, gate: ExpertTensor | None, up: ExpertTensor | None, down: ExpertTensor
+) -> cpu_kernels.EncodedExperts | None:
+    """A layer's per-use routed experts as the compiled path's encoded rows; None when one of them is held
+    otherwise (decoded, streamed by an expert cache) or of a type the kernels do not decode."""
+    from runtime.cpu_rows import ROW_TYPES
+
+    parts = [p for p in (gate_up, gate, up, down) if p is not None]
+    if any(
+        p.resident or p.raw.numel() == 0 or p.raw.device.type != "cpu" or p.qtype not in ROW_TYPES
+        for p in parts
+    ):
+        return None
+    if gate_up is not None:
+        raw, n_ff = gate_up.raw.numpy(), gate_up.rows // 2
+        g, gt, u, ut = raw[:, :n_ff], gate_up.qtype, raw[:, n_ff:], gate_up.qtype
+    else:
+        assert gate is not None and up is not None
+        g, gt, u, ut = gate.raw.numpy(), gate.qtype, up.raw.numpy(), up.qtype
+    return cpu_kernels.EncodedExperts(g, gt, u, ut, down.raw.numpy(), down.qtype)
+
+
+def streamed_layer(weights: Weights, layer: int) -> tuple[Any, Any] | None:
+    """(expert cache, its LayerExperts) when ``layer``'s routed experts are streamed into a host slab as
+    separate gate, up and down parts of types the compiled path decodes; else None."""
+    from runtime.cpu_rows import ROW_TYPES
+
+    cache = weights.expert_cache
+    lay = None if cache is None or cache.slab_device is not None else cache.layers.get(layer)
+    if lay is None:
+        return None
+    roles = {c.role: c.qtype for c in lay.components}
+    if sorted(roles) != ["down", "gate", "up"] or any(t not in ROW_TYPES for t in roles.values()):
+        return None
+    return cache, lay

@@ -140,8 +140,9 @@ def test_cpu_decode_kernels_read_per_use_and_streamed_experts_encoded(
         per_use = load_model(path, expert_budget=0, verify_experts=False)
         streamed = load_model(path, stream_experts=_floor(path), verify_experts=False)
         for a, b in zip(per_use.blocks, streamed.blocks, strict=True):  # type: ignore[attr-defined]
-            assert a.moe.encoded is not None and a.moe.streamed is None
-            assert b.moe.streamed is not None and b.moe.encoded is None
+            assert a.moe.backend.NAME == b.moe.backend.NAME == "cpu"
+            assert a.moe.source.kind == "per-use" and a.moe.source.has_records()
+            assert b.moe.source.kind == "streamed" and b.moe.source.has_records()
     monkeypatch.setenv("FORGE_NO_NUMBA", "1")  # the torch path (CUDA, MPS) gives the same logits within 1e-4
     plain = _logits(forge_q8, stream_experts=_floor(forge_q8))
     monkeypatch.delenv("FORGE_NO_NUMBA")

@@ -72,7 +72,7 @@ def test_incremental_decoding_matches_one_prefill(model) -> None:
 
 def test_expert_budget_zero_decodes_per_use_with_the_same_result(example_bf16: Path, model) -> None:
     streamed = load_model(example_bf16, expert_budget=0)
-    assert not streamed.blocks[0].moe.down.resident and model.blocks[0].moe.down.resident
+    assert not streamed.blocks[0].moe.source.down.resident and model.blocks[0].moe.source.down.resident
     ids = _ids(30, seed=3)
     assert torch.equal(streamed.forward(ids, streamed.new_state()), model.forward(ids, model.new_state()))
 
@@ -130,6 +130,7 @@ def test_no_observer_means_no_calls(model, monkeypatch) -> None:
 
     monkeypatch.setattr(q, "notify_matmul", boom)
     monkeypatch.setattr(moe, "notify_routing", boom)
+    monkeypatch.setattr(moe, "notify_matmul", boom)
     model.forward(_ids(5), model.new_state())
 
 

@@ -155,7 +155,7 @@ def test_prune_mask_and_per_use_experts_on_the_step_path(path: Path) -> None:
     fast = _decode(model, ids, 5, fast=True)
     assert (fast - full).abs().max() <= 1e-4 * full.abs().max()
     per_use = load_model(path, expert_budget=0)
-    assert per_use.blocks[0].moe.gate_up_t is None  # type: ignore[attr-defined]
+    assert per_use.blocks[0].moe.source.kind == "per-use"  # type: ignore[attr-defined]
     model.set_prune_mask(None)
     ref = _decode(model, ids, 5, fast=True)
     got = _decode(per_use, ids, 5, fast=True)

@@ -14,16 +14,11 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from forge.errors import ForgeError
-from runtime import cpu_kernels
-from runtime.backends import cuda_kernels
-from runtime.moe import SoftmaxTopK
-from runtime.observers import (
-    Observer,
-    expert_output_observers,
-    notify_expert_output,
-    notify_matmul,
-)
-from runtime.weights import ExpertTensor, Weights
+from runtime import backends, cpu_kernels
+from runtime.backends import cuda_kernels, torch_backend
+from runtime.moe import ExpertSource, SoftmaxTopK, Taps
+from runtime.observers import Observer, notify_matmul
+from runtime.weights import Weights
 
 # ggml's CPU matmul first converts the activations to the weight type's "vec_dot" type; with
 # ``ggml_numerics`` the runtime rounds activations the same way, to reproduce llama.cpp's figures closely.
@@ -336,7 +331,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int) -> t
 
 
 class RoutedExperts:
-    """Softmax top-k routing over stacked experts (SwiGLU), renormalized top-k weights."""
+    """A routed-expert (SwiGLU) layer: its router (``runtime.moe``) picks (expert ids, weights) once per
+    call, then one backend op (``runtime.backends``) computes the experts from the layer's expert source."""
 
     def __init__(self, weights: Weights, layer: int, n_used: int, observers: list[Observer]) -> None:
         p = f"blk.{layer}."
@@ -344,251 +340,38 @@ class RoutedExperts:
         gate_inp = Linear(weights, p + "ffn_gate_inp.weight", observers)
         self.router = SoftmaxTopK(gate_inp, layer, n_used, observers)
         self.n_expert = self.router.n_expert
-        self.names = (p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", p + "ffn_down_exps.weight")
-        self.gate_up: ExpertTensor | None = None
-        self.gate: ExpertTensor | None = None
-        self.up: ExpertTensor | None = None
-        if weights.has(p + "ffn_gate_up_exps.weight"):
-            self.gate_up = weights.experts(p + "ffn_gate_up_exps.weight")
-        else:
-            self.gate, self.up = weights.experts(self.names[0]), weights.experts(self.names[1])
-        self.down = weights.experts(self.names[2])
-        self.n_ff = self.down.cols
-        self.round_in = self.round_act = None
+        self.source = ExpertSource(weights, layer)
+        self.n_ff = self.source.n_ff
+        round_in = round_act = None
         if weights.ggml_numerics:  # the types as the file stores them (a HF folder: as forge convert would)
-            up_name = p + "ffn_gate_up_exps.weight" if self.gate_up is not None else self.names[1]
-            self.round_in = ggml_input_rounding(weights.qtype(up_name))
-            self.round_act = ggml_input_rounding(weights.qtype(self.names[2]))
-        # On CUDA the kernels compute on the file bytes: (gate_up,) or (gate, up), then down, as ExpertTensors.
-        self.cuda_experts: tuple[ExpertTensor, ...] | None = None
-        parts = (self.gate_up,) if self.gate_up is not None else (self.gate, self.up)
-        parts = (*parts, self.down)
-        if self.round_in is None and all(
-            isinstance(t, ExpertTensor)
-            and t.raw.is_contiguous()
-            and cuda_kernels.computes(t.raw.device, t.qtype)
-            for t in parts
-        ):
-            self.cuda_experts = parts  # type: ignore[assignment]
-        # Resident gate and up are kept as one (n_expert, 2 n_ff, n_embd) tensor: one matmul per expert.
-        # (Experts stay in their row layout: the transposed one reads faster for one token, but decoding per
-        # use would then need a transposing copy to give bit-identical results, a larger loss.)
-        self.fused: torch.Tensor | None = None
-        if self.gate_up is not None and self.gate_up.resident:
-            self.fused = self.gate_up.decoded()
-        elif self.gate is not None and self.up is not None and self.gate.resident and self.up.resident:
-            self.fused = torch.cat([self.gate.decoded(), self.up.decoded()], dim=1)
-            self.gate.release()
-            self.up.release()
-        # one-token path over resident experts: the compiled kernels' (gate_up, down) arrays, or for torch
-        # ops, per expert, its (n_embd, 2 n_ff) and (n_ff, n_embd) views
-        self.gate_up_t: list[torch.Tensor] | None = None
-        self.down_t: list[torch.Tensor] | None = None
-        self.kernel_rows: tuple[np.ndarray, np.ndarray] | None = None
-        if self.fused is not None and self.down.resident and self.round_in is None:
-            if weights.cpu_kernels:
-                self.kernel_rows = (self.fused.contiguous().numpy(), self.down.decoded().contiguous().numpy())
-            else:
-                self.gate_up_t = [w.T for w in self.fused.unbind(0)]
-                self.down_t = [w.T for w in self.down.decoded().unbind(0)]
-        # experts decoded per use: the compiled path reads their encoded rows (for the types it decodes)
-        self.encoded = None
-        if weights.cpu_kernels and self.kernel_rows is None and self.round_in is None:
-            self.encoded = encoded_experts(self.gate_up, self.gate, self.up, self.down)
-        # experts streamed by an expert cache: the compiled path reads the records it serves
-        self.streamed = (
-            streamed_layer(weights, layer) if weights.cpu_kernels and self.round_in is None else None
-        )
+            round_in = ggml_input_rounding(weights.qtype(self.source.up_name))
+            round_act = ggml_input_rounding(weights.qtype(self.source.names[2]))
+        self.taps = Taps(self.source.names, layer, observers, round_in, round_act)
+        self.backend = backends.for_experts(weights, self.source, self.taps)
 
     def set_mask(self, pruned: torch.Tensor | None) -> None:
         """pruned: (n_expert,) bool, True = never route to this expert; None removes the mask."""
         self.router.set_mask(pruned)
 
-    def _gate_up(self, hit: list[int]) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
-        if self.fused is not None:
-            return [self.fused[e] for e in hit]
-        if self.gate_up is not None:
-            return self.gate_up.per_expert(hit)
-        assert self.gate is not None and self.up is not None
-        return self.gate.per_expert(hit), self.up.per_expert(hit)
-
-    def _swiglu(
-        self, w: list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]], i: int, x: torch.Tensor
-    ) -> torch.Tensor:
-        if isinstance(w, list):
-            gu = F.linear(x, w[i])
-            return F.silu(gu[:, : self.n_ff]) * gu[:, self.n_ff :]
-        return F.silu(F.linear(x, w[0][i])) * F.linear(x, w[1][i])
-
-    def _report(self, x: torch.Tensor, act: torch.Tensor, ids: torch.Tensor) -> None:
-        notify_matmul(self.observers, self.names[0], x, ids)
-        notify_matmul(self.observers, self.names[1], x, ids)
-        notify_matmul(self.observers, self.names[2], act, ids)
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        top_ids, top_w = self.router.route(self.router.logits(x))
-        if self.cuda_experts is not None and not expert_output_observers(self.observers):
-            return self._cuda_ffn(x, top_ids, top_w)
-        if x.shape[0] == 1:
-            return self._one_token(x, top_ids[0], top_w[0])
-        return self._batch(x, top_ids.reshape(-1), top_w.reshape(-1))
+        """x (T, n_embd) -> the routed experts' output (T, n_embd)."""
+        return self._ffn(x, self.router.logits(x), None)
 
     def normed_step(self, h: torch.Tensor, norm: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
         """One token: h (1, n_embd) the residual stream -> h + the routed experts' output on rms_norm(h) * norm;
         eps: a (1, 1) tensor."""
         x, logits = self.router.normed_logits(h, norm, eps)
-        return self._experts_step(x, logits, h)
+        return self._ffn(x, logits, h)
 
     def step(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """One token: x (1, n_embd) the normed input, h the residual -> h + the routed experts' output."""
-        return self._experts_step(x, self.router.logits_step(x), h)
+        return self._ffn(x, self.router.logits_step(x), h)
 
-    def _experts_step(self, x: torch.Tensor, logits: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """h + the routed experts' output for one token given its router logits (1, n_expert).
-
-        The compiled path serves resident, per-use and streamed experts alike (same routing, same sums:
-        the three give identical logits) unless an observer wants each expert's output."""
-        top_ids, top_w = self.router.route(logits)
-        ids, w = top_ids[0], top_w[0]
-        compiled = not (self.observers and expert_output_observers(self.observers))
-        if compiled and (self.kernel_rows is not None or self.encoded is not None):
-            if self.encoded is not None:
-                out, act = cpu_kernels.routed_ffn_encoded(x, ids, w, self.encoded, h)
-            else:
-                out, act = cpu_kernels.routed_ffn(x, ids, w, *self.kernel_rows, h)
-            if self.observers:
-                self._report(x.expand(len(ids), -1), act, ids)
-            return out
-        if compiled and self.streamed is not None:
-            return self._streamed_step(x, ids, w, h)
-        if self.cuda_experts is not None and compiled:
-            return h + self._cuda_ffn(x, top_ids, top_w)
-        if self.observers or self.gate_up_t is None or self.down_t is None:
-            return h + self._one_token(x, ids, w)
-        n_ff, out = self.n_ff, h
-        for e, wi in zip(ids.tolist(), w.tolist(), strict=True):
-            gu = torch.mm(x, self.gate_up_t[e])
-            act = F.silu(gu[:, :n_ff]).mul_(gu[:, n_ff:])
-            out = torch.addmm(out, act, self.down_t[e], alpha=wi)
-        return out
-
-    def _streamed_step(
-        self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, h: torch.Tensor
-    ) -> torch.Tensor:
-        """h + experts ``ids`` (weights ``w``) computed on the encoded records the expert cache serves."""
-        cache, lay = self.streamed  # type: ignore[misc]
-        k = len(ids)
-        cache.stats.peak_decoded = max(cache.stats.peak_decoded, k)
-        with cache.held(self.layer, ids.tolist()) as (slab, slots):  # computed in place, no copy
-            part = {
-                c.role: (
-                    slab[:, c.slot_offset : c.slot_offset + c.expert_bytes].reshape(len(slab), c.rows, -1),
-                    c.qtype,
-                )
-                for c in lay.components
-            }
-            experts = cpu_kernels.EncodedExperts(*part["gate"], *part["up"], *part["down"])
-            out, act = cpu_kernels.routed_ffn_encoded(x, torch.tensor(slots), w, experts, h)
-        if self.observers:
-            self._report(x.expand(k, -1), act, ids)
-        return out
-
-    def _cuda_ffn(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The routed experts on the cuda kernels: x (T, n_embd), ids and w (T, top_k) -> (T, n_embd).
-        One launch per projection over every (token, slot); ids stay on the device."""
-        *gate_up, down = self.cuda_experts  # type: ignore[misc]
-        if len(gate_up) == 1:
-            gu = cuda_kernels.moe_linear(x, gate_up[0].raw, gate_up[0].qtype, ids)
-            gate, up = gu[..., : self.n_ff], gu[..., self.n_ff :]
-        else:
-            gate = cuda_kernels.moe_linear(x, gate_up[0].raw, gate_up[0].qtype, ids)
-            up = cuda_kernels.moe_linear(x, gate_up[1].raw, gate_up[1].qtype, ids)
-        act = F.silu(gate).mul_(up)  # (T, top_k, n_ff)
-        if self.observers:
-            k = ids.shape[1]
-            self._report(x.repeat_interleave(k, 0), act.reshape(-1, self.n_ff), ids.reshape(-1))
-        y = cuda_kernels.moe_linear(act, down.raw, down.qtype, ids)  # (T, top_k, n_embd)
-        return torch.bmm(w[:, None, :].to(y.dtype), y)[:, 0]
-
-    def _one_token(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        hit = ids.tolist()
-        gate_up, down = self._gate_up(hit), self.down.per_expert(hit)
-        xin = self.round_in(x) if self.round_in else x
-        acts = [self._swiglu(gate_up, i, xin) for i in range(len(hit))]
-        if self.observers:
-            self._report(x.expand(len(hit), -1), torch.cat(acts), ids)
-        if self.round_act:
-            acts = [self.round_act(a) for a in acts]
-        if self.observers and (watch := expert_output_observers(self.observers)):
-            outs = torch.cat([F.linear(acts[i], down[i]) for i in range(len(hit))])
-            notify_expert_output(watch, self.layer, ids, outs, w)
-        scales = w.tolist()
-        out = torch.zeros_like(x)
-        for i in range(len(hit)):
-            out = torch.addmm(out, acts[i], down[i].T, alpha=scales[i])
-        return out
-
-    def _batch(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        order = torch.argsort(ids, stable=True)
-        sorted_ids = ids[order]
-        token = order // self.n_used
-        hit, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-        hit_list, counts_list = hit.tolist(), counts.tolist()
-        gate_up, down = self._gate_up(hit_list), self.down.per_expert(hit_list)
-        xs = x[token]
-        xin = self.round_in(xs) if self.round_in else xs
-        act = torch.empty(xs.shape[0], self.n_ff, dtype=x.dtype, device=x.device)
-        start = 0
-        for i, n in enumerate(counts_list):
-            act[start : start + n] = self._swiglu(gate_up, i, xin[start : start + n])
-            start += n
-        if self.observers:
-            self._report(xs, act, sorted_ids)
-        if self.round_act:
-            act = self.round_act(act)
-        ys = torch.empty_like(xs)
-        start = 0
-        for i, n in enumerate(counts_list):
-            ys[start : start + n] = F.linear(act[start : start + n], down[i])
-            start += n
-        if self.observers and (watch := expert_output_observers(self.observers)):
-            notify_expert_output(watch, self.layer, sorted_ids, ys, w[order])
-        ys *= w[order, None]
-        return torch.zeros_like(x).index_add_(0, token, ys)
-
-
-def encoded_experts(
-    gate_up: ExpertTensor | None, gate: ExpertTensor | None, up: ExpertTensor | None, down: ExpertTensor
-) -> cpu_kernels.EncodedExperts | None:
-    """A layer's per-use routed experts as the compiled path's encoded rows; None when one of them is held
-    otherwise (decoded, streamed by an expert cache) or of a type the kernels do not decode."""
-    from runtime.cpu_rows import ROW_TYPES
-
-    parts = [p for p in (gate_up, gate, up, down) if p is not None]
-    if any(p.resident or p.raw.numel() == 0 or p.qtype not in ROW_TYPES for p in parts):
-        return None
-    if gate_up is not None:
-        raw, n_ff = gate_up.raw.numpy(), gate_up.rows // 2
-        g, gt, u, ut = raw[:, :n_ff], gate_up.qtype, raw[:, n_ff:], gate_up.qtype
-    else:
-        assert gate is not None and up is not None
-        g, gt, u, ut = gate.raw.numpy(), gate.qtype, up.raw.numpy(), up.qtype
-    return cpu_kernels.EncodedExperts(g, gt, u, ut, down.raw.numpy(), down.qtype)
-
-
-def streamed_layer(weights: Weights, layer: int) -> tuple[object, object] | None:
-    """(expert cache, its LayerExperts) when ``layer``'s routed experts are streamed as separate gate, up
-    and down parts of types the compiled path decodes; else None."""
-    from runtime.cpu_rows import ROW_TYPES
-
-    cache = weights.expert_cache
-    lay = None if cache is None or cache.slab_device is not None else cache.layers.get(layer)
-    if lay is None:
-        return None
-    roles = {c.role: c.qtype for c in lay.components}
-    if sorted(roles) != ["down", "gate", "up"] or any(t not in ROW_TYPES for t in roles.values()):
-        return None
-    return cache, lay
+    def _ffn(self, x: torch.Tensor, logits: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
+        ids, w = self.router.route(logits)
+        # an observer of each expert's output is served by the reference (which computes those outputs)
+        backend = torch_backend if self.observers and self.taps.watchers() else self.backend
+        return backend.routed_ffn(x, ids, w, self.source, self.taps, h)
 
 
 @dataclass(frozen=True)
