@@ -1,4 +1,5 @@
-"""Byte copies between files that stay in the kernel where the OS allows (copy_file_range)."""
+"""Reading a user's text file with one clear error, and byte copies between files that stay in the kernel
+where the OS allows (copy_file_range)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,21 @@ from pathlib import Path
 from typing import BinaryIO
 
 _CHUNK = 64 << 20
+
+
+def read_text(path: str | os.PathLike[str]) -> str:
+    """A UTF-8 text file's contents; ForgeError for a missing path, a folder or bytes that are not UTF-8."""
+    from forge.errors import ForgeError
+
+    p = Path(path)
+    if p.is_dir():
+        raise ForgeError(f"{p}: is a folder, not a text file")
+    if not p.is_file():
+        raise ForgeError(f"{p}: no such file")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ForgeError(f"{p}: not UTF-8 text") from None
 
 
 def copy_ranges(dst: BinaryIO, ranges: Sequence[tuple[str | Path, int, int]]) -> None:

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from forge.errors import ForgeError
+from forge.fileio import read_text
 from forge.options import require_choice, require_float, require_int, require_seed
 
 DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda or mps")]
@@ -255,8 +256,7 @@ def eval_(
     require_int("--chunks", chunks, 1)
     require_int("--top-k", top_k, 1)
     require_int("--ctx", ctx, 2)
-    if not text.is_file():
-        raise ForgeError(f"{text}: no such file")
+    body = read_text(text)  # before the model loads: a bad text fails at once
     dev = _setup(device, threads, expert_cache_mib)
     budget = expert_cache_mib << 20
     residency = Residency(
@@ -267,10 +267,6 @@ def eval_(
     ref = load_model(reference, dev, expert_budget=budget, ggml_numerics=ggml_numerics) if reference else None
     ref_logits = ReferenceLogits.load(reference_logits) if reference_logits else None
     tok = Tokenizer.from_metadata(m.weights)
-    try:
-        body = text.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ForgeError(f"{text}: not UTF-8 text") from exc
     ids = perplexity_tokens(tok, body, ctx, chunks)
     bos = tok.bos_id if tok.add_bos else None
 

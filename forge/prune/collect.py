@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from forge.errors import ForgeError
+from forge.fileio import read_text
 from forge.prune.profile import LayerProfile, Profile
 from runtime.observers import Observer
 
@@ -95,12 +96,7 @@ def collect_profile(
     if chunks is not None and chunks < 1:
         raise ForgeError("--chunks must be >= 1")
     text_file = Path(text_path)
-    if not text_file.is_file():
-        raise ForgeError(f"{text_file}: no such file")
-    try:
-        body = text_file.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ForgeError(f"{text_file}: not UTF-8 text") from None
+    body = read_text(text_file)
     obs = ExpertProfiler()
     model = load_model(model_path, device=device, observers=[obs])
     if prune_mask is not None:

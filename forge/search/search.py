@@ -23,6 +23,7 @@ from gguf import LlamaFileType
 
 from forge.atomic import atomic_output
 from forge.errors import ForgeError
+from forge.fileio import read_text
 from forge.search.knapsack import bounds, solve
 from forge.search.measure import (
     Group,
@@ -137,12 +138,7 @@ def search(
     t_start = time.perf_counter()
     if (target_bpw is None) == (target_size is None):
         raise ForgeError("give exactly one of --target-bpw or --target-size")
-    if not text.is_file():
-        raise ForgeError(f"{text}: no such file")
-    try:
-        body = text.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ForgeError(f"{text}: not UTF-8 text") from None
+    body = read_text(text)
     labels = parse_types(types)
     im = read_imatrix(imatrix) if imatrix is not None else None
     ref = source_ref(model, True)
