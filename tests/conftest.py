@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,3 +33,15 @@ def example_copy(tmp_path: Path) -> Path:
         else:
             shutil.copy(p, dst / p.name)
     return dst
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread for a module of many small forward passes: two threads on a loaded 2-core machine
+    are many times slower for the tiny models than one."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -169,19 +169,8 @@ def test_cli_bad_budget_is_one_error_line(example_bf16: Path, tmp_path: Path) ->
 # --- the measurements -----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def one_thread():  # noqa: ANN201
-    """Many small forward passes: one torch thread (two contend badly on a loaded 2-core box)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_partial_forward_equals_the_full_forward(
-    example_bf16: Path, tmp_path: Path, one_thread: None
+    example_bf16: Path, tmp_path: Path, one_torch_thread: None
 ) -> None:
     """A variant measured from layer L on (earlier layers taken from the reference) gives the KLD of the whole
     forward pass; the base model against itself gives 0."""
@@ -223,7 +212,9 @@ def test_measurements_of_other_settings_are_not_used(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_search_resumes_and_reproduces_its_file(example_bf16: Path, tmp_path: Path, one_thread: None) -> None:
+def test_search_resumes_and_reproduces_its_file(
+    example_bf16: Path, tmp_path: Path, one_torch_thread: None
+) -> None:
     from forge.search.search import search
 
     out = tmp_path / "best.toml"

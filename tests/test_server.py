@@ -24,7 +24,6 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-import torch  # noqa: E402
 import uvicorn  # noqa: E402
 
 from forge.errors import ForgeError  # noqa: E402
@@ -66,13 +65,7 @@ class ServerThread:
         self.thread.join(60)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # two torch threads on a loaded 2-core machine are ~40x slower for this tiny model than one
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -37,12 +37,7 @@ CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 LONG = 4000  # max_tokens of a request that would run for many seconds (the context is 4096)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
