@@ -1,4 +1,8 @@
-"""The routed-expert (MoE) layer's pieces: the router, computed once per layer call in torch.
+"""The MoE layers: ``RoutedExperts`` = a ``Router`` + an ``ExpertSource`` + one backend op; ``SharedExpert``.
+
+``RoutedExperts`` routes once per call (in torch, outside any kernel), then hands (token, expert id, weight)
+lists to its backend's ``routed_ffn`` (``runtime.backends``), which reads the experts from the layer's
+source; observers and ggml numerics meet the experts at one boundary (``Taps``).
 
 A ``Router`` owns the layer's gate projection (``ffn_gate_inp``) and its prune mask, and turns router
 logits into (expert ids, weights) -- the one place that decides routing, whatever backend then computes
@@ -17,10 +21,12 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from forge.errors import ForgeError
-from runtime import cpu_kernels
-from runtime.backends import cuda_kernels
+from runtime import backends, cpu_kernels
+from runtime.backends import cuda_kernels, torch_backend
+from runtime.layers import FusedLinear, Linear, ggml_input_rounding
 from runtime.observers import (
     Observer,
     expert_output_observers,
@@ -37,7 +43,7 @@ MASKED_SCORE = -1e30
 class Router:
     """Gate projection, prune mask and expert selection of one layer.
 
-    ``proj``: the gate projection (a ``runtime.models.qwen3moe.Linear``: ``__call__``, ``step``, ``rows``
+    ``proj``: the gate projection (a ``runtime.layers.Linear``: ``__call__``, ``step``, ``rows``
     for the compiled one-token kernels, ``weight``).
     """
 
@@ -320,3 +326,76 @@ def streamed_layer(weights: Weights, layer: int) -> tuple[Any, Any] | None:
     if sorted(roles) != ["down", "gate", "up"] or any(t not in ROW_TYPES for t in roles.values()):
         return None
     return cache, lay
+
+
+# the layers ------------------------------------------------------------------------------------------
+class RoutedExperts:
+    """A routed-expert (SwiGLU) layer: its router (``runtime.moe``) picks (expert ids, weights) once per
+    call, then one backend op (``runtime.backends``) computes the experts from the layer's expert source."""
+
+    def __init__(self, weights: Weights, layer: int, n_used: int, observers: list[Observer]) -> None:
+        p = f"blk.{layer}."
+        self.layer, self.n_used, self.observers = layer, n_used, observers
+        gate_inp = Linear(weights, p + "ffn_gate_inp.weight", observers)
+        self.router = SoftmaxTopK(gate_inp, layer, n_used, observers)
+        self.n_expert = self.router.n_expert
+        self.source = ExpertSource(weights, layer)
+        self.n_ff = self.source.n_ff
+        round_in = round_act = None
+        if weights.ggml_numerics:  # the types as the file stores them (a HF folder: as forge convert would)
+            round_in = ggml_input_rounding(weights.qtype(self.source.up_name))
+            round_act = ggml_input_rounding(weights.qtype(self.source.names[2]))
+        self.taps = Taps(self.source.names, layer, observers, round_in, round_act)
+        self.backend = backends.for_experts(weights, self.source, self.taps)
+
+    def set_mask(self, pruned: torch.Tensor | None) -> None:
+        """pruned: (n_expert,) bool, True = never route to this expert; None removes the mask."""
+        self.router.set_mask(pruned)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, n_embd) -> the routed experts' output (T, n_embd)."""
+        return self._ffn(x, self.router.logits(x), None)
+
+    def normed_step(self, h: torch.Tensor, norm: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+        """One token: h (1, n_embd) the residual stream -> h + the routed experts' output on rms_norm(h) * norm;
+        eps: a (1, 1) tensor."""
+        x, logits = self.router.normed_logits(h, norm, eps)
+        return self._ffn(x, logits, h)
+
+    def step(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """One token: x (1, n_embd) the normed input, h the residual -> h + the routed experts' output."""
+        return self._ffn(x, self.router.logits_step(x), h)
+
+    def _ffn(self, x: torch.Tensor, logits: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
+        ids, w = self.router.route(logits)
+        # an observer of each expert's output is served by the reference (which computes those outputs)
+        backend = torch_backend if self.observers and self.taps.watchers() else self.backend
+        return backend.routed_ffn(x, ids, w, self.source, self.taps, h)
+
+
+class SharedExpert:
+    def __init__(self, weights: Weights, layer: int, observers: list[Observer]) -> None:
+        p = f"blk.{layer}."
+        names = ["ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_gate_inp_shexp.weight"]
+        self.inputs = FusedLinear(weights, [p + n for n in names], observers)
+        self.down = Linear(weights, p + "ffn_down_shexp.weight", observers)
+        self.observers = observers
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, scale = self.inputs(x)
+        return self.down(F.silu(gate) * up) * torch.sigmoid(scale)
+
+    def step(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """One token: h + the shared expert's output (its gate applied before the down matmul)."""
+        if self.inputs.rows is not None:
+            for name in self.inputs.names if self.observers else ():
+                notify_matmul(self.observers, name, x)
+            out, act = cpu_kernels.shared_ffn(x, self.inputs.rows, self.down.rows, h)
+            if self.observers:
+                notify_matmul(self.observers, self.down.name, act)
+            return out
+        gate, up, scale = self.inputs.step(x)
+        act = F.silu(gate).mul_(up)
+        if self.observers:
+            notify_matmul(self.observers, self.down.name, act[None])
+        return torch.addmm(h, act.mul_(torch.sigmoid(scale))[None], self.down.weight_t)

@@ -122,13 +122,13 @@ def test_observers_see_every_matmul_and_routing(model) -> None:
 
 
 def test_no_observer_means_no_calls(model, monkeypatch) -> None:
-    import runtime.models.qwen3moe as q
+    import runtime.layers as layers
     import runtime.moe as moe
 
     def boom(*a, **k):
         raise AssertionError("observer hook called without observers")
 
-    monkeypatch.setattr(q, "notify_matmul", boom)
+    monkeypatch.setattr(layers, "notify_matmul", boom)
     monkeypatch.setattr(moe, "notify_routing", boom)
     monkeypatch.setattr(moe, "notify_matmul", boom)
     model.forward(_ids(5), model.new_state())

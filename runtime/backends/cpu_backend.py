@@ -8,11 +8,15 @@ encoded-row prefill kernels.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from runtime import cpu_kernels
 from runtime.backends import torch_backend
-from runtime.moe import ExpertSource, Taps
+
+if TYPE_CHECKING:
+    from runtime.moe import ExpertSource, Taps
 
 NAME = "cpu"
 

@@ -6,11 +6,15 @@ staying on the device (no host sync), for prefill and decode alike.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from runtime.backends import cuda_kernels
-from runtime.moe import ExpertSource, Taps
+
+if TYPE_CHECKING:
+    from runtime.moe import ExpertSource, Taps
 
 NAME = "cuda"
 

@@ -9,11 +9,14 @@ per expert hit), each the same arithmetic the runtime has always done (the oracl
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from runtime.moe import ExpertSource, Taps
+if TYPE_CHECKING:
+    from runtime.moe import ExpertSource, Taps
+
 
 NAME = "torch"
 

@@ -10,7 +10,8 @@ import torch
 
 from forge.errors import ForgeError
 from forge.mask_file import PruneMask
-from runtime.models.qwen3moe import MoeCausalLM, Qwen3MoeModel, State
+from runtime.models.base import MoeCausalLM, State
+from runtime.models.qwen3moe import Qwen3MoeModel
 from runtime.models.qwen35moe import Qwen35MoeModel
 from runtime.observers import Observer
 from runtime.weights import DEFAULT_EXPERT_BUDGET, Weights, load_weights
