@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from runtime.experts import ExpertCache
+from runtime.layers import rms_norm_row
 from runtime.models import build_model
 from runtime.planner import geometry
 from runtime.synth import GEOMETRIES, synthesize
@@ -142,17 +143,26 @@ def summary(cache: ExpertCache, before: Any, n: int, seconds: float) -> dict:
 
 
 class TraceRouter:
-    """Stands in for a layer's router (batch and one-token calls): logits that pick the trace's experts."""
+    """Stands in for a layer's gate projection (batch and one-token calls): logits that pick the trace's
+    experts. No compiled rows, so the one-token path asks ``normed_input_step``."""
+
+    rows = None
 
     def __init__(self, runner: DecodeRunner, pos: int, n_expert: int, weight: torch.Tensor) -> None:
-        self.runner, self.pos, self.n_expert, self.weight = runner, pos, n_expert, weight
+        self.runner, self.pos, self.n_out, self.weight = runner, pos, n_expert, weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        logits = torch.zeros(x.shape[0], self.n_expert, device=x.device)
+        logits = torch.zeros(x.shape[0], self.n_out, device=x.device)
         logits[:, torch.from_numpy(self.runner.trace[self.runner.step][self.pos]).to(x.device)] = 1.0
         return logits
 
     step = __call__
+
+    def normed_input_step(
+        self, h: torch.Tensor, norm: torch.Tensor, eps: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = rms_norm_row(h, norm, eps)
+        return x, self(x)
 
 
 class DecodeRunner(CacheRunner):
@@ -163,18 +173,20 @@ class DecodeRunner(CacheRunner):
         self.w = load_weights(path, device, verify_experts=False)
         self.cache = self.new_cache(len(self.layers) * self.used + 1, "lru")
         self.w.expert_cache = self.cache
-        self.m = build_model(self.w)
         self.trace, self.step = trace, 0
+        self._build()
+
+    def _build(self) -> None:
+        """The model over the current expert cache, its routers following the trace."""
+        self.m = build_model(self.w)
         for pos, layer in enumerate(self.order):
             moe = self.m.blocks[layer].moe
-            moe.router = TraceRouter(self, pos, moe.n_expert, moe.router.weight)
+            moe.router.proj = TraceRouter(self, pos, moe.router.n_expert, moe.router.proj.weight)
 
     def decode(self, capacity: int, policy: str, warm: range, timed: range, all_hits: bool = False) -> dict:
         self.cache.close()
         self.cache = self.w.expert_cache = self.new_cache(capacity, policy)
-        for block in self.m.blocks:
-            for role in ("gate", "up", "down"):
-                getattr(block.moe, role).cache = self.cache
+        self._build()
         drop_cache(self.path)
         self.replay(self.cache, [self.trace[i] for i in warm], read=all_hits)
         before = copy.copy(self.cache.stats)
