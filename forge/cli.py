@@ -333,9 +333,8 @@ def run_app(typer_app: typer.Typer) -> None:
         _fail(str(e))
     except Interrupted as e:
         _hard_exit(128 + e.signum)
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
-        sys.exit(130)
+    except KeyboardInterrupt:  # a SIGINT that reached Python's default handler (another library's)
+        _hard_exit(130)
     except OSError as e:
         _fail(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
     except MemoryError:
@@ -352,7 +351,9 @@ def run_app(typer_app: typer.Typer) -> None:
         elif hasattr(e, "show"):
             e.show()
         sys.exit(e.exit_code)
-    if isinstance(code, int) and code:
+    if isinstance(code, int) and code:  # typer's own exit code (130 for a KeyboardInterrupt it caught)
+        if code == 130:
+            _hard_exit(code)
         sys.exit(code)
 
 
