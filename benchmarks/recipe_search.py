@@ -1,4 +1,4 @@
-"""`forge recipe search` on tiny-qwen3moe: searched recipes vs llama.cpp's presets and ours, by size and KLD.
+"""`forge recipe search` on a fixture model (tiny-qwen3moe by default, `--model`): searched recipes vs llama.cpp's presets and ours, by size and KLD.
 
     python benchmarks/recipe_search.py [--budgets 2.5,3,3.5,4,4.5,5] [--calib-ctx 128 --calib-chunks 4]
         [--val-chunks 32] [--types ...] [--granularity tensor] [--work DIR] [--png pareto.png] [--json out.json]
@@ -38,6 +38,9 @@ PRESETS = ["iq2_xxs", "iq2_xs", "q2_k", "iq3_xxs", "iq3_s", "q3_k_m", "iq4_xs", 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--model", type=Path, default=EXAMPLE, help="Hugging Face folder (default: tiny-qwen3moe)"
+    )
     ap.add_argument("--budgets", default="2.5,3,3.5,4,4.5,5")
     ap.add_argument("--calib", type=Path, default=FIXTURES / "text/calib.txt")
     ap.add_argument("--calib-ctx", type=int, default=128)
@@ -57,7 +60,7 @@ def main() -> None:
     a.work.mkdir(parents=True, exist_ok=True)
     bf16 = a.work / "bf16.gguf"
     if not bf16.is_file():
-        convert_checkpoint(EXAMPLE, bf16, "bf16")
+        convert_checkpoint(a.model, bf16, "bf16")
     base = load_model(bf16)
     tok = Tokenizer.from_metadata(base.weights)
     ids = perplexity_tokens(tok, a.val.read_text(encoding="utf-8"), 512, a.val_chunks)
@@ -132,10 +135,10 @@ def main() -> None:
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     if a.png:
-        plot(rows, a.png)
+        plot(rows, a.png, a.model.name)
 
 
-def plot(rows: list[dict], png: Path) -> None:
+def plot(rows: list[dict], png: Path, title: str) -> None:
     try:
         import matplotlib
 
@@ -155,7 +158,7 @@ def plot(rows: list[dict], png: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("bits per weight")
     ax.set_ylabel("mean KLD vs bf16 (held-out text)")
-    ax.set_title("tiny-qwen3moe: searched recipes vs presets")
+    ax.set_title(f"{title}: searched recipes vs presets")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
