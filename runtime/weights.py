@@ -1,14 +1,14 @@
 """Model weights for the runtime: GGUF tensors (or a Hugging Face folder) -> torch tensors.
 
-Routed expert tensors stay as their file bytes (zero-copy over the mmap on CPU) and are dequantized per
-selected expert on use; the token embedding is dequantized per looked-up row; every other tensor is
-dequantized once, on first use, to float32 on the target device.
+Routed expert tensors stay as their file bytes (zero-copy over the mmap on CPU; on the GPU where the CUDA
+kernels compute their type): the backends compute on those bytes, or decode the selected experts (the torch
+path), or keep them decoded within ``--expert-cache-mib``. The token embedding is decoded per looked-up row;
+other tensors are decoded once, on first use, to float32 — except quantized products the CUDA kernels take.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from forge.errors import ForgeError
 from forge.gguf_file import open_gguf
+from runtime.dequant import dequantize as torch_dequantize
 
 if TYPE_CHECKING:
     from runtime.experts import ExpertCache, LayerExperts
@@ -35,29 +36,13 @@ _FLOAT_VIEWS = {
 }
 
 
-@cache
-def _torch_dequantizer() -> Callable[..., torch.Tensor] | None:
-    """runtime.dequant.dequantize (the vectorized torch dequantizers) when that module is present."""
-    try:
-        from runtime.dequant import dequantize as torch_dequantize
-    except ImportError:
-        return None
-    return torch_dequantize
-
-
 def dequantize(
     raw: torch.Tensor, qtype: GGMLQuantizationType, n_per_row: int, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """uint8 (..., row_bytes) in GGUF encoding -> (..., n_per_row) of ``dtype`` on raw's device."""
     if qtype in _FLOAT_VIEWS:
         return raw.contiguous().view(_FLOAT_VIEWS[qtype]).to(dtype)
-    torch_dequantize = _torch_dequantizer()
-    if torch_dequantize is not None:
-        return torch_dequantize(raw, qtype, n_per_row, dtype=dtype)
-    from gguf.quants import dequantize as np_dequantize
-
-    out = np_dequantize(raw.cpu().numpy(), qtype)
-    return torch.from_numpy(np.ascontiguousarray(out)).to(device=raw.device, dtype=dtype)
+    return torch_dequantize(raw, qtype, n_per_row, dtype=dtype)
 
 
 @cache
