@@ -23,6 +23,7 @@ from triton.testing import do_bench
 
 from runtime.backends import cuda_kernels as ck
 from runtime.dequant import dequantize
+from runtime.synth import FP16_SCALE_FIELDS
 
 HIDDEN, EXPERT_FF, EXPERTS, TOP_K, VOCAB = 2048, 512, 256, 8, 248320
 DENSE = {
@@ -32,7 +33,6 @@ DENSE = {
     "output": (VOCAB, HIDDEN),
 }
 MOE = {"ffn_gate/up_exps": (EXPERT_FF, HIDDEN), "ffn_down_exps": (HIDDEN, EXPERT_FF)}
-_FP16_FIELDS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 _FLOATS = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
 
@@ -43,7 +43,7 @@ def random_rows(qtype: Q, rows: int, k: int, gen: torch.Generator) -> torch.Tens
         return v.to(_FLOATS[qtype]).view(torch.uint8)
     bs, ts = GGML_QUANT_SIZES[qtype]
     raw = torch.randint(0, 256, (rows * k // bs, ts), dtype=torch.uint8, device="cuda", generator=gen)
-    for off in _FP16_FIELDS.get(qtype, (0,)):
+    for off in FP16_SCALE_FIELDS[qtype]:
         d = torch.rand(raw.shape[0], device="cuda", generator=gen) * 0.018 + 0.002
         raw[:, off : off + 2] = d.half().view(torch.uint8).view(-1, 2)
     return raw.view(rows, -1)

@@ -59,7 +59,7 @@ GEOMETRIES = {
 }
 
 # byte offsets of the fp16 scale fields (d, dmin) inside one block, per type
-_FP16_FIELDS = {
+FP16_SCALE_FIELDS = {
     Q.Q4_0: (0,),
     Q.Q8_0: (0,),
     Q.Q2_K: (80, 82),
@@ -67,7 +67,26 @@ _FP16_FIELDS = {
     Q.Q4_K: (0, 2),
     Q.Q5_K: (0, 2),
     Q.Q6_K: (208,),
+    Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),
+    Q.IQ2_XXS: (0,),
+    Q.IQ2_XS: (0,),
+    Q.IQ3_XXS: (0,),
 }
+# the types `forge synth` writes
+SYNTH_TYPES = (Q.Q4_0, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def random_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator, lo: float, hi: float) -> np.ndarray:
+    """uint8 (n_blocks, block bytes): random bytes with every fp16 scale field drawn from [lo, hi), so every
+    decoder gives finite values."""
+    blocks = rng.integers(0, 256, (n_blocks, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    for off in FP16_SCALE_FIELDS[qtype]:
+        d = rng.uniform(lo, hi, n_blocks).astype(np.float16)
+        blocks[:, off : off + 2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks
+
+
 _POOL_BYTES = 32 << 20
 
 
@@ -75,14 +94,10 @@ class _BlockPool:
     """A pool of random well-formed blocks of one type; tensors are written as slices of it."""
 
     def __init__(self, qtype: Q, rng: np.random.Generator, scale: float = 0.01) -> None:
-        block, size = GGML_QUANT_SIZES[qtype]
-        if qtype not in _FP16_FIELDS:
-            raise ForgeError(f"forge synth supports {', '.join(t.name.lower() for t in _FP16_FIELDS)}")
-        blocks = rng.integers(0, 256, (_POOL_BYTES // size, size), dtype=np.uint8)
-        for off in _FP16_FIELDS[qtype]:
-            d = rng.uniform(0.2 * scale, 2 * scale, blocks.shape[0]).astype(np.float16)
-            blocks[:, off : off + 2] = d.view(np.uint8).reshape(-1, 2)
-        self.data = blocks.reshape(-1)
+        if qtype not in SYNTH_TYPES:
+            raise ForgeError(f"forge synth supports {', '.join(t.name.lower() for t in SYNTH_TYPES)}")
+        size = GGML_QUANT_SIZES[qtype][1]
+        self.data = random_blocks(qtype, _POOL_BYTES // size, rng, 0.2 * scale, 2 * scale).reshape(-1)
         self.pos = 0
 
     def writer(self, nbytes: int) -> Any:
@@ -157,7 +172,7 @@ def synthesize(
         raise ForgeError(f"unknown geometry {geometry!r} (known: {', '.join(GEOMETRIES)})")
     changes = {k: v for k, v in {"layers": layers, "vocab": vocab, **overrides}.items() if v is not None}
     g = replace(g, **changes)
-    require_choice("--type", qtype.lower(), [t.name.lower() for t in _FP16_FIELDS])
+    require_choice("--type", qtype.lower(), [t.name.lower() for t in SYNTH_TYPES])
     t = Q[qtype.upper()]
     check_geometry(g, t)
     require_seed("--seed", seed)
@@ -268,9 +283,7 @@ def synth(
     geometry: Annotated[str, typer.Option(help=f"one of: {', '.join(GEOMETRIES)}")] = "qwen3.6-35b-a3b",
     type_: Annotated[
         str,
-        typer.Option(
-            "--type", help=f"weights' quant type: {', '.join(t.name.lower() for t in _FP16_FIELDS)}"
-        ),
+        typer.Option("--type", help=f"weights' quant type: {', '.join(t.name.lower() for t in SYNTH_TYPES)}"),
     ] = "q4_k",
     layers: Annotated[int | None, typer.Option(help="fewer layers than the geometry's")] = None,
     vocab: Annotated[int | None, typer.Option(help="vocabulary size (default: the geometry's)")] = None,

@@ -24,6 +24,7 @@ from gguf import GGMLQuantizationType as Q
 
 from runtime.backends import cuda_kernels as ck
 from runtime.dequant import dequantize
+from runtime.synth import random_blocks
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and ck.triton is not None
 
@@ -41,21 +42,6 @@ pytestmark = [
 ]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-# Byte offsets of each type's fp16 scale fields (set to finite values; every other byte is random).
-_FP16_FIELDS = {
-    Q.Q8_0: (0,),
-    Q.Q2_K: (80, 82),
-    Q.Q3_K: (108,),
-    Q.Q4_K: (0, 2),
-    Q.Q5_K: (0, 2),
-    Q.Q6_K: (208,),
-    Q.IQ4_NL: (0,),
-    Q.IQ4_XS: (0,),
-    Q.IQ2_XXS: (0,),
-    Q.IQ2_XS: (0,),
-    Q.IQ3_XXS: (0,),
-    Q.Q4_0: (0,),
-}
 TYPES = ck.supported_types()
 _FLOATS = {Q.F32: np.float32, Q.F16: np.float16, Q.BF16: None}
 
@@ -67,11 +53,7 @@ def random_rows(qtype: Q, rows: int, k: int, seed: int = 0) -> torch.Tensor:
         v = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32) * 0.05)
         v = v.to({Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}[qtype])
         return v.view(torch.uint8).reshape(rows, -1).contiguous()
-    bs, ts = GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, (rows * k // bs, ts), dtype=np.uint8)
-    for off in _FP16_FIELDS[qtype]:
-        d = rng.uniform(0.002, 0.02, blocks.shape[0]).astype(np.float16)
-        blocks[:, off : off + 2] = d.view(np.uint8).reshape(-1, 2)
+    blocks = random_blocks(qtype, rows * k // GGML_QUANT_SIZES[qtype][0], rng, 0.002, 0.02)
     return torch.from_numpy(blocks.reshape(rows, -1))
 
 
