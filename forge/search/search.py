@@ -147,10 +147,9 @@ def search(
     parameters = sum(math.prod(t.shape) for t in source.tensors())
     sizes = [[o.size for o in g.options] for g in groups]
     lo, hi = bounds(sizes)
-    overhead = 0
+    measurements_path, folder = search_paths(output)
+    folder.mkdir(exist_ok=True)
     if target_size is not None:  # the file's bytes besides tensor data: a dry run of the smallest recipe
-        measurements_path, folder = search_paths(output)
-        folder.mkdir(exist_ok=True)
         probe = folder / "probe.toml"
         smallest = [min(range(len(g.options)), key=lambda j, g=g: g.options[j].size) for g in groups]
         with atomic_output(probe) as f:
@@ -158,38 +157,31 @@ def search(
         file_bytes, tensor_bytes = dry_run_bytes(model, probe, imatrix)
         overhead = file_bytes - tensor_bytes
         budget = Budget("size", float(target_size), target_size - overhead - fixed)
-        smallest_file, largest_file = lo + fixed + overhead, hi + fixed + overhead
-        if budget.capacity < lo:
-            raise ForgeError(
-                f"--target-size {target_size:,} bytes is below the smallest file these types make "
-                f"({smallest_file:,} bytes, {8 * (lo + fixed) / parameters:.3f} bpw)"
-            )
-        if budget.capacity > hi:
-            raise ForgeError(
-                f"--target-size {target_size:,} bytes is above the largest file these types make "
-                f"({largest_file:,} bytes, {8 * (hi + fixed) / parameters:.3f} bpw): every tensor at its "
-                "largest type already fits"
-            )
+        asked = f"--target-size {target_size:,} bytes"
+
+        def reach(n: int) -> str:
+            return f"{n + overhead:,} bytes, {8 * n / parameters:.3f} bpw"
+
     else:
         assert target_bpw is not None
         budget = Budget("bpw", target_bpw, math.floor(target_bpw * parameters / 8) - fixed)
-        if budget.capacity < lo:
-            raise ForgeError(
-                f"--target-bpw {target_bpw} is below the smallest file these types make "
-                f"({8 * (lo + fixed) / parameters:.4f} bpw, {lo + fixed:,} bytes of tensors)"
-            )
-        if budget.capacity > hi:
-            raise ForgeError(
-                f"--target-bpw {target_bpw} is above the largest file these types make "
-                f"({8 * (hi + fixed) / parameters:.4f} bpw): every tensor at its largest type already fits"
-            )
+        asked = f"--target-bpw {target_bpw}"
+
+        def reach(n: int) -> str:
+            return f"{8 * n / parameters:.4f} bpw, {n:,} bytes of tensors"
+
+    if budget.capacity < lo:
+        raise ForgeError(f"{asked} is below the smallest file these types make ({reach(lo + fixed)})")
+    if budget.capacity > hi:
+        raise ForgeError(
+            f"{asked} is above the largest file these types make ({reach(hi + fixed)}): every tensor at its "
+            "largest type already fits"
+        )
     n_options = sum(len(g.options) for g in groups)
     say(f"{len(groups)} groups ({granularity}), {n_options} candidates over {len(labels)} types; "
         f"{fixed:,} bytes of tensors kept as they are")  # fmt: skip
 
     # 2. the type files ------------------------------------------------------------------------------
-    measurements_path, folder = search_paths(output)
-    folder.mkdir(exist_ok=True)
     store = Measurements(measurements_path, settings_key(model, imatrix, body, ctx, chunks, granularity))
     if store.stale:
         say(f"{measurements_path} was made with other settings (model, imatrix, text, ctx, chunks or "
