@@ -70,10 +70,10 @@ def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor) -> 
 def _cuda_encoded(weights: Weights, name: str) -> tuple[torch.Tensor, Q] | None:
     """A quantized 2-D weight's file bytes on the GPU and its type, when the cuda kernels compute its
     products (device cuda, no ggml numerics, a type they decode); else None (torch path)."""
-    if weights.device.type != "cuda" or weights.ggml_numerics or not hasattr(weights, "raw"):
+    if not hasattr(weights, "raw") or len(weights.shape(name)) != 2:
         return None
     qtype = weights.qtype(name)
-    if qtype == Q.F32 or not cuda_kernels.computes(weights.device, qtype) or len(weights.shape(name)) != 2:
+    if not weights.cuda_computes(qtype):
         return None
     raw = weights.raw(name)
     return (raw, qtype) if raw.is_contiguous() else None

@@ -185,7 +185,7 @@ class Weights:
             if layer in cache.layers:
                 return cache.tensor(layer, role)
         t = self._experts(name)
-        if self._cuda_computes(t.qtype):  # the cuda kernels read the file bytes: no float32 copy
+        if self.cuda_computes(t.qtype):  # the cuda kernels read the file bytes: no float32 copy
             return t
         if not t.resident and t.decoded_nbytes <= self.expert_budget:
             self.expert_budget -= t.decoded_nbytes
@@ -197,7 +197,9 @@ class Weights:
     def _experts(self, name: str) -> ExpertTensor:
         raise NotImplementedError
 
-    def _cuda_computes(self, qtype: GGMLQuantizationType) -> bool:
+    def cuda_computes(self, qtype: GGMLQuantizationType) -> bool:
+        """The cuda kernels compute products of this type straight from its file bytes (device cuda, no ggml
+        numerics, a quantized type they decode)."""
         if self.device.type != "cuda" or self.ggml_numerics or qtype == GGMLQuantizationType.F32:
             return False
         from runtime.backends import cuda_kernels
