@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from gguf_fields import directory_fields
 
 from forge.gguf_file import open_gguf
 
@@ -185,25 +186,15 @@ def _damaged(ws: Path) -> dict[str, Path]:
     put("empty", b"")
     put("noise", np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
     moved = bytearray(good)
-    # the first tensor's data offset, the last 8 bytes of its directory entry: one byte further
-    entry_end = _directory_entry_end(good, f.kv_end, first.name)
-    (offset,) = np.frombuffer(moved[entry_end - 8 : entry_end], "<u8")
-    moved[entry_end - 8 : entry_end] = np.array([offset + 1], "<u8").tobytes()
+    at = directory_fields(ws / "m.gguf")[2][first.name][
+        "offset"
+    ]  # the first tensor's data offset: one byte on
+    (offset,) = np.frombuffer(moved[at : at + 8], "<u8")
+    moved[at : at + 8] = np.array([offset + 1], "<u8").tobytes()
     put("offset-plus-one", bytes(moved))
     (ws / "folder.gguf").mkdir()
     out["folder"] = ws / "folder.gguf"
     return out
-
-
-def _directory_entry_end(data: bytes, pos: int, name: str) -> int:
-    """End (file position) of ``name``'s tensor directory entry; the directory starts at ``pos``."""
-    while True:
-        (length,) = np.frombuffer(data[pos : pos + 8], "<u8")
-        entry_name = data[pos + 8 : pos + 8 + int(length)].decode()
-        (n_dims,) = np.frombuffer(data[pos + 8 + int(length) : pos + 12 + int(length)], "<u4")
-        pos += 8 + int(length) + 4 + 8 * int(n_dims) + 4 + 8
-        if entry_name == name:
-            return pos
 
 
 DAMAGE = [

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from gguf_fields import directory_fields
 
 from forge.errors import ForgeError
 from forge.gguf_file import KV, GGUFFile, T, TensorSpec, align_up, write_gguf
@@ -51,24 +52,6 @@ def _build(path: Path, alignment: int = 32) -> Path:
     ]
     write_gguf(path, kvs, specs, data, alignment)
     return path
-
-
-def _fields(path: Path) -> tuple[int, int, dict[str, dict[str, int]]]:
-    """(KV block start, directory start, per tensor the file positions of its directory fields)."""
-    with open_raw(path) as raw:
-        kv_start, pos, n = raw.kv_start, raw.kv_end, len(raw.tensors)
-        buf = bytes(raw.mm[: raw.dir_end])
-    dir_start, out = pos, {}
-    for _ in range(n):
-        (length,) = struct.unpack_from("<Q", buf, pos)
-        name = buf[pos + 8 : pos + 8 + length].decode()
-        ndims_at = pos + 8 + length
-        (n_dims,) = struct.unpack_from("<I", buf, ndims_at)
-        type_at = ndims_at + 4 + 8 * n_dims
-        out[name] = {"name": pos + 8, "n_dims": ndims_at, "dims": ndims_at + 4, "type": type_at,
-                     "offset": type_at + 4}  # fmt: skip
-        pos = type_at + 12
-    return kv_start, dir_start, out
 
 
 def _put(data: bytearray, at: int, fmt: str, *values: int) -> bytes:
@@ -153,7 +136,7 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
     """Every damaged file of CASES (plus a folder, a bad alignment and a 64-aligned misalignment)."""
     tmp = tmp_path_factory.mktemp("bad")
     good = _build(tmp / "good.gguf")
-    kv_start, dir_start, fields = _fields(good)
+    kv_start, dir_start, fields = directory_fields(good)
     out = {}
     for i, (case, (damage, needle)) in enumerate(CASES.items()):
         path = tmp / f"case{i}.gguf"
@@ -167,7 +150,7 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
         "general.alignment 24 is not a power of two",
     )
     a64 = _build(tmp / "align64.gguf", alignment=64)
-    _, _, f64 = _fields(a64)
+    _, _, f64 = directory_fields(a64)
     data = bytearray(a64.read_bytes())
     a64.write_bytes(_put(data, f64[NAMES[1]]["offset"], "<Q", _offset(data, f64, NAMES[1]) + 32))
     out["32 off in a 64-aligned file"] = (a64, "is not aligned to 64 bytes")
@@ -307,7 +290,7 @@ def _tensor_span(path: Path, name: str) -> tuple[int, int]:
 def test_run_and_eval_refuse_a_misaligned_model(example_bf16: Path, tmp_path: Path) -> None:
     bad = tmp_path / "misaligned.gguf"
     data = bytearray(example_bf16.read_bytes())
-    _, _, fields = _fields(example_bf16)
+    _, _, fields = directory_fields(example_bf16)
     name = "blk.0.attn_q.weight"
     _put(data, fields[name]["offset"], "<Q", _offset(data, fields, name) + 1)
     bad.write_bytes(bytes(data))
