@@ -27,6 +27,7 @@ _BLOCK_DECODERS: dict[GGMLQuantizationType, Decoder] = {
     T.Q5_0: lq.q5_0,
     T.Q5_1: lq.q5_1,
     T.Q8_0: lq.q8_0,
+    T.MXFP4: lq.mxfp4,
     T.Q2_K: kq.q2_k,
     T.Q3_K: kq.q3_k,
     T.Q4_K: kq.q4_k,
