@@ -67,16 +67,15 @@ def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor) -> 
     return (x * weight).mul_(mean_sq.rsqrt_().view(-1, 1))
 
 
-def _cuda_encoded(weights: Weights, name: str) -> tuple[torch.Tensor, Q] | None:
-    """A quantized 2-D weight's file bytes on the GPU and its type, when the cuda kernels compute its
-    products (device cuda, no ggml numerics, a type they decode); else None (torch path)."""
-    if not hasattr(weights, "raw") or len(weights.shape(name)) != 2:
+def _cuda_encoded(
+    weights: Weights, names: list[str], order: torch.Tensor | None = None
+) -> tuple[torch.Tensor, Q] | None:
+    """Quantized 2-D weights' file rows on the GPU, stacked (rows permuted by ``order``), and their type,
+    when the cuda kernels compute their products (device cuda, no ggml numerics, one type they decode);
+    else None (torch path)."""
+    if weights.device.type != "cuda" or weights.ggml_numerics or not hasattr(weights, "cuda_stack"):
         return None
-    qtype = weights.qtype(name)
-    if not weights.cuda_computes(qtype):
-        return None
-    raw = weights.raw(name)
-    return (raw, qtype) if raw.is_contiguous() else None
+    return weights.cuda_stack(names, order)
 
 
 class Linear:
@@ -85,7 +84,7 @@ class Linear:
 
     def __init__(self, weights: Weights, name: str, observers: list[Observer]) -> None:
         self.name, self.observers = name, observers
-        self.encoded = _cuda_encoded(weights, name)  # (file bytes on the GPU, type) for the cuda kernels
+        self.encoded = _cuda_encoded(weights, [name])  # (file bytes on the GPU, type) for the cuda kernels
         self._weights, self._weight_t = weights, None
         if self.encoded is None:
             # held transposed ((n_in, n_out) contiguous; ``weight`` is the (n_out, n_in) view): faster for one
@@ -150,20 +149,72 @@ class Linear:
         return x, y
 
 
+class RowStack:
+    """Weight rows computed as one product: file bytes the cuda kernels read, or a float32 matrix."""
+
+    def __init__(
+        self, encoded: tuple[torch.Tensor, Q] | None = None, weight: torch.Tensor | None = None
+    ) -> None:
+        self.encoded, self.weight = encoded, weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.encoded is not None:
+            return cuda_kernels.linear(x, *self.encoded)
+        assert self.weight is not None
+        return F.linear(x, self.weight)
+
+
+def _cuda_segments(weights: Weights, names: list[str]) -> list[RowStack] | None:
+    """``names``' rows as runs of one type each (file bytes where the cuda kernels compute the type,
+    float32 otherwise); None when the kernels compute none of them (the float32 path)."""
+    if weights.device.type != "cuda" or weights.ggml_numerics or not hasattr(weights, "cuda_stack"):
+        return None
+    runs: list[list[str]] = []
+    kinds: list[object] = []
+    for n in names:
+        q = weights.qtype(n)
+        kind = q if len(weights.shape(n)) == 2 and weights.cuda_computes(q) else None
+        if not runs or kinds[-1] != kind or kind is None:
+            runs.append([])
+            kinds.append(kind)
+        runs[-1].append(n)
+    if all(k is None for k in kinds):
+        return None
+    return [
+        RowStack(encoded=weights.cuda_stack(run))
+        if kind is not None
+        else RowStack(weight=weights.columns(run).T)
+        for run, kind in zip(runs, kinds, strict=True)
+    ]
+
+
 class FusedLinear:
     """Several weights that read the same input, multiplied as one matrix; each is reported by its name."""
 
     def __init__(self, weights: Weights, names: list[str], observers: list[Observer]) -> None:
         self.names, self.observers = names, observers
         self.separate: list[Linear] | None = None
+        self.segments: list[RowStack] | None = None
         if weights.ggml_numerics:  # each weight with its own input rounding
             self.separate = [Linear(weights, n, observers) for n in names]
             self.sizes = [lin.weight.shape[0] for lin in self.separate]
         else:
-            self.sizes = [1 if weights.dense(n).dim() == 1 else weights.dense(n).shape[0] for n in names]
-            self.weight_t = weights.columns(names)  # (n_in, total rows)
-            self.weight = self.weight_t.T
+            # on CUDA: runs of names of one type the kernels compute, each kept as its stacked file rows
+            self.segments = _cuda_segments(weights, names)
+            if self.segments is None:
+                self.sizes = [1 if weights.dense(n).dim() == 1 else weights.dense(n).shape[0] for n in names]
+                self.weight_t = weights.columns(names)  # (n_in, total rows)
+                self.weight = self.weight_t.T
+            else:
+                self.sizes = [weights.shape(n)[0] if len(weights.shape(n)) == 2 else 1 for n in names]
             self.rows = self.weight.numpy() if weights.cpu_kernels else None
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, n_in) -> (T, total rows)."""
+        if self.segments is None:
+            return F.linear(x, self.weight)
+        parts = [seg(x) for seg in self.segments]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.separate is not None:
@@ -171,7 +222,7 @@ class FusedLinear:
         if self.observers:
             for name in self.names:
                 notify_matmul(self.observers, name, x)
-        return torch.split(F.linear(x, self.weight), self.sizes, dim=-1)
+        return torch.split(self._product(x), self.sizes, dim=-1)
 
     def step(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """One token on torch ops (the compiled kernels read ``rows`` themselves): x (1, n_in) -> each
@@ -179,6 +230,8 @@ class FusedLinear:
         if self.observers:
             for name in self.names:
                 notify_matmul(self.observers, name, x)
+        if self.segments is not None:
+            return torch.split(self._product(x)[0], self.sizes)
         return torch.split(torch.mm(x, self.weight_t)[0], self.sizes)
 
 
@@ -246,16 +299,22 @@ class Rope:
         self._table(pos + 1)
         return self.cos[pos], self.sin[pos]
 
-    def step(self, x: torch.Tensor, pos: int) -> torch.Tensor:
-        """x: (N, head_dim), N heads of the one token at position ``pos``."""
-        if pos >= self.cos_row.shape[0]:
-            self._table(pos + 1)
+    def step(self, x: torch.Tensor, pos: int, at: torch.Tensor | None = None, end: int = 0) -> torch.Tensor:
+        """x: (N, head_dim), N heads of the one token at position ``pos``; or, in a captured decode step,
+        at the position held by the device tensor ``at`` (1,), below ``end``."""
+        end = max(end, pos + 1)
+        if end > self.cos_row.shape[0]:
+            self._table(end)
             rest = self.head_dim - self.n_rot
             n = self.cos.shape[0]
             ones, zeros = self.cos.new_ones(n, rest), self.cos.new_zeros(n, rest)
             self.cos_row = torch.cat([self.cos, self.cos, ones], dim=-1)
             self.sin_row = torch.cat([-self.sin, self.sin, zeros], dim=-1)
-        return torch.addcmul(x * self.cos_row[pos], x.index_select(-1, self.partner), self.sin_row[pos])
+        if at is not None:
+            cos, sin = self.cos_row.index_select(0, at), self.sin_row.index_select(0, at)
+        else:
+            cos, sin = self.cos_row[pos], self.sin_row[pos]
+        return torch.addcmul(x * cos, x.index_select(-1, self.partner), sin)
 
 
 class KVCache:
@@ -265,6 +324,10 @@ class KVCache:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.length = 0
+        # in a captured decode step (runtime.backends.cuda_graph): the position as a device tensor (1,),
+        # and how many slots attention reads (a static count; the slots past the position are masked)
+        self.at: torch.Tensor | None = None
+        self.span = 0
 
     def reserve(self, need: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Capacity for ``need`` positions; k/v: (..., n_head_kv, head_dim) rows giving shape and dtype."""
@@ -295,6 +358,17 @@ class KVCache:
         values[:, self.length] = v
         self.length = need
         return keys[:, :need], values[:, :need]
+
+    def put_at(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token's k, v: (n_head_kv, head_dim), written at position ``at`` -> the first ``span`` keys
+        and values, and a (span,) additive mask hiding the slots past the position (0 or -inf)."""
+        assert self.at is not None
+        keys, values = self.reserve(self.span, k, v)
+        keys.index_copy_(1, self.at, k[:, None])
+        values.index_copy_(1, self.at, v[:, None])
+        slots = torch.arange(self.span, device=k.device)
+        mask = torch.zeros(self.span, device=k.device).masked_fill_(slots > self.at, float("-inf"))
+        return keys[:, : self.span], values[:, : self.span], mask
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int) -> torch.Tensor:
@@ -367,7 +441,7 @@ class GQAttention:
             self.in_names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
         self.qkv: Linear | None = None
         self.q_k_v: FusedLinear | None = None
-        self.w_in: torch.Tensor | None = None
+        self.w_in: RowStack | None = None  # q, k, (gate), v rows as one product (not with ggml numerics)
         if weights.ggml_numerics:  # each weight with its own input rounding
             if fused_in_file:
                 self.qkv = Linear(weights, self.in_names[0], observers)
@@ -380,9 +454,11 @@ class GQAttention:
                 kv = torch.arange(q_rows, q_rows + 2 * kv_rows)
                 parts = [per_head[:, 0].reshape(-1), kv[:kv_rows], per_head[:, 1].reshape(-1), kv[kv_rows:]]
                 order = torch.cat(parts).to(weights.device)
-            self.w_in_t = weights.columns(self.in_names, order)
-            self.w_in = self.w_in_t.T
-            self.w_in_rows = self.w_in.numpy() if weights.cpu_kernels else None
+            self.w_in = RowStack(encoded=_cuda_encoded(weights, self.in_names, order))
+            if self.w_in.encoded is None:
+                self.w_in_t = weights.columns(self.in_names, order)
+                self.w_in.weight = self.w_in_t.T
+            self.w_in_rows = self.w_in.weight.numpy() if weights.cpu_kernels else None
         q_dim = cfg.n_head * cfg.head_dim
         self.sizes = (q_dim, kv_rows, q_dim if gated else 0, kv_rows)  # q, k, gate, v in w_in's rows
         self.out = Linear(weights, p + "attn_output.weight", observers)
@@ -406,7 +482,7 @@ class GQAttention:
             if self.observers:
                 for name in self.in_names:
                     notify_matmul(self.observers, name, x)
-            q, k, gate, v = torch.split(F.linear(x, self.w_in), self.sizes, dim=-1)
+            q, k, gate, v = torch.split(self.w_in(x), self.sizes, dim=-1)
             return q, k, gate if self.gated else None, v
         c, t = self.cfg, x.shape[0]
         if self.qkv is not None:
@@ -459,13 +535,18 @@ class GQAttention:
         if self.observers:
             for name in self.in_names:
                 notify_matmul(self.observers, name, x)
-        y = torch.mm(x, self.w_in_t)[0]
+        y = self.w_in(x)[0] if self.w_in.encoded is not None else torch.mm(x, self.w_in_t)[0]
         n_q, n_k, n_gate, _ = self.sizes
         qk = y[: n_q + n_k].view(c.n_head + c.n_head_kv, c.head_dim)
-        qk = self.rope.step(rms_norm_heads(qk, self.qk_norm, self.qk_eps), pos)
+        qk = self.rope.step(rms_norm_heads(qk, self.qk_norm, self.qk_eps), pos, cache.at, cache.span)
         v = y[n_q + n_k + n_gate :].view(c.n_head_kv, c.head_dim)
-        keys, values = cache.put(qk[c.n_head :], v)
+        if cache.at is None:
+            keys, values = cache.put(qk[c.n_head :], v)
+        else:
+            keys, values, mask = cache.put_at(qk[c.n_head :], v)
         scores = torch.bmm(qk[: c.n_head].view(c.n_head_kv, -1, c.head_dim), keys.transpose(1, 2))
+        if cache.at is not None:
+            scores = scores + mask
         out = torch.bmm(torch.softmax(scores, dim=-1), values).view(1, -1)
         if n_gate:
             out = out * torch.sigmoid(y[n_q + n_k : n_q + n_k + n_gate])
@@ -585,7 +666,7 @@ class GatedDeltaNet:
         g = F.softplus(alpha + self.dt_bias) * self.a
 
         window = torch.cat([st.conv, mixed])
-        st.conv = window[t:].clone()
+        st.conv.copy_(window[t:])  # states are updated in place: a captured decode step holds their addresses
         conv = F.conv1d(window.T[None], self.conv_w[:, None, :], groups=self.conv_w.shape[0])[0].T
         conv = F.silu(conv)
 
@@ -597,10 +678,11 @@ class GatedDeltaNet:
         q = q.repeat(1, rep, 1) * self.d_k**-0.5  # tiled: value head h uses key head h % n_k
         k = k.repeat(1, rep, 1)
         if t == 1:
-            o, st.recurrent = delta_rule_step(q[0], k[0], v[0], g[0], beta[0], st.recurrent)
+            o, s = delta_rule_step(q[0], k[0], v[0], g[0], beta[0], st.recurrent)
             o = o[None]
         else:
-            o, st.recurrent = delta_rule_chunked(q, k, v, g, beta, st.recurrent)
+            o, s = delta_rule_chunked(q, k, v, g, beta, st.recurrent)
+        st.recurrent.copy_(s)
         o = rms_norm(o, self.norm, self.eps) * F.silu(z.reshape(t, self.n_v, self.d_v))
         return self.out(o.reshape(t, -1))
 
@@ -621,7 +703,7 @@ class GatedDeltaNet:
         x = rms_norm_row(h, norm, eps)
         mixed, z, beta, alpha = self.inputs.step(x)
         window = torch.cat([st.conv, mixed[None]])
-        st.conv = window[1:]
+        st.conv.copy_(window[1:])
         conv = F.silu((window * self.conv_rows).sum(0))
         key_dim = self.n_k * self.d_k
         qk = conv[: 2 * key_dim].view(2 * self.n_k, self.d_k)
@@ -636,7 +718,7 @@ class GatedDeltaNet:
         s = st.recurrent * torch.exp(g).view(-1, 1, 1)
         delta = (v - torch.bmm(k, s)) * torch.sigmoid(beta).view(-1, 1, 1)
         s = torch.baddbmm(s, k.transpose(1, 2), delta)
-        st.recurrent = s
+        st.recurrent.copy_(s)
         o = torch.bmm(q, s).view(self.n_v, self.d_v)
         o = (rms_norm(o, self.norm, self.eps) * F.silu(z.view(self.n_v, self.d_v))).view(1, -1)
         return self.out.step(o, h)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from forge import ggml_types
 from forge.errors import ForgeError
 from runtime import backends, cpu_kernels
 from runtime.backends import cuda_kernels, torch_backend
@@ -106,13 +107,25 @@ class Router:
         return x, self._scatter(logits)
 
     # selection --------------------------------------------------------------------------------------------
+    reads_tokens = False  # hash routing: the expert ids come from the token ids (``select_tokens``)
+
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits (T, n_expert) -> expert ids (T, k) int64 and their weights (T, k) float32."""
         raise NotImplementedError
 
-    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``select``, reported to the observers: the one place a routing decision is made."""
-        ids, weights = self.select(logits)
+    def select_tokens(self, logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def route(
+        self, logits: torch.Tensor, tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``select``, reported to the observers: the one place a routing decision is made. ``tokens`` (T,):
+        the token ids, which only hash routing reads."""
+        ids, weights = (
+            self.select(logits)
+            if tokens is None or not self.reads_tokens
+            else self.select_tokens(logits, tokens)
+        )
         if self.observers:
             notify_routing(self.observers, self.layer, ids, weights, logits)
         return ids, weights
@@ -130,6 +143,73 @@ def softmax_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     """logits (T, n_expert) -> the top-k ids (T, k) (torch.topk's order) and the softmax of their logits."""
     top_logits, ids = torch.topk(logits, k, dim=-1)
     return ids, torch.softmax(top_logits, dim=-1)
+
+
+#: llama.cpp's expert gating functions (``<arch>.expert_gating_func``): logits -> per-expert scores
+SCORE_FUNCTIONS = {
+    1: lambda z: torch.softmax(z, dim=-1),
+    2: torch.sigmoid,
+    4: lambda z: torch.sqrt(F.softplus(z)),
+}
+
+
+class ScoredTopK(Router):
+    """DeepSeek V3/V4 routing: scores = f(logits) (softmax, sigmoid or sqrt(softplus)), the k experts with the
+    best scores + ``bias`` (the selection bias ``exp_probs_b``; it does not enter the weights), weighted by
+    their scores, renormalized to sum 1 when ``normalize``, times ``scale`` (the routed scaling factor)."""
+
+    def __init__(
+        self,
+        proj: Any,
+        layer: int,
+        n_used: int,
+        observers: list[Observer],
+        gating: int,
+        bias: torch.Tensor | None = None,
+        normalize: bool = True,
+        scale: float = 1.0,
+    ) -> None:
+        super().__init__(proj, layer, n_used, observers)
+        if gating not in SCORE_FUNCTIONS:
+            raise ForgeError(f"layer {layer}: expert gating function {gating} is not supported")
+        self.score, self.bias, self.normalize, self.scale = SCORE_FUNCTIONS[gating], bias, normalize, scale
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.score(logits)
+        chosen = scores if self.bias is None else scores + self.bias
+        if self.kept is not None:  # pruned experts: never chosen, whatever their bias
+            chosen = chosen.masked_fill(logits == MASKED_SCORE, float("-inf"))
+        ids = torch.topk(chosen, self.n_used, dim=-1).indices
+        return ids, self._weights(scores, ids)
+
+    def _weights(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        w = scores.gather(1, ids)
+        if self.normalize:  # llama.cpp clamps the sum to fp16's smallest normal
+            w = w / w.sum(dim=-1, keepdim=True).clamp_min(6.103515625e-5)
+        return w * self.scale
+
+
+class HashRouter(ScoredTopK):
+    """DeepSeek V4's hash-routed layers: token id t goes to the experts ``table[t]`` (``ffn_gate_tid2eid``,
+    (vocab, k)), weighted by their scores as ``ScoredTopK`` weights them. A prune mask does not apply."""
+
+    reads_tokens = True
+
+    def __init__(self, proj: Any, layer: int, observers: list[Observer], table: torch.Tensor, gating: int,
+                 normalize: bool = True, scale: float = 1.0) -> None:  # fmt: skip
+        super().__init__(proj, layer, int(table.shape[1]), observers, gating, None, normalize, scale)
+        self.table = table
+
+    def set_mask(self, pruned: torch.Tensor | None) -> None:
+        if pruned is not None:
+            raise ForgeError(f"layer {self.layer} is hash-routed: a prune mask applies to routed layers only")
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise ForgeError(f"layer {self.layer} is hash-routed: routing it needs the token ids")
+
+    def select_tokens(self, logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self.table[tokens.to(self.table.device)]
+        return ids, self._weights(self.score(logits), ids)
 
 
 # the observer / numerics boundary ------------------------------------------------------------------------
@@ -207,6 +287,9 @@ class ExpertSource:
             self.gate.release()
             self.up.release()
         self.resident = self.fused is not None and self.down.resident
+        # DeepSeek V4 clamps its experts' SwiGLU: SiLU(min(gate, limit)) * clamp(up, -limit, limit). Set by the
+        # layer; only the torch reference computes it (``backends.for_experts``).
+        self.swiglu_limit: float | None = None
         self.cache: Any = None
         self.cache_layer: Any = None
         if weights.expert_cache is not None and layer in weights.expert_cache.layers:
@@ -296,11 +379,12 @@ def encoded_experts(
 ) -> cpu_kernels.EncodedExperts | None:
     """A layer's per-use routed experts as the compiled path's encoded rows; None when one of them is held
     otherwise (decoded, streamed by an expert cache) or of a type the kernels do not decode."""
-    from runtime.cpu_rows import ROW_TYPES
-
     parts = [p for p in (gate_up, gate, up, down) if p is not None]
     if any(
-        p.resident or p.raw.numel() == 0 or p.raw.device.type != "cpu" or p.qtype not in ROW_TYPES
+        p.resident
+        or p.raw.numel() == 0
+        or p.raw.device.type != "cpu"
+        or not ggml_types.supports("cpu_rows", p.qtype)
         for p in parts
     ):
         return None
@@ -316,14 +400,14 @@ def encoded_experts(
 def streamed_layer(weights: Weights, layer: int) -> tuple[Any, Any] | None:
     """(expert cache, its LayerExperts) when ``layer``'s routed experts are streamed into a host slab as
     separate gate, up and down parts of types the compiled path decodes; else None."""
-    from runtime.cpu_rows import ROW_TYPES
-
     cache = weights.expert_cache
     lay = None if cache is None or cache.slab_device is not None else cache.layers.get(layer)
     if lay is None:
         return None
     roles = {c.role: c.qtype for c in lay.components}
-    if sorted(roles) != ["down", "gate", "up"] or any(t not in ROW_TYPES for t in roles.values()):
+    if sorted(roles) != ["down", "gate", "up"] or not all(
+        ggml_types.supports("cpu_rows", t) for t in roles.values()
+    ):
         return None
     return cache, lay
 
@@ -333,13 +417,25 @@ class RoutedExperts:
     """A routed-expert (SwiGLU) layer: its router (``runtime.moe``) picks (expert ids, weights) once per
     call, then one backend op (``runtime.backends``) computes the experts from the layer's expert source."""
 
-    def __init__(self, weights: Weights, layer: int, n_used: int, observers: list[Observer]) -> None:
+    def __init__(
+        self,
+        weights: Weights,
+        layer: int,
+        n_used: int,
+        observers: list[Observer],
+        router: Callable[[Linear], Router] | None = None,
+        swiglu_limit: float | None = None,
+    ) -> None:
+        """``router``: makes the layer's router from its gate projection (default ``SoftmaxTopK``);
+        ``swiglu_limit``: the experts' SwiGLU clamp (DeepSeek V4), see ``ExpertSource.swiglu_limit``."""
         p = f"blk.{layer}."
         self.layer, self.n_used, self.observers = layer, n_used, observers
         gate_inp = Linear(weights, p + "ffn_gate_inp.weight", observers)
-        self.router = SoftmaxTopK(gate_inp, layer, n_used, observers)
+        self.router = (router or (lambda proj: SoftmaxTopK(proj, layer, n_used, observers)))(gate_inp)
+        self.n_used = self.router.n_used
         self.n_expert = self.router.n_expert
         self.source = ExpertSource(weights, layer)
+        self.source.swiglu_limit = swiglu_limit
         self.n_ff = self.source.n_ff
         round_in = round_act = None
         if weights.ggml_numerics:  # the types as the file stores them (a HF folder: as forge convert would)
@@ -352,9 +448,9 @@ class RoutedExperts:
         """pruned: (n_expert,) bool, True = never route to this expert; None removes the mask."""
         self.router.set_mask(pruned)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, n_embd) -> the routed experts' output (T, n_embd)."""
-        return self._ffn(x, self.router.logits(x), None)
+    def __call__(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """x (T, n_embd) -> the routed experts' output (T, n_embd); ``tokens`` (T,) for hash routing."""
+        return self._ffn(x, self.router.logits(x), None, tokens)
 
     def normed_step(self, h: torch.Tensor, norm: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
         """One token: h (1, n_embd) the residual stream -> h + the routed experts' output on rms_norm(h) * norm;
@@ -366,11 +462,36 @@ class RoutedExperts:
         """One token: x (1, n_embd) the normed input, h the residual -> h + the routed experts' output."""
         return self._ffn(x, self.router.logits_step(x), h)
 
-    def _ffn(self, x: torch.Tensor, logits: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
-        ids, w = self.router.route(logits)
+    def _ffn(
+        self,
+        x: torch.Tensor,
+        logits: torch.Tensor,
+        h: torch.Tensor | None,
+        tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        ids, w = self.router.route(logits, tokens)
         # an observer of each expert's output is served by the reference (which computes those outputs)
         backend = torch_backend if self.observers and self.taps.watchers() else self.backend
         return backend.routed_ffn(x, ids, w, self.source, self.taps, h)
+
+
+class SharedSwiGLU:
+    """A shared expert without an output gate (DeepSeek V4): down(SiLU(gate x) * up x), the SwiGLU clamped
+    as its routed experts' is (``limit``; None: unclamped)."""
+
+    def __init__(self, weights: Weights, layer: int, observers: list[Observer], limit: float | None) -> None:
+        p = f"blk.{layer}."
+        self.inputs = FusedLinear(
+            weights, [p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"], observers
+        )
+        self.down = Linear(weights, p + "ffn_down_shexp.weight", observers)
+        self.limit = limit
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.inputs(x)
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return self.down(F.silu(gate) * up)
 
 
 class SharedExpert:
@@ -395,7 +516,4 @@ class SharedExpert:
                 notify_matmul(self.observers, self.down.name, act)
             return out
         gate, up, scale = self.inputs.step(x)
-        act = F.silu(gate).mul_(up)
-        if self.observers:
-            notify_matmul(self.observers, self.down.name, act[None])
-        return torch.addmm(h, act.mul_(torch.sigmoid(scale))[None], self.down.weight_t)
+        return torch.addcmul(h, self.down.step(F.silu(gate).mul_(up)[None]), torch.sigmoid(scale))

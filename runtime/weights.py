@@ -47,7 +47,9 @@ def dequantize(
 
 @cache
 def check_decodable(qtype: GGMLQuantizationType) -> None:
-    """Raise ForgeError unless the runtime can dequantize this GGML type."""
+    """Raise ForgeError unless the runtime can dequantize this GGML type (or read it as integers: I32)."""
+    if qtype == GGMLQuantizationType.I32:
+        return
     if qtype not in GGML_QUANT_SIZES:
         raise ForgeError(f"quant type {qtype!r} is unknown to the runtime")
     block, size = GGML_QUANT_SIZES[qtype]
@@ -167,6 +169,14 @@ class Weights:
 
     def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of a 2-D tensor (the token embedding), float32."""
+        raise NotImplementedError
+
+    def table(self, name: str) -> torch.Tensor:
+        """An integer tensor (e.g. DeepSeek V4's token -> expert table ``ffn_gate_tid2eid``) as int64."""
+        self._require(name)
+        return self._table(name).to(self.device, torch.int64)
+
+    def _table(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
     def qtype(self, name: str) -> GGMLQuantizationType:
@@ -324,7 +334,29 @@ class GGUFWeights(Weights):
         return self._raw[name]
 
     def _load_dense(self, name: str) -> torch.Tensor:
-        return dequantize(self.raw(name), self.qtype(name), self.shape(name)[-1])
+        raw = self.raw(name)
+        self._raw.pop(name, None)  # held decoded from now on, not twice
+        return dequantize(raw, self.qtype(name), self.shape(name)[-1])
+
+    def cuda_stack(
+        self, names: list[str], order: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, GGMLQuantizationType] | None:
+        """Matrices of one quantized type the cuda kernels compute, their file rows stacked (rows are
+        encoded independently, so stacking and ``order`` permute whole encoded rows): (uint8 (rows,
+        row_bytes) on the GPU, type); None when they are not all such (the caller takes ``columns``)."""
+        qtypes = {self.qtype(n) for n in names}
+        if len(qtypes) != 1 or any(len(self.shape(n)) != 2 for n in names):
+            return None
+        (qtype,) = qtypes
+        if not self.cuda_computes(qtype):
+            return None
+        stacked = torch.cat([self.raw(n) for n in names]) if len(names) > 1 else self.raw(names[0])
+        if order is not None:
+            stacked = stacked[order]
+        if len(names) > 1 or order is not None:
+            for n in names:
+                self._raw.pop(n, None)
+        return stacked.contiguous(), qtype
 
     def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         self._require(name)
@@ -337,6 +369,11 @@ class GGUFWeights(Weights):
 
     def _experts(self, name: str) -> ExpertTensor:
         return ExpertTensor(self.raw(name), self.qtype(name), self.shape(name)[-1])
+
+    def _table(self, name: str) -> torch.Tensor:
+        if self.qtype(name) != GGMLQuantizationType.I32:
+            raise ForgeError(f"{self.source}: {name} is {self.qtype(name).name}, not an I32 table")
+        return torch.from_numpy(self.file.raw(name).view(np.int32).reshape(self.shape(name)).copy())
 
 
 class TensorWeights(Weights):
@@ -372,6 +409,9 @@ class TensorWeights(Weights):
     def _experts(self, name: str) -> ExpertTensor:
         t = self.dense(name)  # already float32: resident at no cost
         return ExpertTensor(t.view(torch.uint8), GGMLQuantizationType.F32, t.shape[-1], resident=True)
+
+    def _table(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
 
 
 def load_weights(

@@ -174,3 +174,30 @@ def test_ggml_numerics_keeps_the_generic_path(example_bf16: Path, monkeypatch) -
     st = model.new_state()
     model.forward(_ids(4, seed=5), st)
     assert model.forward(_ids(1, seed=6), st).shape == (1, model.vocab_size)
+
+
+def test_the_captured_form_of_the_step_matches_the_plain_step(path: Path, step_path: str) -> None:
+    """What a CUDA graph captures (position from a device tensor, a static span of KV slots with the rest
+    masked) computes the plain step's logits; run eagerly here, on the torch ops the cuda path uses."""
+    from runtime.backends.cuda_graph import captured_form, span_for
+    from runtime.layers import KVCache
+
+    if step_path == "kernels":
+        pytest.skip("the captured form is the torch-ops step")
+    model = load_model(path)
+    ids = _ids(40, seed=3)
+    plain = _decode(model, ids, 30, fast=True)
+    st = model.new_state()
+    out = [model.forward(ids[:30], st)]
+    at = torch.zeros(1, dtype=torch.long)
+    for i in range(30, len(ids)):
+        h = model.weights.rows("token_embd.weight", ids[i : i + 1])
+        caches = [c for c in st.layers if isinstance(c, KVCache)]
+        at.fill_(st.pos)
+        with captured_form(caches, at, span_for(st.pos)), torch.inference_mode():
+            out.append(model.decode_layers(h, st.layers, st.pos))
+        for c in caches:
+            c.length = st.pos + 1
+        st.pos += 1
+    scale = plain.abs().max()
+    assert float((torch.cat(out) - plain).abs().max() / scale) < 1e-5

@@ -3,10 +3,13 @@ per-sequence State; a model module composes its blocks from ``runtime.layers`` a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from forge.errors import ForgeError
 from runtime import cpu_kernels
+from runtime.backends import cuda_graph
 from runtime.layers import Linear, rms_norm
 from runtime.moe import RoutedExperts
 from runtime.observers import Observer
@@ -20,6 +23,7 @@ class State:
         self.pos = 0
         self.max_tokens = max_tokens
         self.layers: list[object] = [None] * n_layer
+        self.graphs: Any = None  # its captured decode steps (runtime.backends.cuda_graph), on CUDA
 
 
 class MoeCausalLM:
@@ -47,6 +51,7 @@ class MoeCausalLM:
         # one-token forward passes take each block's ``step`` (not with ggml numerics: llama.cpp's roundings)
         self.fast_decode = not weights.ggml_numerics
         self.eps_row = torch.full((1, 1), self.eps, device=weights.device)
+        self.mask_generation = 0  # bumped by each prune-mask change (captured decode steps read the mask)
 
     def routed_layers(self) -> list[int]:
         """Indices of the layers with routed experts, in order (one prune-mask line each)."""
@@ -66,6 +71,7 @@ class MoeCausalLM:
             )
         for row, layer in enumerate(layers):
             self.blocks[layer].moe.set_mask(None if pruned is None else pruned[row])  # type: ignore[attr-defined]
+        self.mask_generation += 1
         return 0 if pruned is None else int(pruned.sum())
 
     def new_state(self, max_tokens: int | None = None) -> State:
@@ -88,12 +94,22 @@ class MoeCausalLM:
         if layers[0] is None:
             for i in range(self.n_layer):
                 layers[i] = self._layer_state(i, h.device)
-        pos, eps = state.pos, self.eps_row
         if self.weights.cpu_kernels:
             cpu_kernels.use_threads(torch.get_num_threads())
+        if not self.observers and cuda_graph.enabled(self):
+            if state.graphs is None:
+                state.graphs = cuda_graph.DecodeGraphs(self, h.device)
+            logits = state.graphs.step(h, state)
+        else:
+            logits = self.decode_layers(h, layers, state.pos)
+        state.pos += 1
+        return logits
+
+    def decode_layers(self, h: torch.Tensor, layers: list[object], pos: int) -> torch.Tensor:
+        """One token's embedding h (1, n_embd) at ``pos`` through every block's ``step`` -> logits (1, vocab)."""
+        eps = self.eps_row
         for block, cache in zip(self.blocks, layers, strict=True):  # type: ignore[attr-defined]
             h = block.step(h, cache, pos, eps)
-        state.pos += 1
         return self.output.normed_step(h, self.output_norm, eps)
 
     @torch.inference_mode()

@@ -1,0 +1,143 @@
+"""The decode step captured as CUDA graphs: one token through every layer is hundreds of small kernel
+launches, whose host cost (not the GPU's) bounds the speed; a graph replays them as one.
+
+A graph is captured per sequence (``State``) and attention span: the KV slots attention reads, a power
+of two covering the position, with the slots past it masked (``KVCache.put_at``), so one graph serves
+every position up to its span. The position enters as a device tensor. The first step at a new span
+runs eagerly in that same form (it compiles kernels and grows tables outside a capture); the next one
+is captured and replayed. A graph is used only while everything it read is where it was: the state's
+cache tensors (updated in place) and the prune mask.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from runtime.layers import KVCache
+
+if TYPE_CHECKING:
+    from runtime.models.base import MoeCausalLM, State
+
+log = logging.getLogger(__name__)
+
+MIN_SPAN = 256
+
+
+def enabled(model: MoeCausalLM) -> bool:
+    """The model's decode steps can be captured: on CUDA, the fast one-token path, every routed-expert
+    layer on the cuda kernels (which never wait for the device); FORGE_CUDA_GRAPHS=0 turns it off."""
+    from runtime.backends import cuda_backend
+
+    if (
+        model.weights.device.type != "cuda"
+        or not model.fast_decode
+        or os.environ.get("FORGE_CUDA_GRAPHS") == "0"
+    ):
+        return False
+    blocks = getattr(model, "blocks", [])
+    return bool(blocks) and all(
+        getattr(getattr(b, "moe", None), "backend", cuda_backend) is cuda_backend for b in blocks
+    )
+
+
+def span_for(pos: int) -> int:
+    return max(MIN_SPAN, 1 << pos.bit_length())  # the smallest power of two above pos
+
+
+@contextmanager
+def captured_form(caches: list[KVCache], at: torch.Tensor, span: int) -> Iterator[None]:
+    """Attention layers read their position from ``at`` (a device tensor holding it) and ``span`` slots."""
+    for c in caches:
+        c.at, c.span = at, span
+    try:
+        yield
+    finally:
+        for c in caches:
+            c.at, c.span = None, 0
+
+
+def _fingerprint(model: MoeCausalLM, state: State) -> tuple[int, ...]:
+    """Where every cache tensor of ``state`` lives, and the model's prune-mask generation."""
+    ptrs = [model.mask_generation]
+    for cache in state.layers:
+        ptrs.extend(t.data_ptr() for t in vars(cache).values() if isinstance(t, torch.Tensor))
+    return tuple(ptrs)
+
+
+class _Captured:
+    def __init__(
+        self, graph: torch.cuda.CUDAGraph, h_in: torch.Tensor, out: torch.Tensor, key: tuple
+    ) -> None:
+        self.graph, self.h_in, self.out, self.key = graph, h_in, out, key
+
+
+class DecodeGraphs:
+    """One sequence's captured decode steps, by attention span."""
+
+    def __init__(self, model: MoeCausalLM, device: torch.device) -> None:
+        self.model = model
+        self.at = torch.zeros(1, dtype=torch.long, device=device)
+        self.graphs: dict[int, _Captured] = {}
+        self.warm: set[int] = set()
+        self.pool: Any = None
+        self.failed = False
+
+    def step(self, h: torch.Tensor, state: State) -> torch.Tensor:
+        """h (1, n_embd) the token's embedding at ``state.pos`` -> logits (1, vocab); the caller advances
+        ``state.pos``."""
+        pos = state.pos
+        span = span_for(pos)
+        caches = [c for c in state.layers if isinstance(c, KVCache)]
+        captured = self.graphs.get(span)
+        if captured is not None and captured.key == _fingerprint(self.model, state):
+            self.at.fill_(pos)
+            captured.h_in.copy_(h)
+            captured.graph.replay()
+            out = captured.out.clone()
+        else:
+            out = self._run(h, state, caches, span, capture=span in self.warm and not self.failed)
+        for c in caches:
+            c.length = pos + 1
+        return out
+
+    def _run(
+        self, h: torch.Tensor, state: State, caches: list[KVCache], span: int, capture: bool
+    ) -> torch.Tensor:
+        """The step in its captured form (position and span from the device), eagerly or captured."""
+        self.at.fill_(state.pos)
+        with captured_form(caches, self.at, span):
+            if capture and all(c.k is not None for c in caches):
+                return self._capture(h, state, caches, span)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = self.model.decode_layers(h, state.layers, state.pos)
+            torch.cuda.current_stream().wait_stream(side)
+            self.warm.add(span)
+            return out
+
+    def _capture(self, h: torch.Tensor, state: State, caches: list[KVCache], span: int) -> torch.Tensor:
+        for c in caches:  # no cache may grow inside the capture
+            assert c.k is not None and c.v is not None
+            c.reserve(span, c.k[:, 0], c.v[:, 0])
+        h_in = h.clone()
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.model.decode_layers(h_in, state.layers, state.pos)
+        except RuntimeError as e:  # a path that cannot be captured: eager from now on
+            log.warning("cuda graphs: capturing the decode step failed (%s); running it eagerly", e)
+            self.failed = True
+            self.warm.discard(span)
+            return self._run(h, state, caches, span, capture=False)
+        self.graphs[span] = _Captured(graph, h_in, out, _fingerprint(self.model, state))
+        graph.replay()
+        return out.clone()
