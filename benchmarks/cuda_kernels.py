@@ -23,7 +23,7 @@ from triton.testing import do_bench
 
 from runtime.backends import cuda_kernels as ck
 from runtime.dequant import dequantize
-from runtime.synth import FP16_SCALE_FIELDS
+from runtime.synth import fp16_fields
 
 HIDDEN, EXPERT_FF, EXPERTS, TOP_K, VOCAB = 2048, 512, 256, 8, 248320
 DENSE = {
@@ -43,7 +43,7 @@ def random_rows(qtype: Q, rows: int, k: int, gen: torch.Generator) -> torch.Tens
         return v.to(_FLOATS[qtype]).view(torch.uint8)
     bs, ts = GGML_QUANT_SIZES[qtype]
     raw = torch.randint(0, 256, (rows * k // bs, ts), dtype=torch.uint8, device="cuda", generator=gen)
-    for off in FP16_SCALE_FIELDS[qtype]:
+    for off in fp16_fields(qtype):
         d = torch.rand(raw.shape[0], device="cuda", generator=gen) * 0.018 + 0.002
         raw[:, off : off + 2] = d.half().view(torch.uint8).view(-1, 2)
     return raw.view(rows, -1)

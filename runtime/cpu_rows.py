@@ -16,15 +16,19 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from numba import njit
 
+from forge import ggml_types
 from forge.jit import bits_f32, fp16_to_f32
 
-#: types whose rows ``decode_row`` decodes (the float types and those of the common K-quant mixes)
-ROW_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
-_F32, _F16, _BF16, _Q8_0, _Q4_K, _Q5_K, _Q6_K = (
-    int(t) for t in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-)
+# the types whose rows ``decode_row`` decodes and ``dot_row`` multiplies (the float types, those of the
+# common K-quant mixes and MXFP4), registered in the type table (kind ``cpu_rows``) under the id they take
+_ROW_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4)
+_F32, _F16, _BF16, _Q8_0, _Q4_K, _Q5_K, _Q6_K, _MXFP4 = (int(t) for t in _ROW_TYPES)
+for _t in _ROW_TYPES:
+    ggml_types.provide("cpu_rows", _t, int(_t))
 _JIT = {"cache": True, "nogil": True, "error_model": "numpy"}
 F32 = np.float32
+#: ggml's kvalues_mxfp4 (the FP4 E2M1 values times two, by 4-bit code)
+_FP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
 
 
 @njit(inline="always", **_JIT)
@@ -75,9 +79,15 @@ def _decode_k4(b: np.ndarray, out: np.ndarray, block_bytes: int, qs_at: int, qh_
                 out[y + 64 * j + 32 + lane] = d2 * F32(hi) - m2
 
 
+@njit(inline="always", **_JIT)
+def _e8m0_half(e: int) -> float:
+    """ggml_e8m0_to_fp32_half: 2^(e-128), subnormal for e < 2."""
+    return _bits(np.int64(0x00200000) << e if e < 2 else (e - 1) << 23)
+
+
 @njit(**_JIT)
 def decode_row(b: np.ndarray, qtype: int, out: np.ndarray) -> None:
-    """Decode the encoded row ``b`` (uint8) of ``qtype`` (a ROW_TYPES value) into ``out`` (float32)."""
+    """Decode the encoded row ``b`` (uint8) of ``qtype`` (a ``cpu_rows`` type's id) into ``out`` (float32)."""
     n = out.shape[0]
     if qtype == _F32:
         for j in range(n):
@@ -114,6 +124,14 @@ def decode_row(b: np.ndarray, qtype: int, out: np.ndarray) -> None:
                     ):  # fmt: skip
                         s = np.int64(b[sc + i + 2 * part])
                         out[yh + 32 * part + lane] = d * F32(_i8(s)) * F32(q - 32)
+    elif qtype == _MXFP4:
+        for blk in range(n // 32):
+            o = 17 * blk
+            d = _e8m0_half(np.int64(b[o]))
+            for j in range(16):
+                q = np.int64(b[o + 1 + j])
+                out[32 * blk + j] = _FP4[q & 0xF] * d
+                out[32 * blk + 16 + j] = _FP4[q >> 4] * d
 
 
 # dot products straight from encoded rows --------------------------------------------------------------------
@@ -141,6 +159,19 @@ def _dot_q8_0(b: np.ndarray, x: np.ndarray) -> float:
         for j in range(32):
             s += F32(_i8(np.int32(b[o + 2 + j]))) * x[32 * blk + j]
         acc += fp16_to_f32(_u16(b, o)) * s
+    return acc
+
+
+@njit(**_FAST)
+def _dot_mxfp4(b: np.ndarray, x: np.ndarray) -> float:
+    acc = F32(0)
+    for blk in range(x.shape[0] // 32):
+        o = 17 * blk
+        s = F32(0)
+        for j in range(16):
+            q = np.int32(b[o + 1 + j])
+            s += _FP4[q & 0xF] * x[32 * blk + j] + _FP4[q >> 4] * x[32 * blk + 16 + j]
+        acc += _e8m0_half(np.int64(b[o])) * s
     return acc
 
 
@@ -207,6 +238,8 @@ def dot_row(b: np.ndarray, qtype: int, x: np.ndarray, xsum: np.ndarray, buf: np.
         return _dot_k4(b, x, xsum, 176, 48, 16)
     if qtype == _Q8_0:
         return _dot_q8_0(b, x)
+    if qtype == _MXFP4:
+        return _dot_mxfp4(b, x)
     decode_row(b, qtype, buf)
     s = F32(0)
     for j in range(x.shape[0]):

@@ -13,37 +13,15 @@ from __future__ import annotations
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from forge import ggml_types
 from forge.errors import ForgeError
-from runtime import dequant_iquants as iq
-from runtime import dequant_kquants as kq
-from runtime import dequant_legacy as lq
-from runtime.dequant_bits import Decoder
+from runtime import dequant_iquants, dequant_kquants, dequant_legacy  # noqa: F401  (register the decoders)
 
 T = GGMLQuantizationType
 
-_BLOCK_DECODERS: dict[GGMLQuantizationType, Decoder] = {
-    T.Q4_0: lq.q4_0,
-    T.Q4_1: lq.q4_1,
-    T.Q5_0: lq.q5_0,
-    T.Q5_1: lq.q5_1,
-    T.Q8_0: lq.q8_0,
-    T.MXFP4: lq.mxfp4,
-    T.Q2_K: kq.q2_k,
-    T.Q3_K: kq.q3_k,
-    T.Q4_K: kq.q4_k,
-    T.Q5_K: kq.q5_k,
-    T.Q6_K: kq.q6_k,
-    T.IQ4_NL: iq.iq4_nl,
-    T.IQ4_XS: iq.iq4_xs,
-    T.IQ3_XXS: iq.iq3_xxs,
-    T.IQ3_S: iq.iq3_s,
-    T.IQ2_XXS: iq.iq2_xxs,
-    T.IQ2_XS: iq.iq2_xs,
-    T.IQ2_S: iq.iq2_s,
-    T.IQ1_S: iq.iq1_s,
-    T.IQ1_M: iq.iq1_m,
-}
-_FLOAT_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
+# importing the decoder modules registers them (``@block_decoder``); the float types are reinterpreted
+for _qtype, _dtype in ((T.F32, torch.float32), (T.F16, torch.float16), (T.BF16, torch.bfloat16)):
+    ggml_types.provide("torch", _qtype, _dtype)
 
 # Output values decoded per step: small enough that a step's temporaries stay in the CPU caches,
 # large enough that per-op overhead fades (1M was the best of 64K..4M on 1 and 16 threads, measured
@@ -54,7 +32,7 @@ _ACCEL_STEP = 1 << 26
 
 def supported_types() -> list[GGMLQuantizationType]:
     """Every GGUF tensor type :func:`dequantize` decodes, by type id."""
-    return sorted([*_FLOAT_TYPES, *_BLOCK_DECODERS], key=int)
+    return ggml_types.types_with("torch")
 
 
 def dequantize(
@@ -62,6 +40,7 @@ def dequantize(
 ) -> torch.Tensor:
     """uint8 (..., row_bytes) rows of ``qtype`` -> ``dtype`` (..., n_per_row), on ``raw``'s device."""
     qtype = _known_type(qtype)
+    decode = ggml_types.implementation("torch", qtype)
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     if raw.dtype != torch.uint8:
         raise ForgeError(f"dequantize expects uint8 bytes, got {raw.dtype}")
@@ -75,12 +54,11 @@ def dequantize(
             f"{qtype.name}: rows of {n_per_row} values take {row_bytes} bytes, but the data has {raw.shape[-1]} per row"
         )
     out_shape = (*raw.shape[:-1], n_per_row)
-    if qtype in _FLOAT_TYPES:
-        return _reinterpret(raw, _FLOAT_TYPES[qtype]).to(dtype, copy=True).view(out_shape)
+    if isinstance(decode, torch.dtype):
+        return _reinterpret(raw, decode).to(dtype, copy=True).view(out_shape)
 
     blocks = raw.reshape(-1, type_size)
     out = torch.empty((blocks.shape[0], block_size), dtype=dtype, device=raw.device)
-    decode = _BLOCK_DECODERS[qtype]
     step = max(1, (_CPU_STEP if raw.device.type == "cpu" else _ACCEL_STEP) // block_size)
     staging = (
         None
@@ -102,7 +80,7 @@ def _known_type(qtype: GGMLQuantizationType | int) -> GGMLQuantizationType:
         qtype = GGMLQuantizationType(qtype)
     except ValueError:
         raise ForgeError(f"unknown GGUF tensor type id {qtype!r}") from None
-    if qtype not in _BLOCK_DECODERS and qtype not in _FLOAT_TYPES:
+    if not ggml_types.supports("torch", qtype):
         names = ", ".join(t.name for t in supported_types())
         raise ForgeError(f"dequantizing tensor type {qtype.name} is not supported (supported: {names})")
     return qtype

@@ -1,7 +1,8 @@
 """Byte-level helpers shared by the torch dequantizers (bit unpacking, fp16 fields, lookup tables).
 
 Every decoder takes ``blocks``: uint8 (n_blocks, type_size) and ``out``: float32 (n_blocks, block_size),
-contiguous, fills ``out`` and returns it.
+contiguous, fills ``out`` and returns it; ``@block_decoder(qtype)`` registers it in the type table
+(``forge.ggml_types``, kind ``torch``).
 Bit work stays in uint8/int32 (MPS lacks some int64 bit ops); int64 appears only as gather indices.
 """
 
@@ -10,8 +11,26 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from gguf import GGMLQuantizationType
+
+from forge import ggml_types
 
 Decoder = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def block_decoder(
+    qtype: GGMLQuantizationType, fp16_fields: tuple[int, ...] | None = None
+) -> Callable[[Decoder], Decoder]:
+    """Register the decorated function as ``qtype``'s torch block decoder. ``fp16_fields``: the byte offsets
+    of the block's fp16 scales (d, dmin) when every other byte pattern decodes to finite values, so that
+    random bytes with small finite scales there are a well-formed block (``runtime.synth.random_blocks``)."""
+
+    def register(decode: Decoder) -> Decoder:
+        decode.fp16_fields = fp16_fields  # type: ignore[attr-defined]
+        ggml_types.provide("torch", qtype, decode)
+        return decode
+
+    return register
 
 
 def f16_at(blocks: torch.Tensor, offset: int) -> torch.Tensor:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
 from runtime.dequant_bits import (
+    block_decoder,
     byte_major,
     byte_signs,
     cached_table,
@@ -46,12 +48,14 @@ def _iq4_values(device: torch.device) -> torch.Tensor:
     return cached_table("iq4nl", device, lambda: torch.tensor(_IQ4_VALUES, dtype=torch.float32))
 
 
+@block_decoder(T.IQ4_NL, fp16_fields=(0,))
 def iq4_nl(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | 16 B nibbles (element j: low nibble of byte j, element j+16: high nibble)
     q = shift_major(blocks, 2, 18, 4, 16)
     return torch.mul(f16_at(blocks, 0), lookup(_iq4_values(blocks.device), q), out=out)
 
 
+@block_decoder(T.IQ4_XS, fp16_fields=(0,))
 def iq4_xs(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | uint16 scales_h (2 bits per group) | scales_l[4] (4 bits per group) | qs[128]
     low = byte_major(blocks, 4, 8, 4)
@@ -72,6 +76,7 @@ def _parity_sign_groups(aux: torch.Tensor) -> torch.Tensor:
     return lookup(parity_signs(aux.device), idx)
 
 
+@block_decoder(T.IQ2_XXS, fp16_fields=(0,))
 def iq2_xxs(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | 8 x (4 grid-index bytes, uint32: 4 x 7 sign bits + 4-bit scale in the top nibble)
     sub = blocks[:, 2:66].reshape(-1, 8, 8)
@@ -81,6 +86,7 @@ def iq2_xxs(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return torch.mul(db[:, :, None, None] * grid, signs, out=out.view(-1, 8, 4, 8))
 
 
+@block_decoder(T.IQ2_XS, fp16_fields=(0,))
 def iq2_xs(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | 32 x uint16 (9-bit grid index, 7-bit sign index) | scales[8] (two 4-bit per byte)
     qs = u16(blocks[:, 2:66])
@@ -92,6 +98,7 @@ def iq2_xs(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     )
 
 
+@block_decoder(T.IQ2_S, fp16_fields=(0,))
 def iq2_s(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | qs[32] (grid index low 8 bits) | signs[32] | qh[8] (2 high bits each) | scales[8]
     idx = blocks[:, 2:34].int() | (byte_major(blocks, 66, 74, 2).int() << 8)
@@ -103,6 +110,7 @@ def iq2_s(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     )
 
 
+@block_decoder(T.IQ3_XXS, fp16_fields=(0,))
 def iq3_xxs(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | qs[64] (grid indices, 4 values each) | 8 x uint32 (4 x 7 sign bits + 4-bit scale)
     aux = blocks[:, 66:98].reshape(-1, 8, 4)
@@ -112,6 +120,7 @@ def iq3_xxs(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return torch.mul(db[:, :, None, None] * grid.view(-1, 8, 4, 8), signs, out=out.view(-1, 8, 4, 8))
 
 
+@block_decoder(T.IQ3_S, fp16_fields=(0,))
 def iq3_s(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | qs[64] (index low 8 bits) | qh[8] (9th bits) | signs[32] | scales[4] (two 4-bit per byte)
     idx = blocks[:, 2:66].int() | (byte_major(blocks, 66, 74, 1).int() << 8)
@@ -128,6 +137,7 @@ def _iq1_delta(negative: torch.Tensor) -> torch.Tensor:
     return torch.where(negative != 0, -_IQ1_DELTA, _IQ1_DELTA)
 
 
+@block_decoder(T.IQ1_S, fp16_fields=(0,))
 def iq1_s(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | qs[32] (index low 8 bits) | 8 x uint16 qh: 4 x 3 index bits, 3-bit scale, delta sign
     qh = u16(blocks[:, 34:50])
@@ -138,6 +148,7 @@ def iq1_s(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return torch.mul(dl.view(-1, 8, 1, 1), grid + delta.view(-1, 8, 1, 1), out=out.view(-1, 8, 4, 8))
 
 
+@block_decoder(T.IQ1_M)
 def iq1_m(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # qs[32] | qh[16] (per nibble: 3 index bits + delta sign) | 4 x uint16 scales: 4 x 3-bit scales,
     # and the fp16 super-block scale split over their top nibbles (scale k's top nibble = bits 4k..4k+3)

@@ -9,10 +9,12 @@ Arithmetic follows ggml's order so results are bit-identical to ggml and ``gguf.
 from __future__ import annotations
 
 import torch
+from gguf import GGMLQuantizationType as T
 
-from runtime.dequant_bits import f16_at, shift_major
+from runtime.dequant_bits import block_decoder, f16_at, shift_major
 
 
+@block_decoder(T.Q2_K, fp16_fields=(80, 82))
 def q2_k(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # scales[16] (low nibble: scale, high nibble: min) | qs[64] (2-bit) | fp16 d | fp16 dmin
     sc = blocks[:, 0:16]
@@ -23,6 +25,7 @@ def q2_k(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return torch.sub(dl * q, ml, out=out.view(-1, 16, 16))
 
 
+@block_decoder(T.Q3_K, fp16_fields=(108,))
 def q3_k(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # hmask[32] | qs[64] (low 2 bits) | scales[12] (16 x 6-bit) | fp16 d
     # scale i: low 4 bits from byte i%8 (nibble i//8), high 2 bits from byte 8 + i%4 (bits 2*(i//4))
@@ -55,6 +58,7 @@ def _k4_scale_and_offset(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return (d * scales.float()).unsqueeze(-1), (dmin * mins.float()).unsqueeze(-1)
 
 
+@block_decoder(T.Q4_K, fp16_fields=(0, 2))
 def q4_k(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | fp16 dmin | scales[12] | qs[128] (nibbles; 32 bytes per pair of 32-element groups)
     dl, ml = _k4_scale_and_offset(blocks)
@@ -62,6 +66,7 @@ def q4_k(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return torch.sub(dl * q, ml, out=out.view(-1, 8, 32))
 
 
+@block_decoder(T.Q5_K, fp16_fields=(0, 2))
 def q5_k(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # fp16 d | fp16 dmin | scales[12] | qh[32] (bit g of byte l: group g, element l) | qs[128]
     dl, ml = _k4_scale_and_offset(blocks)
@@ -73,6 +78,7 @@ def q5_k(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return torch.sub(dl * q, ml, out=out.view(-1, 8, 32))
 
 
+@block_decoder(T.Q6_K, fp16_fields=(208,))
 def q6_k(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # ql[128] (low nibbles) | qh[64] (2-bit high parts) | int8 scales[16] | fp16 d; x = d * s * (q - 32)
     q6 = shift_major(blocks, 0, 128, 4, 64) | (shift_major(blocks, 128, 192, 2, 32) << 4)

@@ -31,6 +31,7 @@ import numpy as np
 import typer
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from forge import ggml_types
 from forge.errors import ForgeError
 from forge.gguf_file import KV, TensorSpec, write_gguf
 from forge.options import require_choice, require_int, require_seed
@@ -58,33 +59,33 @@ GEOMETRIES = {
     "qwen3-30b-a3b": SynthGeometry(48, 128, 8, 2048, 768, 32, 4, 128, 151936),
 }
 
-# byte offsets of the fp16 scale fields (d, dmin) inside one block, per type
-FP16_SCALE_FIELDS = {
-    Q.Q4_0: (0,),
-    Q.Q8_0: (0,),
-    Q.Q2_K: (80, 82),
-    Q.Q3_K: (108,),
-    Q.Q4_K: (0, 2),
-    Q.Q5_K: (0, 2),
-    Q.Q6_K: (208,),
-    Q.IQ4_NL: (0,),
-    Q.IQ4_XS: (0,),
-    Q.IQ2_XXS: (0,),
-    Q.IQ2_XS: (0,),
-    Q.IQ3_XXS: (0,),
-}
-# the types `forge synth` writes
-SYNTH_TYPES = (Q.Q4_0, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+def synth_types() -> list[Q]:
+    """The types ``forge synth`` writes: those whose torch decoder says where a block's fp16 scales are
+    (every other byte pattern decodes to finite values), by type id."""
+    return [t for t in ggml_types.types_with("torch") if fp16_fields(t) is not None]
+
+
+def fp16_fields(qtype: Q) -> tuple[int, ...] | None:
+    """Byte offsets of the fp16 scale fields (d, dmin) in one ``qtype`` block, registered with its decoder."""
+    return getattr(ggml_types.implementation("torch", qtype), "fp16_fields", None)
 
 
 def random_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator, lo: float, hi: float) -> np.ndarray:
     """uint8 (n_blocks, block bytes): random bytes with every fp16 scale field drawn from [lo, hi), so every
     decoder gives finite values."""
+    fields = fp16_fields(qtype)
+    if fields is None:
+        raise ForgeError(f"random {qtype.name} blocks are not supported (types: {_names(synth_types())})")
     blocks = rng.integers(0, 256, (n_blocks, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
-    for off in FP16_SCALE_FIELDS[qtype]:
+    for off in fields:
         d = rng.uniform(lo, hi, n_blocks).astype(np.float16)
         blocks[:, off : off + 2] = d.view(np.uint8).reshape(-1, 2)
     return blocks
+
+
+def _names(types: list[Q]) -> str:
+    return ", ".join(t.name.lower() for t in types)
 
 
 _POOL_BYTES = 32 << 20
@@ -94,8 +95,6 @@ class _BlockPool:
     """A pool of random well-formed blocks of one type; tensors are written as slices of it."""
 
     def __init__(self, qtype: Q, rng: np.random.Generator, scale: float = 0.01) -> None:
-        if qtype not in SYNTH_TYPES:
-            raise ForgeError(f"forge synth supports {', '.join(t.name.lower() for t in SYNTH_TYPES)}")
         size = GGML_QUANT_SIZES[qtype][1]
         self.data = random_blocks(qtype, _POOL_BYTES // size, rng, 0.2 * scale, 2 * scale).reshape(-1)
         self.pos = 0
@@ -172,7 +171,7 @@ def synthesize(
         raise ForgeError(f"unknown geometry {geometry!r} (known: {', '.join(GEOMETRIES)})")
     changes = {k: v for k, v in {"layers": layers, "vocab": vocab, **overrides}.items() if v is not None}
     g = replace(g, **changes)
-    require_choice("--type", qtype.lower(), [t.name.lower() for t in SYNTH_TYPES])
+    require_choice("--type", qtype.lower(), [t.name.lower() for t in synth_types()])
     t = Q[qtype.upper()]
     check_geometry(g, t)
     require_seed("--seed", seed)
@@ -283,7 +282,9 @@ def synth(
     geometry: Annotated[str, typer.Option(help=f"one of: {', '.join(GEOMETRIES)}")] = "qwen3.6-35b-a3b",
     type_: Annotated[
         str,
-        typer.Option("--type", help=f"weights' quant type: {', '.join(t.name.lower() for t in SYNTH_TYPES)}"),
+        typer.Option(
+            "--type", help="weights' quant type: a block type with fp16 scales (q4_0, q8_0, q2_k...q6_k, iq*)"
+        ),
     ] = "q4_k",
     layers: Annotated[int | None, typer.Option(help="fewer layers than the geometry's")] = None,
     vocab: Annotated[int | None, typer.Option(help="vocabulary size (default: the geometry's)")] = None,

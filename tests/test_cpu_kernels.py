@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from forge import ggml_types
 from runtime import cpu_kernels as ck
 from runtime.moe import softmax_top_k
 
@@ -237,13 +238,15 @@ def test_prepare_decode_says_when_it_compiles(example_bf16, monkeypatch: pytest.
 
 # experts kept encoded --------------------------------------------------------------------------------------
 
-_SCALE_OFFSETS = {"Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-
 
 def _encoded_rows(qtype, rows: int, n: int, seed: int) -> np.ndarray:  # noqa: ANN001
-    """Random rows of ``qtype`` with finite, small fp16 scales (float types: random values)."""
+    """Random rows of ``qtype``: random bytes with finite, small fp16 scales where the type's decoder says
+    where they are, else random values encoded by the quantizer (float types: random values)."""
     from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as Q
+
+    from forge.quant.types import get_type
+    from runtime.synth import fp16_fields, random_blocks
 
     rng = np.random.default_rng(seed)
     if qtype in (Q.F32, Q.F16):
@@ -256,23 +259,19 @@ def _encoded_rows(qtype, rows: int, n: int, seed: int) -> np.ndarray:  # noqa: A
             .astype(np.uint16)
             .view(np.uint8)
         )
-    block, size = GGML_QUANT_SIZES[qtype]
-    data = rng.integers(0, 256, size=(rows, n // block, size), dtype=np.uint8)
-    for off in _SCALE_OFFSETS[qtype.name]:
-        scales = (rng.random((rows, n // block)) * 0.01 + 1e-4).astype(np.float16)
-        data[..., off : off + 2] = scales[..., None].view(np.uint8)
-    return data.reshape(rows, -1)
+    if fp16_fields(qtype) is None:
+        return get_type(qtype).encode(rng.standard_normal((rows, n)).astype(np.float32) * 0.05)
+    return random_blocks(qtype, rows * n // GGML_QUANT_SIZES[qtype][0], rng, 1e-4, 0.0101).reshape(rows, -1)
 
 
-@pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", [t.name for t in ggml_types.types_with("cpu_rows")])
 def test_decode_row_equals_dequantize(name: str) -> None:
     from gguf import GGMLQuantizationType as Q
 
-    from runtime.cpu_rows import ROW_TYPES, decode_row
+    from runtime.cpu_rows import decode_row
     from runtime.dequant import dequantize
 
     qtype = Q[name]
-    assert qtype in ROW_TYPES
     raw = _encoded_rows(qtype, 6, 512, seed=40)
     want = dequantize(torch.from_numpy(raw), qtype, 512).numpy()
     got = np.empty(512, np.float32)
@@ -282,7 +281,13 @@ def test_decode_row_equals_dequantize(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"), ("BF16", "BF16", "Q5_K")]
+    "types",
+    [
+        ("Q4_K", "Q4_K", "Q6_K"),
+        ("Q8_0", "Q8_0", "Q8_0"),
+        ("BF16", "BF16", "Q5_K"),
+        ("MXFP4", "MXFP4", "Q8_0"),
+    ],
 )
 def test_routed_ffn_encoded_equals_decoded(types: tuple[str, str, str]) -> None:
     from gguf import GGMLQuantizationType as Q

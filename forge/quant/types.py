@@ -1,9 +1,10 @@
 """The quant-type registry: every GGUF tensor type we can encode and/or decode.
 
 A type is a subclass of :class:`QuantType` carrying its geometry as class attributes; defining the
-subclass registers it (the ``gguf`` package's ``quants.py`` pattern). The quantizer uses ``encode`` and
-``decode`` (numpy, the reference); the runtime does not import this package: its torch dequantizers
-(``runtime/dequant*.py``) and compiled row kernels (``runtime/cpu_rows.py``) are tested against ``decode``.
+subclass registers it in the one type table, ``forge.ggml_types`` (kind ``numpy``, and ``compiled`` when
+its encoder has a numba kernel). The quantizer uses ``encode`` and ``decode`` (numpy, the reference); the
+runtime does not import this package: it registers its torch dequantizers and compiled row kernels in
+the same table, and the tests hold every registered decoder to ``decode``.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from typing import ClassVar
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from forge import ggml_types
 from forge.errors import ForgeError
-
-_REGISTRY: dict[GGMLQuantizationType, type[QuantType]] = {}
 
 
 class QuantType:
@@ -35,7 +35,10 @@ class QuantType:
         super().__init_subclass__(**kwargs)
         if "ggml_type" in cls.__dict__:
             cls.block_size, cls.type_size = GGML_QUANT_SIZES[cls.ggml_type]
-            _REGISTRY[cls.ggml_type] = cls
+            ggml_types.provide("numpy", cls.ggml_type, cls)
+            kernel_name = getattr(getattr(cls, "_encode_chunk", None), "kernel_name", None)
+            if kernel_name is not None:
+                ggml_types.provide("compiled", cls.ggml_type, kernel_name)
 
     @classmethod
     def name(cls) -> str:
@@ -58,23 +61,18 @@ class QuantType:
 
 def get_type(key: str | int | GGMLQuantizationType) -> type[QuantType]:
     """Look a type up by name (case-insensitive) or ggml type id."""
-    _load_all()
     try:
         gtype = GGMLQuantizationType[key.upper()] if isinstance(key, str) else GGMLQuantizationType(key)
     except (KeyError, ValueError):
         raise ForgeError(f"unknown tensor type {key!r}; known: {', '.join(known_type_names())}") from None
-    if gtype not in _REGISTRY:
+    qt = ggml_types.implementation("numpy", gtype)
+    if qt is None:
         raise ForgeError(f"tensor type {gtype.name} is not supported; known: {', '.join(known_type_names())}")
-    return _REGISTRY[gtype]
+    return qt
 
 
 def known_type_names() -> list[str]:
-    _load_all()
-    return [t.name for t in sorted(_REGISTRY, key=int)]
-
-
-def _load_all() -> None:
-    import forge.quant  # noqa: F401  (registers every type module)
+    return [t.name for t in ggml_types.types_with("numpy")]
 
 
 KERNEL_CHUNK_ELEMS = 1 << 16

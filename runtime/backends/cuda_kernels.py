@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import NamedTuple
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from forge import ggml_types
 
 try:  # CI machines have no triton; the module still imports so callers can ask ``available()``
     import triton
@@ -34,24 +37,33 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 T = GGMLQuantizationType
 log = logging.getLogger(__name__)
 
-# Values per group that shares one scale (the tile's innermost axis); floats use one 64-value group.
-_GROUP = {
-    T.F32: 64,
-    T.F16: 64,
-    T.BF16: 64,
-    T.Q8_0: 32,
-    T.Q2_K: 16,
-    T.Q3_K: 16,
-    T.Q4_K: 32,
-    T.Q5_K: 32,
-    T.Q6_K: 16,
-    T.IQ4_NL: 32,
-    T.IQ4_XS: 32,
-    T.IQ2_XXS: 32,
-    T.IQ2_XS: 16,
-    T.IQ3_XXS: 32,
-}
-_FLOAT_DTYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
+
+class KernelType(NamedTuple):
+    """What the kernels need to know of a type they decode (registered as its ``cuda`` capability)."""
+
+    #: values per group that shares one scale (the tile's innermost axis); floats use one 64-value group
+    group: int
+    #: the word kernel's view of the rows (``_as_words``), for the types it handles
+    words: torch.dtype | None = None
+
+
+for _qtype, _kt in {
+    T.F32: KernelType(64),
+    T.F16: KernelType(64),
+    T.BF16: KernelType(64),
+    T.Q8_0: KernelType(32, torch.int16),
+    T.Q2_K: KernelType(16),
+    T.Q3_K: KernelType(16),
+    T.Q4_K: KernelType(32, torch.int32),
+    T.Q5_K: KernelType(32, torch.int32),
+    T.Q6_K: KernelType(16, torch.int16),
+    T.IQ4_NL: KernelType(32),
+    T.IQ4_XS: KernelType(32),
+    T.IQ2_XXS: KernelType(32),
+    T.IQ2_XS: KernelType(16),
+    T.IQ3_XXS: KernelType(32),
+}.items():
+    ggml_types.provide("cuda", _qtype, _kt)
 _PRECISIONS = {"tf32": 0, "ieee": 1, "fp16": 2, "bf16": 3, "tf32x3": 4}
 # Largest unit roundoff of each product precision's operands (tf32 may truncate: 2^-10, not 2^-11).
 # tf32x3 splits each operand into a tf32 high and low part and sums three products: float32-like (2^-21
@@ -75,14 +87,11 @@ def computes(device: torch.device, qtype: GGMLQuantizationType | int) -> bool:
 
 
 def supported_types() -> list[GGMLQuantizationType]:
-    return sorted(_GROUP, key=int)
-
-
-_TYPE_IDS = frozenset(int(t) for t in _GROUP)
+    return ggml_types.types_with("cuda")
 
 
 def supports(qtype: GGMLQuantizationType | int) -> bool:
-    return int(qtype) in _TYPE_IDS
+    return ggml_types.supports("cuda", qtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -536,10 +545,12 @@ def _geometry(qtype: GGMLQuantizationType, raw: torch.Tensor) -> tuple[torch.Ten
     if row_bytes % ts:
         raise ValueError(f"{qtype.name}: rows of {row_bytes} bytes are not whole {ts}-byte blocks")
     k = row_bytes // ts * bs
-    if qtype in _FLOAT_DTYPES:
-        w = raw.view(_FLOAT_DTYPES[qtype])
-        return w, k, w.shape[-1], 1, 1, _GROUP[qtype]
-    return raw, k, row_bytes, bs, ts, _GROUP[qtype]
+    group = ggml_types.implementation("cuda", qtype).group
+    float_dtype = ggml_types.implementation("torch", qtype)
+    if isinstance(float_dtype, torch.dtype):
+        w = raw.view(float_dtype)
+        return w, k, w.shape[-1], 1, 1, group
+    return raw, k, row_bytes, bs, ts, group
 
 
 def _groups(k: int, s: int, bs: int, most: int) -> int:
@@ -680,16 +691,13 @@ def _next_pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
 
-_WORD_TYPES = {T.Q4_K: torch.int32, T.Q5_K: torch.int32, T.Q6_K: torch.int16, T.Q8_0: torch.int16}
-
-
 def _as_words(qtype: GGMLQuantizationType, w: torch.Tensor, k: int) -> torch.Tensor | None:
     """The rows viewed as the word kernel's words, or None where it does not apply.
 
     By default only Q6_K takes it: for Q4_K, Q5_K and Q8_0 the generic kernel measured as fast or
     faster (the word kernel's final 5-axis row sum costs more than it saves); FORGE_CUDA_WORDS=all
     selects it for all four (tests, --sweep), =0 for none."""
-    dtype = _WORD_TYPES.get(qtype)
+    dtype = ggml_types.implementation("cuda", qtype).words
     choice = os.environ.get("FORGE_CUDA_WORDS", "")
     if dtype is None or k % 256 or choice == "0" or (qtype != T.Q6_K and choice != "all"):
         return None

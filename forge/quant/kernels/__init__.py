@@ -46,15 +46,10 @@ def accelerated(name: str, fallback: Encoder) -> Encoder:
 
 
 def kernel_table() -> dict[str, str]:
-    """Every kernel entry point, by the quant type whose codec runs it (read off the codecs)."""
-    from forge.quant.types import get_type, known_type_names
+    """Every kernel entry point, by the quant type whose codec runs it (the type table's ``compiled``)."""
+    from forge import ggml_types
 
-    table = {}
-    for name in known_type_names():
-        kernel_name = getattr(getattr(get_type(name), "_encode_chunk", None), "kernel_name", None)
-        if kernel_name is not None:
-            table[name] = kernel_name
-    return table
+    return {t.name: ggml_types.implementation("compiled", t) for t in ggml_types.types_with("compiled")}
 
 
 def warm_up(type_names: list[str] | None = None) -> list[str]:

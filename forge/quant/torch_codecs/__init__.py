@@ -3,7 +3,9 @@
 ``encode_on_device("q4_k", rows, importance, "cuda")`` quantizes float32 rows (n_rows, n_per_row)
 on the device in chunks of whole rows and returns uint8 (n_rows, row_bytes), byte for byte what
 ``get_type("q4_k").encode(rows, importance)`` returns. Types without a torch encoder are refused
-(``supported_on_device`` says which ones have one); the caller falls back to the CPU path.
+(``supported_on_device`` says which ones have one); the caller falls back to the CPU path. An encoder
+registers itself in the type table (``forge.ggml_types``, kind ``gpu_encode``) with ``@device_encoder``;
+``encoders.py`` imports them all.
 """
 
 from __future__ import annotations
@@ -11,27 +13,31 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
+from forge import ggml_types
 from forge.errors import ForgeError
 
 #: Elements of source weights encoded per device step at most (bigger steps amortize the kernel
 #: launches: on an H200, IQ2_XXS runs 1.6x faster with 2**25 than with 2**22).
 CHUNK_ELEMS = {"cuda": 1 << 25, "cpu": 1 << 18}
-#: Peak device bytes per element of a step, with headroom (measured on an H200: 49 for Q4_K, 234 for
-#: IQ2_XXS); a CUDA step is cut so that it fits in half the free device memory.
-_BYTES_PER_ELEM = {"Q4_K": 64, "Q5_K": 64, "IQ2_XXS": 320}
-_SUPPORTED = ("Q4_K", "Q5_K", "IQ2_XXS")
+
+
+def device_encoder(qtype: GGMLQuantizationType, bytes_per_elem: int) -> Callable[[Callable], Callable]:
+    """Register the decorated torch encoder of ``qtype``. ``bytes_per_elem``: its peak device bytes per
+    element of a step, with headroom (a CUDA step is cut so that it fits in half the free memory)."""
+
+    def register(encode: Callable) -> Callable:
+        encode.bytes_per_elem = bytes_per_elem  # type: ignore[attr-defined]
+        ggml_types.provide("gpu_encode", qtype, encode)
+        return encode
+
+    return register
 
 
 def supported_on_device(qtype: str) -> bool:
     """Whether ``qtype`` (a ggml type name, any case) has a torch encoder."""
-    return qtype.upper() in _SUPPORTED
-
-
-def _encoder(name: str) -> Callable:
-    from forge.quant.torch_codecs import iq2, kquants
-
-    return {"Q4_K": kquants.encode_q4_k, "Q5_K": kquants.encode_q5_k, "IQ2_XXS": iq2.encode_iq2_xxs}[name]
+    return ggml_types.supports("gpu_encode", ggml_types.ggml_type(qtype))
 
 
 def check_device(device: str) -> None:
@@ -52,13 +58,13 @@ def _device(device: str):  # noqa: ANN202
     return dev
 
 
-def _default_chunk(name: str, dev) -> int:  # noqa: ANN001
+def _default_chunk(encode: Callable, dev) -> int:  # noqa: ANN001
     import torch
 
     chunk = CHUNK_ELEMS.get(dev.type, CHUNK_ELEMS["cuda"])
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
-        chunk = min(chunk, max(1 << 16, free // 2 // _BYTES_PER_ELEM[name]))
+        chunk = min(chunk, max(1 << 16, free // 2 // encode.bytes_per_elem))
     return chunk
 
 
@@ -80,8 +86,10 @@ def encode_on_device(
 
     qt = get_type(qtype)
     name = qt.name()
-    if name not in _SUPPORTED:
-        raise ForgeError(f"{name} has no device encoder; device encoders exist for {', '.join(_SUPPORTED)}")
+    encode = ggml_types.implementation("gpu_encode", qt.ggml_type)
+    if encode is None:
+        have = ", ".join(t.name for t in ggml_types.types_with("gpu_encode"))
+        raise ForgeError(f"{name} has no device encoder; device encoders exist for {have}")
     dev = _device(device)
     rows, importance = check_rows(name, rows, qt.block_size, importance)
     if importance is None and getattr(qt, "requires_importance", False):
@@ -90,9 +98,8 @@ def encode_on_device(
     out = np.empty((n_rows, qt.row_bytes(n_per_row)), np.uint8)
     if n_rows == 0 or n_per_row == 0:
         return out
-    encode = _encoder(name)
     if chunk_elems is None:
-        chunk_elems = _default_chunk(name, dev)
+        chunk_elems = _default_chunk(encode, dev)
     step = max(1, chunk_elems // n_per_row)
     imp = None if importance is None else torch.from_numpy(importance).to(dev)
     with torch.inference_mode():
@@ -102,4 +109,4 @@ def encode_on_device(
     return out
 
 
-__all__ = ["CHUNK_ELEMS", "check_device", "encode_on_device", "supported_on_device"]
+__all__ = ["CHUNK_ELEMS", "check_device", "device_encoder", "encode_on_device", "supported_on_device"]

@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from forge.quant.iq2_grid import CODE_WEIGHTS, codebook
-from forge.quant.torch_codecs import ops
+from forge.quant.torch_codecs import device_encoder, ops
 
 QK_K = 256
 SUB = 32  # IQ2_XXS sub-block
@@ -216,6 +216,8 @@ def _search(
     return point, scale, live
 
 
+# peak device bytes per element measured on an H200: 234
+@device_encoder(T.IQ2_XXS, bytes_per_elem=320)
 def encode_iq2_xxs(rows: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
     """rows float32 (R, n_per_row), importance (n_per_row,) -> uint8 (R, row_bytes)."""
     n_rows = rows.shape[0]
