@@ -69,6 +69,26 @@ def convert(
     )
 
 
+@app.command("types")
+def types_(
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON list")] = False,
+) -> None:
+    """GGUF tensor types: block geometry, bits per weight, and which encoders and decoders exist for each."""
+    from forge import ggml_types
+
+    rows = ggml_types.table()
+    if as_json:
+        print_json(rows)
+        return
+    table = Table()
+    for heading in ("type", "id", "block", "bytes", "bpw", "encode", "decode"):
+        table.add_column(heading, no_wrap=True)
+    for r in rows:
+        table.add_row(r["type"], str(r["id"]), str(r["block_size"]), str(r["type_size"]),
+                      f"{r['bits_per_weight']:.4g}", ", ".join(r["encode"]), ", ".join(r["decode"]))  # fmt: skip
+    out.print(table)
+
+
 @app.command()
 def inspect(
     file: Annotated[Path, typer.Argument(help="GGUF file")],
