@@ -30,7 +30,24 @@ _DTYPES = {
     "I8": np.dtype("i1"),
     "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
+    "F8_E4M3": np.dtype("u1"),  # FP8 codes, decoded by float32()
+    "F8_E8M0": np.dtype("u1"),  # power-of-two scale exponents (bias 127)
 }
+
+
+def _e4m3_table() -> np.ndarray:
+    """float32 value of each F8_E4M3 (fn) code: 4 exponent bits (bias 7), 3 mantissa bits; 0x7F/0xFF NaN."""
+    c = np.arange(256)
+    e, m = (c >> 3) & 0xF, c & 7
+    mag = np.where(e == 0, m * 2.0**-9, (8 + m) * np.exp2(e - 10.0))
+    v = np.where(c & 0x80, -mag, mag).astype(np.float32)
+    v[(c & 0x7F) == 0x7F] = np.nan
+    return v
+
+
+_E4M3 = _e4m3_table()
+#: float32 value of each E8M0 code: 2^(code - 127); 0xFF is NaN
+_E8M0 = np.append(np.exp2(np.arange(255) - 127.0), np.nan).astype(np.float32)
 
 
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -59,6 +76,10 @@ class HFTensor:
         data = self.raw()
         if self.dtype == "BF16":
             return bf16_bits_to_f32(data)
+        if self.dtype == "F8_E4M3":
+            return _E4M3[data]
+        if self.dtype == "F8_E8M0":
+            return _E8M0[data]
         return np.asarray(data, dtype=np.float32)
 
 
@@ -167,7 +188,8 @@ class Checkpoint:
         """Every tensor, keyed by name, in the converter's visiting order (shard by shard)."""
         out: dict[str, HFTensor] = {}
         for name in self.shard_names:
-            for t in read_safetensors_header(self.path / name):
+            # llama.cpp's converter visits a shard's tensors in name order, not the header's (data) order
+            for t in sorted(read_safetensors_header(self.path / name), key=lambda t: t.name):
                 out[t.name] = t
         index = self.path / "model.safetensors.index.json"
         if index.is_file():

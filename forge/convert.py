@@ -68,14 +68,20 @@ def model_name(path: Path) -> str:
 
 
 def float_type_for(t: OutTensor, outtype: GGMLQuantizationType) -> GGMLQuantizationType:
-    """llama.cpp's converter rule: 1-D tensors and the listed F32 tensors stay F32."""
+    """llama.cpp's converter rule: a type the architecture fixes, else 1-D tensors and the listed F32 tensors
+    stay F32."""
+    if t.gguf_type is not None:
+        return t.gguf_type
     if t.force_f32 or len(t.shape) <= 1:
         return GGMLQuantizationType.F32
     return outtype
 
 
 def encode_float(t: OutTensor, gtype: GGMLQuantizationType) -> np.ndarray:
-    """Produce a tensor's values in F32, F16 or BF16 (a BF16 source to BF16 is a bit copy)."""
+    """Produce a tensor's values in F32, F16 or BF16 (a BF16 source to BF16 is a bit copy), or its encoded
+    bytes when the architecture gives them (MXFP4, Q8_0, I32)."""
+    if t.encoded is not None:
+        return t.encoded()
     src = t.produce()
     if src.data.shape != t.shape:
         raise ForgeError(f"tensor {t.name}: produced shape {src.data.shape}, planned {t.shape}")

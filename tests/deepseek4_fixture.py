@@ -268,8 +268,11 @@ class _Writer:
 
 
 def _tokenizer(out: Path) -> None:
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(EXAMPLE / name, out / name)
+    shutil.copyfile(EXAMPLE / "tokenizer.json", out / "tokenizer.json")
+    # bos and eos named by the tokenizer config, as deepseek-ai's is
+    tcfg = {"backend": "tokenizers", "tokenizer_class": "TokenizersBackend", "bos_token": "<|endoftext|>",
+            "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "model_max_length": 16384}  # fmt: skip
+    (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
-from gguf import GGUFValueType
+from gguf import GGMLQuantizationType, GGUFValueType
 
 from forge.checkpoint import Checkpoint, HFTensor, bf16_bits_to_f32
 from forge.errors import ForgeError
@@ -44,6 +44,10 @@ class OutTensor:
     force_f32: bool = False
     #: the values are the sources' stored bytes in order (no transform): a plain byte copy
     verbatim: bool = False
+    #: the GGUF type llama.cpp's converter writes whatever the output type (None: the float rule)
+    gguf_type: GGMLQuantizationType | None = None
+    #: the tensor's bytes in ``gguf_type`` when that is not a float type (MXFP4, Q8_0, I32)
+    encoded: Callable[[], np.ndarray] | None = None
 
 
 def raw(t: HFTensor) -> SourceArray:
