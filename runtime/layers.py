@@ -19,7 +19,7 @@ from runtime.weights import Weights
 
 # ggml's CPU matmul first converts the activations to the weight type's "vec_dot" type; with
 # ``ggml_numerics`` the runtime rounds activations the same way, to reproduce llama.cpp's figures closely.
-_Q8_0_INPUTS = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL}
+_Q8_0_INPUTS = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.MXFP4}
 _FLOAT_INPUTS = {Q.BF16: torch.bfloat16, Q.F16: torch.float16}
 
 

@@ -14,11 +14,11 @@ from typing import Any
 
 def for_experts(weights: Any, source: Any, taps: Any) -> ModuleType:
     """The backend that computes a layer's routed experts: the torch reference under ggml numerics (its
-    input roundings), the cuda kernels when the source's bytes are on a GPU in types they decode, the
+    input roundings) or a SwiGLU clamp, the cuda kernels when the source's bytes are on a GPU in types they decode, the
     compiled CPU kernels when the source hands out records they read; else torch."""
     from runtime.backends import cpu_backend, cuda_backend, torch_backend
 
-    if taps.rounds or weights.ggml_numerics:
+    if taps.rounds or weights.ggml_numerics or source.swiglu_limit is not None:
         return torch_backend
     if source.device_parts() is not None:
         return cuda_backend

@@ -37,12 +37,20 @@ def routed_ffn(
 
 
 def _swiglu(
-    w: list[torch.Tensor] | tuple[Sequence[torch.Tensor], ...], i: int, x: torch.Tensor, n_ff: int
+    w: list[torch.Tensor] | tuple[Sequence[torch.Tensor], ...],
+    i: int,
+    x: torch.Tensor,
+    n_ff: int,
+    limit: float | None = None,
 ) -> torch.Tensor:
     if isinstance(w, list):
         gu = F.linear(x, w[i])
-        return F.silu(gu[:, :n_ff]) * gu[:, n_ff:]
-    return F.silu(F.linear(x, w[0][i])) * F.linear(x, w[1][i])
+        gate, up = gu[:, :n_ff], gu[:, n_ff:]
+    else:
+        gate, up = F.linear(x, w[0][i]), F.linear(x, w[1][i])
+    if limit is not None:  # DeepSeek V4's clamped SwiGLU (ggml_swiglu_clamp)
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.silu(gate) * up
 
 
 def _one_token(
@@ -56,7 +64,7 @@ def _one_token(
     hit = ids.tolist()
     gate_up, down = source.gate_up_matrices(hit), source.down_matrices(hit)
     xin = taps.round_in(x) if taps.round_in else x
-    acts = [_swiglu(gate_up, i, xin, source.n_ff) for i in range(len(hit))]
+    acts = [_swiglu(gate_up, i, xin, source.n_ff, source.swiglu_limit) for i in range(len(hit))]
     if taps.observers:
         taps.inputs(x.expand(len(hit), -1), torch.cat(acts), ids)
     if taps.round_act:
@@ -86,7 +94,7 @@ def _batch(
     act = torch.empty(xs.shape[0], source.n_ff, dtype=x.dtype, device=x.device)
     start = 0
     for i, n in enumerate(counts_list):
-        act[start : start + n] = _swiglu(gate_up, i, xin[start : start + n], source.n_ff)
+        act[start : start + n] = _swiglu(gate_up, i, xin[start : start + n], source.n_ff, source.swiglu_limit)
         start += n
     if taps.observers:
         taps.inputs(xs, act, sorted_ids)

@@ -11,12 +11,17 @@ import torch
 from forge.errors import ForgeError
 from forge.mask_file import PruneMask
 from runtime.models.base import MoeCausalLM, State
+from runtime.models.deepseek4 import Deepseek4Model
 from runtime.models.qwen3moe import Qwen3MoeModel
 from runtime.models.qwen35moe import Qwen35MoeModel
 from runtime.observers import Observer
 from runtime.weights import DEFAULT_EXPERT_BUDGET, Weights, load_weights
 
-ARCHITECTURES: dict[str, type[MoeCausalLM]] = {"qwen3moe": Qwen3MoeModel, "qwen35moe": Qwen35MoeModel}
+ARCHITECTURES: dict[str, type[MoeCausalLM]] = {
+    "qwen3moe": Qwen3MoeModel,
+    "qwen35moe": Qwen35MoeModel,
+    "deepseek4": Deepseek4Model,
+}
 
 __all__ = [
     "ARCHITECTURES",
