@@ -127,6 +127,34 @@ GEOMETRIES = {
 }  # fmt: skip
 
 
+@dataclass(frozen=True)
+class GlmGeometry(Geometry):
+    """glm4moe: leading dense layers, a shared expert, q/k biases, optional q/k norms. The FFN widths keep the
+    real ones' remainder mod 256 (GLM-4.5-Air's 1408 and 10944 are not multiples of 256: llama-quantize's
+    row-length fallbacks apply to its ffn_down tensors, as they do on the real model)."""
+
+    dense_lead: int = 1  # first_k_dense_replace
+    dense_ff: int = 512  # intermediate_size (small, same remainder mod 256 as the real one)
+    expert_ff: int = EXPERT_FF  # moe_intermediate_size (likewise)
+    qk_norm: bool = False  # use_qk_norm
+
+
+GEOMETRIES.update({
+    g.name: g
+    for g in (
+        GlmGeometry("glm-4.5-air", "glm4moe", 46, 96, 8, 128, 128, 8, mtp=1, dense_lead=1, dense_ff=448,
+                    expert_ff=384, qk_norm=False,
+                    source="zai-org/GLM-4.5-Air config.json (ffn 10944, expert ffn 1408); MTP block exported"),
+        GlmGeometry("glm-4.5-air-nomtp", "glm4moe", 46, 96, 8, 128, 128, 8, mtp=0, dense_lead=1, dense_ff=448,
+                    expert_ff=384, qk_norm=False, source="the same converted with --no-mtp"),
+        GlmGeometry("glm-4.6", "glm4moe", 92, 96, 8, 128, 160, 8, mtp=1, dense_lead=3, dense_ff=512,
+                    expert_ff=256, qk_norm=True,
+                    source="zai-org/GLM-4.6 config.json (= GLM-4.5, GLM-4.7: ffn 12288, expert ffn 1536); MTP "
+                           "block exported"),
+    )
+})  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------------ the files
 
 
@@ -232,7 +260,91 @@ def qwen35moe_model(g: Geometry) -> tuple[list[KV], list[TensorSpec]]:
     return kvs + tokenizer_kvs(VOCAB), specs
 
 
+def glm4moe_model(g: GlmGeometry) -> tuple[list[KV], list[TensorSpec]]:
+    """llama.cpp's glm4moe tensor set (as forge convert and convert_hf_to_gguf.py write it)."""
+    h, hd, ff, bf, f32 = g.hidden, _head_dim(g), g.expert_ff, Q.BF16, Q.F32
+    specs = [TensorSpec("output.weight", (VOCAB, h), bf), TensorSpec("token_embd.weight", (VOCAB, h), bf)]
+    for i in range(g.block_count):
+        p = f"blk.{i}."
+        layer = [
+            TensorSpec(p + "attn_norm.weight", (h,), f32),
+            TensorSpec(p + "post_attention_norm.weight", (h,), f32),
+            TensorSpec(p + "attn_q.weight", (g.heads * hd, h), bf),
+            TensorSpec(p + "attn_k.weight", (g.kv_heads * hd, h), bf),
+            TensorSpec(p + "attn_v.weight", (g.kv_heads * hd, h), bf),
+            TensorSpec(p + "attn_q.bias", (g.heads * hd,), f32),
+            TensorSpec(p + "attn_k.bias", (g.kv_heads * hd,), f32),
+            TensorSpec(p + "attn_v.bias", (g.kv_heads * hd,), f32),
+            TensorSpec(p + "attn_output.weight", (h, g.heads * hd), bf),
+        ]
+        if g.qk_norm:
+            layer += [
+                TensorSpec(p + "attn_q_norm.weight", (hd,), f32),
+                TensorSpec(p + "attn_k_norm.weight", (hd,), f32),
+            ]
+        if i < g.dense_lead:
+            layer += [
+                TensorSpec(p + "ffn_gate.weight", (g.dense_ff, h), bf),
+                TensorSpec(p + "ffn_up.weight", (g.dense_ff, h), bf),
+                TensorSpec(p + "ffn_down.weight", (h, g.dense_ff), bf),
+            ]
+        else:
+            layer += [
+                TensorSpec(p + "ffn_gate_inp.weight", (g.experts, h), f32),
+                TensorSpec(p + "exp_probs_b.bias", (g.experts,), f32),
+                TensorSpec(p + "ffn_gate_exps.weight", (g.experts, ff, h), bf),
+                TensorSpec(p + "ffn_up_exps.weight", (g.experts, ff, h), bf),
+                TensorSpec(p + "ffn_down_exps.weight", (g.experts, h, ff), bf),
+                TensorSpec(p + "ffn_gate_shexp.weight", (ff, h), bf),
+                TensorSpec(p + "ffn_up_shexp.weight", (ff, h), bf),
+                TensorSpec(p + "ffn_down_shexp.weight", (h, ff), bf),
+            ]
+        if i >= g.layers:  # the NextN/MTP block
+            layer += [
+                TensorSpec(p + "nextn.eh_proj.weight", (h, 2 * h), bf),
+                TensorSpec(p + "nextn.enorm.weight", (h,), f32),
+                TensorSpec(p + "nextn.hnorm.weight", (h,), f32),
+                TensorSpec(p + "nextn.shared_head_norm.weight", (h,), f32),
+            ]
+        specs += sorted(layer, key=lambda s: s.name)
+    specs.append(TensorSpec("output_norm.weight", (h,), f32))
+    a, u, f = "glm4moe.", GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    kvs = [
+        KV("general.architecture", "glm4moe", GGUFValueType.STRING),
+        KV("general.type", "model", GGUFValueType.STRING),
+        KV("general.name", f"type-plan oracle {g.name} (small widths)", GGUFValueType.STRING),
+        KV(a + "block_count", g.block_count, u),
+        KV(a + "context_length", 131072, u),
+        KV(a + "embedding_length", h, u),
+        KV(a + "feed_forward_length", g.dense_ff, u),
+        KV(a + "attention.head_count", g.heads, u),
+        KV(a + "attention.head_count_kv", g.kv_heads, u),
+        KV(a + "rope.freq_base", 1e6, f),
+        KV(a + "attention.layer_norm_rms_epsilon", 1e-5, f),
+        KV(a + "expert_count", g.experts, u),
+        KV(a + "expert_used_count", g.experts_used, u),
+        KV(a + "expert_group_count", 1, u),
+        KV(a + "expert_group_used_count", 1, u),
+        KV(a + "attention.key_length", hd, u),
+        KV(a + "attention.value_length", hd, u),
+        KV("general.file_type", 32, u),
+        KV(a + "rope.dimension_count", hd // 2, u),
+        KV(a + "expert_feed_forward_length", ff, u),
+        KV(a + "expert_shared_count", 1, u),
+        KV(a + "leading_dense_block_count", g.dense_lead, u),
+        KV(a + "expert_gating_func", 2, u),
+        KV(a + "expert_weights_scale", 2.5, f),
+        KV(a + "expert_weights_norm", True, GGUFValueType.BOOL),
+        KV("general.quantization_version", 2, u),
+    ]
+    if g.mtp:
+        kvs.insert(-1, KV(a + "nextn_predict_layers", g.mtp, u))
+    return kvs + tokenizer_kvs(VOCAB), specs
+
+
 def model(g: Geometry) -> tuple[list[KV], list[TensorSpec]]:
+    if isinstance(g, GlmGeometry):
+        return glm4moe_model(g)
     return qwen3moe_model(g) if g.arch == "qwen3moe" else qwen35moe_model(g)
 
 

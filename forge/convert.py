@@ -50,7 +50,7 @@ class ModelSource:
             KV("general.size_label", self.size_label(), T.STRING),
             *self.arch.model_kvs(file_type),
             KV("general.quantization_version", gguf.GGML_QUANT_VERSION, T.UINT32),
-            *tokenizer_kvs(self.ckpt, vocab_size),
+            *tokenizer_kvs(self.ckpt, vocab_size, self.arch.pre_tokenizer_names, self.arch.special_tokens),
         ]
 
     def size_label(self) -> str:

@@ -45,3 +45,11 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random GLM-4.5-style checkpoint (tests/glm_fixture.py), written once per session."""
+    from glm_fixture import write_glm4moe
+
+    return write_glm4moe(tmp_path_factory.mktemp("glm") / "tiny-glm4moe")

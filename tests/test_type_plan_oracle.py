@@ -51,6 +51,18 @@ GEOMETRY_TABLE = [
     ("qwen3moe-hidden1088-synthetic", "qwen3moe",  24, 16, 4, 64,  4,  False, 0,  False, 1088),
     ("qwen35moe-gqa2-synthetic",      "qwen35moe", 25, 4,  2, 32,  4,  True,  18, False, 256),
     ("qwen3moe-gqa2-2x-synthetic",    "qwen3moe",  16, 8,  4, 2,   1,  False, 0,  False, 256),
+    ("glm-4.5-air",                   "glm4moe",   47, 96, 8, 128, 8,  True,  0,  False, 256),
+    ("glm-4.5-air-nomtp",             "glm4moe",   46, 96, 8, 128, 8,  True,  0,  False, 256),
+    ("glm-4.6",                       "glm4moe",   93, 96, 8, 160, 8,  True,  0,  False, 256),
+]  # fmt: skip
+# GLM (glm4moe, from zai-org's config.json): leading dense layers (GLM-4.5-Air 1, GLM-4.5/4.6/4.7 3), q/k
+# biases, q/k norms on GLM-4.5/4.6/4.7 only; GLM-4.5-Air's FFN widths (10944, expert 1408) are not multiples
+# of 256, so its ffn_down tensors take llama-quantize's row-length fallbacks (the files keep the remainders).
+#   name                 dense-lead  dense ffn  expert ffn  q/k norm
+GLM_TABLE = [
+    ("glm-4.5-air",       1,         448,       384,        False),
+    ("glm-4.5-air-nomtp", 1,         448,       384,        False),
+    ("glm-4.6",           3,         512,       256,        True),
 ]  # fmt: skip
 GEOMETRIES = [row[0] for row in GEOMETRY_TABLE]
 
@@ -59,13 +71,25 @@ def _row(g: tpo.Geometry) -> tuple:
     _, specs = tpo.model(g)
     names = {s.name for s in specs}
     deltanet = sum(f"blk.{i}.ssm_out.weight" in names for i in range(g.block_count))
-    shexp = "blk.0.ffn_down_shexp.weight" in names
+    shexp = any(n.endswith(".ffn_down_shexp.weight") for n in names)
     return (g.name, g.arch, g.block_count, g.heads, g.kv_heads, g.experts, g.experts_used, shexp, deltanet,
             "output.weight" not in names, g.hidden)  # fmt: skip
 
 
 def test_geometry_table_is_what_the_files_hold() -> None:
     assert [_row(g) for g in tpo.GEOMETRIES.values()] == GEOMETRY_TABLE
+
+
+def test_glm_table_is_what_the_files_hold() -> None:
+    rows = []
+    for name, *_ in GLM_TABLE:
+        g = tpo.GEOMETRIES[name]
+        specs = {s.name: s.shape for s in tpo.model(g)[1]}
+        dense = [i for i in range(g.block_count) if f"blk.{i}.ffn_down.weight" in specs]
+        assert dense == list(range(len(dense)))
+        rows.append((name, len(dense), specs["blk.0.ffn_down.weight"][1],
+                     specs[f"blk.{len(dense)}.ffn_down_exps.weight"][2], "blk.0.attn_q_norm.weight" in specs))  # fmt: skip
+    assert rows == GLM_TABLE
 
 
 def _ne(shape: tuple[int, ...]) -> list[int]:
@@ -78,6 +102,8 @@ def _ne(shape: tuple[int, ...]) -> list[int]:
         ("tiny-qwen3moe", tpo.Geometry("tiny", "qwen3moe", 4, 4, 2, 64, 32, 4)),
         ("tiny-qwen35moe", tpo.Geometry("tiny", "qwen35moe", 4, 4, 2, 64, 32, 4, linear_k_heads=2,
                                         linear_v_heads=4, linear_head_dim=64)),
+        ("tiny-glm4moe", tpo.GlmGeometry("tiny", "glm4moe", 3, 4, 2, 64, 16, 4, mtp=1, dense_lead=1,
+                                         dense_ff=512, expert_ff=256, qk_norm=True)),
     ],
 )  # fmt: skip
 def test_tensor_sets_are_llamacpp_converters(model: str, geometry: tpo.Geometry) -> None:

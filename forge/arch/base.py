@@ -85,6 +85,10 @@ class Architecture:
     gguf_arch: ClassVar[str]
     #: HF name prefixes stripped before mapping (multimodal wrappers nest the text model).
     prefixes: ClassVar[tuple[str, ...]] = ("model.language_model.", "model.", "language_model.model.")
+    #: the detected pre-tokenizer's name as llama.cpp records it for this family (e.g. llama-bpe -> glm4)
+    pre_tokenizer_names: ClassVar[dict[str, str]] = {}
+    #: (kind, token) special ids llama.cpp's converter sets for this family when the tokenizer files did not
+    special_tokens: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     def __init__(self, ckpt: Checkpoint, mtp: bool = True):
         self.ckpt = ckpt

@@ -9,7 +9,7 @@ from forge.errors import ForgeError
 from forge.gguf_file import KV, T
 
 # llama.cpp's token types
-NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
+NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 
 #: pre-tokenizer split regexes -> llama.cpp's ``tokenizer.ggml.pre`` names
 PRE_TOKENIZERS = {
@@ -43,19 +43,32 @@ def detect_pre_tokenizer(tok: dict[str, Any], where: str) -> str:
     )
 
 
-def tokenizer_kvs(ckpt: Checkpoint, vocab_size: int) -> list[KV]:
+def tokenizer_kvs(
+    ckpt: Checkpoint,
+    vocab_size: int,
+    pre_names: dict[str, str] | None = None,
+    special_tokens: tuple[tuple[str, str], ...] = (),
+) -> list[KV]:
+    """``pre_names`` renames the detected pre-tokenizer for a family; ``special_tokens`` are (kind, token)
+    ids the family's converter sets after those the tokenizer files name (a kind already set is kept)."""
     tok = ckpt.read_json("tokenizer.json")
     if tok is None:
         raise ForgeError(f"{ckpt.path}: missing tokenizer.json")
     try:
-        return _tokenizer_kvs(ckpt, tok, vocab_size)
+        return _tokenizer_kvs(ckpt, tok, vocab_size, pre_names or {}, special_tokens)
     except (AttributeError, KeyError, TypeError, ValueError) as e:  # a field of the wrong kind or missing
         raise ForgeError(
             f"{ckpt.path}/tokenizer.json: not a Hugging Face tokenizer file ({type(e).__name__}: {e})"
         ) from None
 
 
-def _tokenizer_kvs(ckpt: Checkpoint, tok: dict[str, Any], vocab_size: int) -> list[KV]:
+def _tokenizer_kvs(
+    ckpt: Checkpoint,
+    tok: dict[str, Any],
+    vocab_size: int,
+    pre_names: dict[str, str],
+    special_tokens: tuple[tuple[str, str], ...],
+) -> list[KV]:
     model = tok.get("model", {})
     if model.get("type") != "BPE":
         raise ForgeError(f"{ckpt.path}/tokenizer.json: only byte-level BPE tokenizers are supported")
@@ -69,7 +82,7 @@ def _tokenizer_kvs(ckpt: Checkpoint, tok: dict[str, Any], vocab_size: int) -> li
     for i in range(n):
         if i not in by_id:
             tokens.append(f"[PAD{i}]")
-            types.append(USER_DEFINED)
+            types.append(UNUSED)
         elif i in added:
             tokens.append(by_id[i])
             types.append(CONTROL if added[i].get("special") else USER_DEFINED)
@@ -77,14 +90,22 @@ def _tokenizer_kvs(ckpt: Checkpoint, tok: dict[str, Any], vocab_size: int) -> li
             tokens.append(by_id[i])
             types.append(NORMAL)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    pre = detect_pre_tokenizer(tok, f"{ckpt.path}/tokenizer.json")
     kvs = [
         KV("tokenizer.ggml.model", "gpt2", T.STRING),
-        KV("tokenizer.ggml.pre", detect_pre_tokenizer(tok, f"{ckpt.path}/tokenizer.json"), T.STRING),
+        KV("tokenizer.ggml.pre", pre_names.get(pre, pre), T.STRING),
         KV("tokenizer.ggml.tokens", tokens, T.ARRAY, T.STRING),
         KV("tokenizer.ggml.token_type", types, T.ARRAY, T.INT32),
         KV("tokenizer.ggml.merges", merges, T.ARRAY, T.STRING),
     ]
-    kvs += _special_ids(ckpt, vocab)
+    specials = _special_ids(ckpt, vocab)
+    for kind, content in special_tokens:
+        key = f"tokenizer.ggml.{kind}_token_id"
+        if content not in vocab:
+            raise ForgeError(f"{ckpt.path}/tokenizer.json: no {content!r} token (this model family needs it)")
+        if all(kv.key != key for kv in specials):
+            specials.append(KV(key, vocab[content], T.UINT32))
+    kvs += specials
     template = ckpt.chat_template()
     if template:
         kvs.append(KV("tokenizer.chat_template", template, T.STRING))
@@ -105,5 +126,6 @@ def _special_ids(ckpt: Checkpoint, vocab: dict[str, int]) -> list[KV]:
             cfg_id = ckpt.config.get("pad_token_id" if kind == "padding" else f"{kind}_token_id")
             tid = cfg_id if isinstance(cfg_id, int) else None
         if tid is not None:
-            out.append(KV(f"tokenizer.ggml.{kind}_token_id", int(tid), T.UINT32))
+            name = "unknown" if kind == "unk" else kind  # llama.cpp's key names
+            out.append(KV(f"tokenizer.ggml.{name}_token_id", int(tid), T.UINT32))
     return out

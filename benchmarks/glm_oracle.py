@@ -1,0 +1,105 @@
+"""Record llama.cpp's outputs for the tiny GLM fixtures (tests/glm_fixture.py) as shipped manifests.
+
+    python benchmarks/glm_oracle.py [--lcb /tmp/lcb] [--work /tmp/glm-oracle] [--presets Q8_0 Q4_K_M Q2_K]
+
+Writes ``tests/fixtures/llamacpp/tiny-glm4moe/manifests/{bf16,f32,bf16-no-mtp,PRESET}.json`` with
+``gguf_manifest.py`` (``../shared/tools``, the tool that made the tiny-qwen3moe manifests), and
+llama-perplexity's figure on the bf16 GGUF into ``tests/fixtures/llamacpp/glm_perplexity.json``.
+
+llama.cpp's converter names a BPE pre-tokenizer by hashing the token ids of a fixed text, a hash that only
+a published vocabulary has; the tiny vocabulary has none, so the converter runs here with that lookup
+answering ``glm4`` (what it answers for GLM-4.5's vocabulary, whose split the fixture uses). Nothing else
+in the converter is changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from glm_fixture import write_glm4moe  # noqa: E402
+
+FIXTURES = ROOT / "tests" / "fixtures" / "llamacpp"
+_CONVERT = """
+import runpy, sys
+lcb = sys.argv.pop(1)
+sys.path[:0] = [lcb, lcb + "/gguf-py"]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "glm4"
+sys.argv[0] = lcb + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run(cmd: list[str]) -> str:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r.stdout + r.stderr
+
+
+def convert(lcb: Path, model: Path, out: Path, outtype: str, *extra: str) -> Path:
+    run(
+        [
+            sys.executable,
+            "-c",
+            _CONVERT,
+            str(lcb),
+            str(model),
+            "--outtype",
+            outtype,
+            "--outfile",
+            str(out),
+            *extra,
+        ]
+    )
+    return out
+
+
+def manifest(tool: Path, gguf: Path, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    run([sys.executable, str(tool), str(gguf), str(out)])
+
+
+def perplexity(lcb: Path, gguf: Path, text: Path, chunks: int) -> float:
+    log = run([str(lcb / "bin" / "llama-perplexity"), "-m", str(gguf), "-f", str(text), "-c", "512", "-b", "512",
+               "--chunks", str(chunks), "-t", "2"])  # fmt: skip
+    # the running estimate after each chunk ("[n]ppl,"): the last one is the final figure
+    return float(re.findall(r"\[\d+\]([0-9.]+),", log)[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lcb", type=Path, default=Path("/tmp/lcb"))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/glm-oracle"))
+    ap.add_argument("--tool", type=Path, default=ROOT.parent / "shared" / "tools" / "gguf_manifest.py")
+    ap.add_argument("--presets", nargs="*", default=["Q8_0", "Q4_K_M", "Q2_K"])
+    ap.add_argument("--chunks", type=int, default=8)
+    a = ap.parse_args()
+    name = "tiny-glm4moe"
+    model = write_glm4moe(a.work / name)
+    dest = FIXTURES / name / "manifests"
+    bf16 = convert(a.lcb, model, a.work / f"{name}-bf16.gguf", "bf16")
+    manifest(a.tool, bf16, dest / "bf16.json")
+    manifest(a.tool, convert(a.lcb, model, a.work / f"{name}-f32.gguf", "f32"), dest / "f32.json")
+    no_mtp = convert(a.lcb, model, a.work / f"{name}-bf16-no-mtp.gguf", "bf16", "--no-mtp")
+    manifest(a.tool, no_mtp, dest / "bf16-no-mtp.json")
+    for preset in a.presets:
+        q = a.work / f"{name}-{preset}.gguf"
+        run([str(a.lcb / "bin" / "llama-quantize"), str(no_mtp), str(q), preset, "2"])
+        manifest(a.tool, q, dest / f"{preset}.json")
+    ppl = perplexity(a.lcb, no_mtp, ROOT / "tests" / "fixtures" / "text" / "val.txt", a.chunks)
+    figures = {name: {"bf16-no-mtp": {"ppl": ppl, "chunks": a.chunks, "ctx": 512}}}
+    (FIXTURES / "glm_perplexity.json").write_text(json.dumps(figures, indent=1) + "\n")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
