@@ -135,11 +135,11 @@ def test_tied_embeddings_fact(tmp_path: Path) -> None:
 
 
 def test_every_llamacpp_mix_is_a_preset() -> None:
-    """The mixes of llama-quantize that forge's types can make are all presets (MXFP4_MOE needs MXFP4,
-    TQ1_0/TQ2_0/Q1_0/Q2_0/NVFP4 their types: not in the registry)."""
+    """The mixes of llama-quantize that forge's types can make are all presets (TQ1_0/TQ2_0/Q1_0/Q2_0/NVFP4
+    need their types: not in the registry)."""
     want = {"q8_0", "q6_k", "q5_k_m", "q5_k_s", "q5_1", "q5_0", "q4_k_m", "q4_k_s", "q4_1", "q4_0", "q3_k_l",
             "q3_k_m", "q3_k_s", "q2_k", "q2_k_s", "iq4_xs", "iq4_nl", "iq3_m", "iq3_s", "iq3_xs", "iq3_xxs",
-            "iq2_m", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_m", "iq1_s"}  # fmt: skip
+            "iq2_m", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_m", "iq1_s", "mxfp4_moe"}  # fmt: skip
     assert want <= set(tpo.available_recipes())
 
 

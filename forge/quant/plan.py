@@ -131,11 +131,14 @@ def make_plan(
                 f"tensor {name} is already quantized ({t.ggml_type.name}); pass --allow-requantize"
             )
 
-        def env_for(rule: Rule, name: str = name) -> dict[str, int]:
+        # matrices in the tensor (ggml's ne[2]): the experts of a merged expert tensor, else 1
+        n_mat = t.shape[-3] if len(t.shape) >= 3 else 1
+
+        def env_for(rule: Rule, name: str = name, n_mat: int = n_mat) -> dict[str, int]:
             if rule.index == "counter":
                 idx = counters[rule]
-                return {**facts, "i": idx.get(name, 0), "n": len(idx)}
-            return {**facts, "i": _layer(name), "n": facts["n_layer"]}
+                return {**facts, "n_mat": n_mat, "i": idx.get(name, 0), "n": len(idx)}
+            return {**facts, "n_mat": n_mat, "i": _layer(name), "n": facts["n_layer"]}
 
         type_name, reason = recipe.type_for(name, env_for, overrides)
         qtype, note = with_fallback(get_type(type_name).ggml_type, t.shape[-1])

@@ -11,7 +11,8 @@ A rule's ``when`` is a small arithmetic/boolean expression over: ``i`` and ``n``
 the tensor's position among the tensors the rule's pattern matches, in llama-quantize's processing
 order, and their number), and model facts ``n_layer``, ``n_expert``, ``n_head``, ``n_head_kv``,
 ``n_gqa``, ``n_embd``, ``has_imatrix``, ``tied_embeddings`` (no ``output.weight``: llama-quantize gives
-``token_embd`` the output's type). ``/`` and ``//`` are integer divisions (as in llama.cpp's C).
+``token_embd`` the output's type), and the tensor's ``n_mat`` (ggml's ne[2]: the experts of a merged
+expert tensor, else 1). ``/`` and ``//`` are integer divisions (as in llama.cpp's C).
 """
 
 from __future__ import annotations
