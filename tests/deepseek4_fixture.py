@@ -46,6 +46,8 @@ CHAT_TEMPLATE = (
 #: the tiny geometry. Rows are multiples of 256 where the real model's are, so the k-quants apply as on a
 #: real model; FP8 block scales cover partial 128x128 blocks (dims of 64); layer i has compress ratio
 #: compress_ratios[i] (the last entry is the MTP block's), the first num_hash_layers layers are hash-routed.
+#: llama.cpp runs this geometry (llama-perplexity, llama-imatrix); with an indexer head dim of 32 its graph
+#: fails a reshape assertion, and without a ratio-4 layer it divides by zero.
 DEEPSEEK4_CONFIG = {
     "architectures": ["DeepseekV4ForCausalLM"],
     "model_type": "deepseek_v4",
@@ -60,8 +62,8 @@ DEEPSEEK4_CONFIG = {
     "head_dim": 64,
     "hidden_act": "silu",
     "hidden_size": 256,
-    "index_head_dim": 32,
-    "index_n_heads": 2,
+    "index_head_dim": 128,
+    "index_n_heads": 4,
     "index_topk": 8,
     "initializer_range": 0.02,
     "max_position_embeddings": 16384,
