@@ -417,6 +417,8 @@ class AttentionConfig:
 
 class GQAttention:
     """Attention with q/k RMSNorm; ``gated``: q_proj also yields a per-head output gate (Qwen3.5/Next).
+    Without ``attn_q_norm`` / ``attn_k_norm`` tensors q and k are not normalized; ``attn_{q,k,v}.bias``
+    tensors are added to the projections (GLM); either one leaves the one-token ``step`` unavailable.
 
     Without ggml numerics q, k, v (and the gate) come from one matmul whose rows are ordered
     [q heads, k heads, gate heads, v heads], so that each part is a contiguous slice.
@@ -462,8 +464,12 @@ class GQAttention:
         q_dim = cfg.n_head * cfg.head_dim
         self.sizes = (q_dim, kv_rows, q_dim if gated else 0, kv_rows)  # q, k, gate, v in w_in's rows
         self.out = Linear(weights, p + "attn_output.weight", observers)
-        self.q_norm = weights.dense(p + "attn_q_norm.weight")
-        self.k_norm = weights.dense(p + "attn_k_norm.weight")
+        biases = [p + f"attn_{n}.bias" for n in "qkv"]
+        self.bias = torch.cat([weights.dense(b) for b in biases]) if weights.has(biases[0]) else None
+        self.normed = weights.has(p + "attn_q_norm.weight")
+        ones = torch.ones(cfg.head_dim, device=weights.device)
+        self.q_norm = weights.dense(p + "attn_q_norm.weight") if self.normed else ones
+        self.k_norm = weights.dense(p + "attn_k_norm.weight") if self.normed else ones
         self.rope = Rope(cfg.n_rot, cfg.rope_base, weights.device, cfg.head_dim, weights.ggml_numerics)
         # llama.cpp keeps K and V as fp16; its batched CPU attention takes Q in float32 (measured against
         # the peer's intermediate tensors: rounding Q to fp16 moved the outputs 500x further away)
@@ -482,7 +488,8 @@ class GQAttention:
             if self.observers:
                 for name in self.in_names:
                     notify_matmul(self.observers, name, x)
-            q, k, gate, v = torch.split(self.w_in(x), self.sizes, dim=-1)
+            y = self.w_in(x)
+            q, k, gate, v = torch.split(y if self.bias is None else y + self.bias, self.sizes, dim=-1)
             return q, k, gate if self.gated else None, v
         c, t = self.cfg, x.shape[0]
         if self.qkv is not None:
@@ -490,6 +497,9 @@ class GQAttention:
         else:
             assert self.q_k_v is not None
             q, k, v = self.q_k_v(x)
+            if self.bias is not None:
+                bq, bk, bv = torch.split(self.bias, (self.sizes[0], self.sizes[1], self.sizes[3]))
+                q, k, v = q + bq, k + bk, v + bv
         if not self.gated:
             return q, k, None, v
         qg = q.view(t, c.n_head, 2 * c.head_dim)
@@ -498,8 +508,9 @@ class GQAttention:
     def __call__(self, x: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
         c, t = self.cfg, x.shape[0]
         q, k, gate, v = self._project(x)
-        q = rms_norm(q.reshape(t, c.n_head, c.head_dim), self.q_norm, c.eps)
-        k = rms_norm(k.reshape(t, c.n_head_kv, c.head_dim), self.k_norm, c.eps)
+        q, k = q.reshape(t, c.n_head, c.head_dim), k.reshape(t, c.n_head_kv, c.head_dim)
+        if self.normed:
+            q, k = rms_norm(q, self.q_norm, c.eps), rms_norm(k, self.k_norm, c.eps)
         v = v.reshape(t, c.n_head_kv, c.head_dim)
         qk = self.rope(torch.cat([q, k], dim=1), pos0)
         q, k = qk[:, : c.n_head], qk[:, c.n_head :]
@@ -516,7 +527,7 @@ class GQAttention:
     ) -> torch.Tensor:
         """One token (no ggml numerics): h (1, n_embd) the residual stream, norm the block's input RMSNorm
         weight, eps a (1, 1) tensor -> h + attention."""
-        assert self.w_in is not None
+        assert self.w_in is not None and self.normed and self.bias is None, "no one-token path here"
         c = self.cfg
         if self.w_in_rows is not None:
             kv = h.new_empty(c.n_head_kv, c.head_dim)

@@ -189,6 +189,35 @@ class ScoredTopK(Router):
         return w * self.scale
 
 
+class GroupedScoredTopK(ScoredTopK):
+    """``ScoredTopK`` limited to the ``topk_group`` best of ``n_group`` equal expert groups (a group scores
+    the sum of its two best biased scores), as DeepSeek V3 and GLM-4.5 route (llama.cpp's
+    ``expert_group_count`` / ``expert_group_used_count``); one group is plain ``ScoredTopK``."""
+
+    def __init__(self, proj: Any, layer: int, n_used: int, observers: list[Observer], gating: int,
+                 bias: torch.Tensor | None, normalize: bool, scale: float, n_group: int, topk_group: int) -> None:  # fmt: skip
+        super().__init__(proj, layer, n_used, observers, gating, bias, normalize, scale)
+        if n_group < 1 or self.n_expert % n_group or not 1 <= topk_group <= n_group:
+            raise ForgeError(
+                f"layer {layer}: {n_group} expert groups ({topk_group} used) do not fit {self.n_expert} experts"
+            )
+        self.n_group, self.topk_group = n_group, topk_group
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.n_group == 1:
+            return super().select(logits)
+        scores = self.score(logits)
+        chosen = scores if self.bias is None else scores + self.bias
+        if self.kept is not None:
+            chosen = chosen.masked_fill(logits == MASKED_SCORE, float("-inf"))
+        groups = chosen.view(chosen.shape[0], self.n_group, -1)
+        best = torch.topk(groups.topk(2, dim=-1).values.sum(-1), self.topk_group, dim=-1).indices
+        keep = torch.zeros(groups.shape[:2], dtype=torch.bool, device=logits.device).scatter_(1, best, True)
+        chosen = groups.masked_fill(~keep[..., None], float("-inf")).view_as(chosen)
+        ids = torch.topk(chosen, self.n_used, dim=-1).indices
+        return ids, self._weights(scores, ids)
+
+
 class HashRouter(ScoredTopK):
     """DeepSeek V4's hash-routed layers: token id t goes to the experts ``table[t]`` (``ffn_gate_tid2eid``,
     (vocab, k)), weighted by their scores as ``ScoredTopK`` weights them. A prune mask does not apply."""
@@ -479,12 +508,20 @@ class SharedSwiGLU:
     """A shared expert without an output gate (DeepSeek V4): down(SiLU(gate x) * up x), the SwiGLU clamped
     as its routed experts' is (``limit``; None: unclamped)."""
 
-    def __init__(self, weights: Weights, layer: int, observers: list[Observer], limit: float | None) -> None:
+    def __init__(
+        self,
+        weights: Weights,
+        layer: int,
+        observers: list[Observer],
+        limit: float | None,
+        suffix: str = "_shexp",
+    ) -> None:
+        """``suffix``: the tensors' (``ffn_gate{suffix}.weight``...); "" for a dense layer's FFN (GLM)."""
         p = f"blk.{layer}."
         self.inputs = FusedLinear(
-            weights, [p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"], observers
+            weights, [p + f"ffn_gate{suffix}.weight", p + f"ffn_up{suffix}.weight"], observers
         )
-        self.down = Linear(weights, p + "ffn_down_shexp.weight", observers)
+        self.down = Linear(weights, p + f"ffn_down{suffix}.weight", observers)
         self.limit = limit
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Byte-level BPE tokenizer and chat template from GGUF metadata (``tokenizer.ggml.*``).
 
-Supports ``tokenizer.ggml.model = gpt2`` with the ``qwen2`` pre-tokenizer (and the plain GPT-2 split).
+Supports ``tokenizer.ggml.model = gpt2`` with the ``qwen2`` and ``glm4`` pre-tokenizers (and the plain GPT-2 split).
 """
 
 from __future__ import annotations
@@ -16,7 +16,11 @@ from forge.errors import ForgeError
 _PRE_PATTERNS = {
     "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     "gpt2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+    "glm4": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
+#: pre-tokenizers whose words found whole in the vocabulary are one token, merges not consulted (llama.cpp's
+#: ignore_merges)
+_WHOLE_WORDS = {"glm4"}
 _SPECIAL_TYPES = {3, 4}  # CONTROL, USER_DEFINED: matched whole when special-token parsing is on
 
 
@@ -52,6 +56,7 @@ class Tokenizer:
         self.vocab = {t: i for i, t in enumerate(tokens)}
         self.ranks = {tuple(m.split(" ", 1)): r for r, m in enumerate(merges)}
         self.split = regex.compile(_PRE_PATTERNS[pre])
+        self.whole_words = pre in _WHOLE_WORDS
         types = token_types or [1] * len(tokens)
         if len(types) != len(tokens):
             raise ForgeError(f"tokenizer: {len(tokens)} tokens but {len(types)} token types")
@@ -95,6 +100,8 @@ class Tokenizer:
         ids = self._cache.get(word)
         if ids is not None:
             return ids
+        if self.whole_words and word in self.vocab:
+            return [self.vocab[word]]
         parts = list(word)
         while len(parts) > 1:
             best, best_rank = -1, None

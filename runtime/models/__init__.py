@@ -12,6 +12,7 @@ from forge.errors import ForgeError
 from forge.mask_file import PruneMask
 from runtime.models.base import MoeCausalLM, State
 from runtime.models.deepseek4 import Deepseek4Model
+from runtime.models.glm4moe import Glm4MoeModel
 from runtime.models.qwen3moe import Qwen3MoeModel
 from runtime.models.qwen35moe import Qwen35MoeModel
 from runtime.observers import Observer
@@ -21,6 +22,7 @@ ARCHITECTURES: dict[str, type[MoeCausalLM]] = {
     "qwen3moe": Qwen3MoeModel,
     "qwen35moe": Qwen35MoeModel,
     "deepseek4": Deepseek4Model,
+    "glm4moe": Glm4MoeModel,
 }
 
 __all__ = [

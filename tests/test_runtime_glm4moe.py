@@ -1,0 +1,131 @@
+"""glm4moe runtime against transformers' Glm4MoeForCausalLM (fp32) and llama.cpp's perplexity, on tiny random
+GLM checkpoints (tests/glm_fixture.py): routing (sigmoid + selection bias, group-limited top-k, normalized and
+scaled weights), the ungated shared expert, leading dense layers, q/k/v biases, optional q/k norms, partial
+RoPE; the MTP block is not run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from glm_fixture import write_glm4moe
+from oracle import SHIPPED, text
+
+from forge.convert import convert_checkpoint
+from runtime.evaluate import evaluate, perplexity_tokens
+from runtime.generate import generate
+from runtime.models import load_model
+from runtime.moe import MASKED_SCORE, GroupedScoredTopK
+from runtime.tokenizer import Tokenizer
+
+#: the shipped fixture's config, and one without q/k norms and biases, routed over 4 groups (2 used)
+VARIANTS = {"base": {}, "grouped-plain": {"use_qk_norm": False, "attention_bias": False, "n_group": 4,
+                                          "topk_group": 2}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory: pytest.TempPathFactory):
+    """variant -> (HF folder, forge-converted bf16 GGUF with the MTP block)."""
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def get(variant: str) -> tuple[Path, Path]:
+        if variant not in made:
+            d = write_glm4moe(tmp_path_factory.mktemp(variant) / "tiny-glm4moe", **VARIANTS[variant])
+            convert_checkpoint(d, d.parent / "bf16.gguf", "bf16")
+            made[variant] = (d, d.parent / "bf16.gguf")
+        return made[variant]
+
+    return get
+
+
+class _Proj:
+    def __init__(self, n: int) -> None:
+        self.n_out = n
+
+
+def test_grouped_router_matches_transformers() -> None:
+    glm_moe = pytest.importorskip("transformers.models.glm4_moe.modeling_glm4_moe")
+    from transformers import Glm4MoeConfig
+
+    torch.manual_seed(0)
+    for n_group, topk_group in ((1, 1), (4, 2), (8, 3)):
+        cfg = Glm4MoeConfig(n_routed_experts=32, num_experts_per_tok=6, n_group=n_group, topk_group=topk_group,
+                            hidden_size=16, routed_scaling_factor=2.5, norm_topk_prob=True)  # fmt: skip
+        ref = glm_moe.Glm4MoeTopkRouter(cfg)
+        ref.weight.data.normal_()
+        ref.e_score_correction_bias.normal_(0, 0.3)
+        x = torch.randn(64, 16)
+        logits, w_ref, ids_ref = ref(x)
+        ours = GroupedScoredTopK(
+            _Proj(32), 0, 6, [], 2, ref.e_score_correction_bias, True, 2.5, n_group, topk_group
+        )
+        ids, w = ours.select(logits)
+        order_ref, order = ids_ref.sort(-1), ids.sort(-1)
+        assert torch.equal(order.values, order_ref.values), (n_group, topk_group)
+        torch.testing.assert_close(w.gather(1, order.indices), w_ref.gather(1, order_ref.indices))
+
+
+def test_pruned_experts_are_never_chosen_whatever_their_bias() -> None:
+    bias = torch.zeros(8)
+    bias[3] = 100.0  # expert 3 would always be chosen
+    r = GroupedScoredTopK(_Proj(8), 0, 2, [], 2, bias, True, 1.0, 2, 1)
+    r.kept = torch.tensor([0, 1, 2, 4, 5, 6, 7])
+    logits = torch.randn(16, 8)
+    logits[:, 3] = MASKED_SCORE
+    ids, w = r.select(logits)
+    assert not (ids == 3).any() and torch.allclose(w.sum(-1), torch.ones(16))
+
+
+def test_layers_dense_routed_and_mtp(glm) -> None:
+    _, gguf = glm("base")
+    m = load_model(gguf)
+    assert m.n_layer == 3  # blk.3, the MTP block, is in the file and not run
+    assert m.routed_layers() == [1, 2]  # blk.0 is dense (leading_dense_block_count 1)
+    assert m.blocks[0].dense is not None and m.blocks[1].shared is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_matches_transformers_fp32(glm, variant: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder, gguf = glm(variant)
+    ours = load_model(gguf)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = Tokenizer.from_metadata(ours.weights)
+    ids = torch.tensor(tok.encode(text("val.txt").read_text()[5000:15000])[:256])
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    got = ours.forward(ids, ours.new_state())
+    assert (got - ref).abs().max() <= 1e-3 * ref.abs().max()
+    prompt = ids[:48]
+    with torch.no_grad():
+        want = hf.generate(prompt[None], max_new_tokens=64, min_new_tokens=64, do_sample=False)[
+            0, 48:
+        ].tolist()
+    assert generate(ours, prompt.tolist(), 64).tokens == want
+
+
+@pytest.mark.slow
+def test_perplexity_matches_llamacpp(glm) -> None:
+    """llama-perplexity on llama.cpp's own conversion of the same checkpoint (benchmarks/glm_oracle.py)."""
+    want = json.loads((SHIPPED / "llamacpp" / "glm_perplexity.json").read_text())["tiny-glm4moe"][
+        "bf16-no-mtp"
+    ]
+    m = load_model(glm("base")[1], ggml_numerics=True)
+    ids = perplexity_tokens(
+        Tokenizer.from_metadata(m.weights), text("val.txt").read_text(), want["ctx"], want["chunks"]
+    )
+    res = evaluate(m, ids, want["ctx"], want["chunks"])
+    assert abs(res.perplexity / want["ppl"] - 1) <= 0.005, (res.perplexity, want["ppl"])
+
+
+def test_glm4_tokenizer_matches_llamacpp(glm) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    gguf = glm("base")[1]
+    body = text("val.txt").read_text()[:20000]
+    theirs = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False).tokenize(body.encode(), add_bos=False)
+    ours = Tokenizer.from_metadata(load_model(gguf).weights)
+    assert ours.encode(body) == theirs
