@@ -30,7 +30,7 @@ FALLBACK = {
 }
 #: 2-D tensors llama-quantize never quantizes (besides norms): router, conv, ssm parameters...
 NOT_QUANTIZED = re.compile(
-    r"ffn_gate_inp\.weight|ssm_conv1d|_norm\.weight|pos_embd|token_types|time_mix_|conv1d"
+    r"ffn_gate_inp\.weight|ffn_gate_tid2eid\.weight|ssm_conv1d|_norm\.weight|pos_embd|token_types|time_mix_|conv1d"
 )
 #: types llama-quantize refuses to make without importance weights (except token_embd / output)
 NEEDS_IMATRIX = (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_S, Q.IQ1_M)

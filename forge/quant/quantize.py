@@ -65,7 +65,9 @@ def quantize(
             f"warning: architecture {source.arch!r} is not one forge models ({', '.join(KNOWN_ARCHITECTURES)}): "
             "tensors are typed by name alone, and llama-quantize may choose other types"
         )
-    plan = make_plan(source, rec, overrides, im, allow_requantize)
+    # a checkpoint's FP8/FP4 tensors are its own precision (converted to Q8_0/MXFP4 as llama.cpp does), not an
+    # earlier quantization the user must opt into re-encoding
+    plan = make_plan(source, rec, overrides, im, allow_requantize or ref.kind == "hf")
     stamps = stamp_plan(source, plan, trust_mtime)
     if priors is not None:
         for w in priors.warnings:
