@@ -1,0 +1,154 @@
+"""The deepseek4 runtime model (runtime/models/deepseek4.py) against transformers' DeepseekV4ForCausalLM and
+llama.cpp's perplexity, on the tiny random fixture (tests/deepseek4_fixture.py) converted by forge convert.
+
+transformers cannot load the published FP4 experts (no CPU dequantizer for them), so it reads a twin folder
+whose experts are the same values dequantized to float32 (FP4 x 2^k is exact in float32); every other
+tensor is the published file's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from deepseek4_fixture import FP4_VALUES, write_deepseek4
+from safetensors.torch import load_file, save_file
+
+from forge.convert import convert_checkpoint
+from forge.errors import ForgeError
+from runtime.evaluate import evaluate, perplexity_tokens
+from runtime.generate import generate
+from runtime.models import load_model
+from runtime.observers import Observer
+from runtime.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow  # the fixture is written and converted once per module (~7 s)
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from deepseek4_runtime_oracle import FIGURES, RUNTIME_FIXTURE, TEXT, sha256  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_deepseek4(tmp_path_factory.mktemp("dsv4") / "tiny-deepseek4", **RUNTIME_FIXTURE)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def gguf(checkpoint: Path) -> Path:
+    out = checkpoint.parent / "tiny-deepseek4-f32.gguf"
+    convert_checkpoint(checkpoint, out, "f32")
+    return out
+
+
+def fp4_to_float(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Published FP4 experts (two E2M1 codes per byte, element 2i low) with E8M0 scales per 32 -> float32."""
+    b = packed.view(torch.uint8).numpy()
+    codes = np.stack([b & 0xF, b >> 4], axis=-1).reshape(b.shape[0], -1)
+    values = np.where(codes & 8, -1.0, 1.0) * FP4_VALUES[codes & 7]
+    exp = scale.view(torch.uint8).numpy().astype(np.float32) - 127
+    return torch.from_numpy((values * np.exp2(np.repeat(exp, 32, axis=1))).astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoint: Path):  # noqa: ANN201
+    models = pytest.importorskip("transformers")
+    if not hasattr(models, "DeepseekV4ForCausalLM"):
+        pytest.skip("this transformers has no DeepseekV4ForCausalLM")
+    twin = checkpoint.parent / "hf-twin"
+    twin.mkdir()
+    for f in checkpoint.iterdir():
+        if f.suffix != ".safetensors":
+            (twin / f.name).write_bytes(f.read_bytes())
+            continue
+        tensors = load_file(f)
+        for name in [n for n in tensors if ".experts." in n and n.endswith(".scale")]:
+            weight = name.removesuffix(".scale") + ".weight"
+            tensors[weight] = fp4_to_float(tensors[weight], tensors.pop(name))
+        save_file(tensors, twin / f.name, metadata={"format": "pt"})
+    index = json.loads((twin / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {
+        n: s for n, s in index["weight_map"].items() if not (".experts." in n and n.endswith(".scale"))
+    }
+    (twin / "model.safetensors.index.json").write_text(json.dumps(index))
+    return models.DeepseekV4ForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, 4096, n))
+
+
+def test_logits_match_transformers(gguf: Path, hf) -> None:  # noqa: ANN001
+    """300 tokens: two HCA windows closed, CSA entries past the indexer's top-k, the sliding window passed."""
+    ids = _ids(300, 1)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    ours = load_model(gguf)
+    got = ours.forward(ids, ours.new_state())
+    assert (got - ref).abs().max() <= 1e-3 * ref.abs().max()
+
+
+def test_greedy_tokens_match_transformers(gguf: Path, hf) -> None:  # noqa: ANN001
+    """64 greedy tokens after a 120-token prompt: the caches (window, compressor states) carried step by step."""
+    prompt = _ids(120, 2)
+    with torch.no_grad():
+        want = hf.generate(prompt[None], max_new_tokens=64, do_sample=False)[0, 120:].tolist()
+    got = generate(load_model(gguf), prompt.tolist(), 64, stop_ids=set())
+    assert got.tokens == want
+
+
+def test_state_is_carried_across_calls(gguf: Path) -> None:
+    """Prefill in pieces (crossing compressor windows and the sliding window) == in one call."""
+    m = load_model(gguf)
+    ids = _ids(150, 3)
+    full = m.forward(ids, m.new_state())
+    for sizes in ((5, 1, 1, 90, 53), (129, 21)):
+        st, outs, start = m.new_state(), [], 0
+        for n in sizes:
+            outs.append(m.forward(ids[start : start + n], st))
+            start += n
+        assert (torch.cat(outs) - full).abs().max() <= 1e-5 * full.abs().max(), sizes
+
+
+def test_prune_mask_covers_the_routed_layers_only(gguf: Path) -> None:
+    m = load_model(gguf)
+    hashed = [i for i, b in enumerate(m.blocks) if b.hashed]
+    assert hashed == [0, 1] and m.routed_layers() == [2, 3]
+    pruned = torch.zeros(2, m.n_expert, dtype=torch.bool)
+    pruned[:, :3] = True
+    assert m.set_prune_mask(pruned) == 6
+    ids = _ids(40, 4)
+    routes: list[tuple[int, torch.Tensor]] = []
+
+    class Routes(Observer):
+        def on_routing(
+            self, layer: int, ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor
+        ) -> None:
+            routes.append((layer, ids))
+
+    m.observers.append(Routes())
+    m.forward(ids, m.new_state())
+    chosen = {layer: torch.cat([i.flatten() for lay, i in routes if lay == layer]) for layer in range(4)}
+    assert all(int(chosen[layer].min()) >= 3 for layer in (2, 3))  # never a pruned expert
+    table = m.weights.table("blk.0.ffn_gate_tid2eid.weight")
+    assert torch.equal(chosen[0].view(-1, 2), table[ids])  # hash layers: the token's experts, unmasked
+    with pytest.raises(ForgeError, match="hash-routed"):
+        m.blocks[0].moe.set_mask(torch.zeros(m.n_expert, dtype=torch.bool))
+
+
+def test_perplexity_matches_llamacpp(gguf: Path) -> None:
+    """llama-perplexity's figure on this file (benchmarks/deepseek4_runtime_oracle.py), within 0.5%, with ggml's
+    matmul input rounding (MXFP4 experts read Q8_0 activations in llama.cpp)."""
+    if not FIGURES.is_file():
+        pytest.skip(f"{FIGURES} is absent: run benchmarks/deepseek4_runtime_oracle.py")
+    want = json.loads(FIGURES.read_text())["tiny-deepseek4-f32"]
+    if sha256(gguf) != want["gguf_sha256"]:
+        pytest.skip("the fixture's bytes changed since llama.cpp's figure was recorded: rerun the benchmark")
+    m = load_model(gguf, ggml_numerics=True)
+    tok = Tokenizer.from_metadata(m.weights)
+    ids = perplexity_tokens(tok, TEXT.read_text(), want["ctx"], want["chunks"])
+    got = evaluate(m, ids, want["ctx"], want["chunks"], bos_id=tok.bos_id if tok.add_bos else None)
+    assert abs(got.perplexity / want["ppl"] - 1) <= 0.005, (got.perplexity, want["ppl"])
