@@ -152,3 +152,51 @@ def test_perplexity_matches_llamacpp(gguf: Path) -> None:
     ids = perplexity_tokens(tok, TEXT.read_text(), want["ctx"], want["chunks"])
     got = evaluate(m, ids, want["ctx"], want["chunks"], bos_id=tok.bos_id if tok.add_bos else None)
     assert abs(got.perplexity / want["ppl"] - 1) <= 0.005, (got.perplexity, want["ppl"])
+
+
+def test_streamed_and_expert_major_files_match_resident(gguf: Path, tmp_path: Path) -> None:
+    """SSD streaming through the expert cache, decoding per use, and the expert-major v2 file: bit for bit."""
+    from forge.layout.convert import convert
+
+    ids = _ids(150, 5)
+    resident = load_model(gguf)
+    want = resident.forward(ids, resident.new_state())
+    v2 = tmp_path / "v2.gguf"
+    convert(gguf, v2, "v2")
+    for path, kwargs in ((gguf, {"stream_experts": 9}), (gguf, {"expert_budget": 0}), (v2, {}),
+                         (v2, {"stream_experts": 9})):  # fmt: skip
+        m = load_model(path, **kwargs)  # type: ignore[arg-type]
+        assert torch.equal(m.forward(ids, m.new_state()), want), (path.name, kwargs)
+
+
+def test_imatrix_counts_hash_routed_assignments(gguf: Path) -> None:
+    """A hash-routed layer's experts are counted by the token ids' table rows, like a routed layer's."""
+    from forge.imatrix.accumulate import ImatrixAccumulator
+
+    acc = ImatrixAccumulator()
+    m = load_model(gguf, observers=[acc])
+    ids = _ids(100, 6)
+    m.forward(ids, m.new_state())
+    _, counts = acc.export_arrays()
+    table = m.weights.table("blk.0.ffn_gate_tid2eid.weight")
+    for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+        np.testing.assert_array_equal(
+            counts[f"blk.0.{name}.weight"], np.bincount(table[ids].flatten(), minlength=8)
+        )
+        assert counts[f"blk.3.{name}.weight"].sum() == 2 * len(ids)
+
+
+def test_prune_profile_covers_routed_layers_and_apply_refuses_hash_layers(gguf: Path, tmp_path: Path) -> None:
+    from forge.prune.apply import apply_mask
+    from forge.prune.collect import collect_profile
+    from forge.prune.mask import build_mask
+    from runtime.models import apply_prune_mask
+
+    logs: list[str] = []
+    report = collect_profile(gguf, TEXT, None, ctx=128, chunks=1, log=logs.append)
+    assert [p.layer for p in report.profile.layers] == [2, 3]
+    assert any("layers 0, 1 are hash-routed" in line for line in logs)
+    mask = build_mask(report.profile, keep=4)
+    assert apply_prune_mask(load_model(gguf), mask) == 8
+    with pytest.raises(ForgeError, match="layers 0, 1 are hash-routed"):
+        apply_mask(gguf, mask, tmp_path / "pruned.gguf")

@@ -84,6 +84,13 @@ def apply_mask(model: str | os.PathLike[str], mask: PruneMask, out: str | os.Pat
     layers = routed_layers(f)
     if not layers:
         raise ForgeError(f"{src}: no routed layers (no blk.N.ffn_gate_inp.weight)")
+    hashed = [layer for layer in layers if f"blk.{layer}.ffn_gate_tid2eid.weight" in f.tensors]
+    if hashed:
+        raise ForgeError(
+            f"{src}: layers {', '.join(map(str, hashed))} are hash-routed (each token id names its experts), so "
+            "they keep every expert, and a GGUF has one expert_count: a physically pruned file cannot hold them; "
+            "the mask applies to the routed layers at run time (--prune-mask)"
+        )
     mask.validate(len(layers), n_expert, n_used, layers)
     kept_counts = mask.kept_per_layer()
     if len(set(kept_counts)) > 1:

@@ -115,6 +115,14 @@ def collect_profile(
         if log:
             log(f"chunk {i + 1}/{n_chunks}")
     seconds = time.perf_counter() - start
+    hashed = sorted(set(obs.count) - set(model.routed_layers()))
+    if hashed:  # DeepSeek V4's first layers route by token id: a mask does not cover them
+        for counts in (obs.count, obs.weight, obs.weighted_norm):
+            for layer in hashed:
+                counts.pop(layer, None)
+        if log:
+            log(f"layers {', '.join(map(str, hashed))} are hash-routed (experts by token id): left out of the "
+                "profile; a prune mask covers the routed layers only")  # fmt: skip
     prof = profile_from_observer(obs, model.n_expert_used, n_chunks * ctx)
     prof.meta = {"model": str(model_path), "architecture": model.arch, "text": str(text_path), "ctx": ctx,
                  "chunks": n_chunks, "prune_mask": str(prune_mask) if prune_mask else None}  # fmt: skip
