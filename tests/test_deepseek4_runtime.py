@@ -200,3 +200,30 @@ def test_prune_profile_covers_routed_layers_and_apply_refuses_hash_layers(gguf: 
     assert apply_prune_mask(load_model(gguf), mask) == 8
     with pytest.raises(ForgeError, match="layers 0, 1 are hash-routed"):
         apply_mask(gguf, mask, tmp_path / "pruned.gguf")
+
+
+def test_serve_chat_uses_the_chat_template(gguf: Path) -> None:
+    """forge serve on deepseek4: a greedy chat completion = generate on the chat-templated prompt."""
+    for module in ("fastapi", "uvicorn", "openai", "httpx"):
+        pytest.importorskip(module)
+    from test_server import ServerThread
+
+    from runtime.generate import Sampling
+    from runtime.server import load_engine
+
+    m = load_model(gguf)
+    tok = Tokenizer.from_metadata(m.weights)
+    messages = [{"role": "user", "content": "Hello there, how are you today?"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    assert text.endswith("<｜User｜>Hello there, how are you today?<｜Assistant｜>")
+    ids = tok.encode(text, parse_special=True)
+    want = generate(m, ids, 8, Sampling(), tok)
+    server = ServerThread(load_engine(gguf, name="dsv4"))
+    try:
+        r = server.client().chat.completions.create(
+            model="dsv4", messages=messages, max_tokens=8, temperature=0
+        )
+    finally:
+        server.stop()
+    assert r.choices[0].message.content == want.text
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(want.tokens))
