@@ -2,8 +2,9 @@
 
     python benchmarks/glm_oracle.py [--lcb /tmp/lcb] [--work /tmp/glm-oracle] [--presets Q8_0 Q4_K_M Q2_K]
 
-Writes ``tests/fixtures/llamacpp/tiny-glm4moe/manifests/{bf16,f32,bf16-no-mtp,PRESET}.json`` with
+Writes ``tests/fixtures/llamacpp/tiny-glm4moe/manifests/{bf16,f32,bf16-no-mtp,PRESET,PRESET-imat}.json`` with
 ``gguf_manifest.py`` (``../shared/tools``, the tool that made the tiny-qwen3moe manifests), and
+llama-imatrix's output on ``text/calib.txt`` (``tiny-glm4moe-imatrix.gguf``, used for the ``-imat`` presets) and
 llama-perplexity's figure on the bf16 GGUF into ``tests/fixtures/llamacpp/glm_perplexity.json``.
 
 llama.cpp's converter names a BPE pre-tokenizer by hashing the token ids of a fixed text, a hash that only
@@ -69,10 +70,16 @@ def manifest(tool: Path, gguf: Path, out: Path) -> None:
 
 
 def perplexity(lcb: Path, gguf: Path, text: Path, chunks: int) -> float:
-    log = run([str(lcb / "bin" / "llama-perplexity"), "-m", str(gguf), "-f", str(text), "-c", "512", "-b", "512",
-               "--chunks", str(chunks), "-t", "2"])  # fmt: skip
-    # the running estimate after each chunk ("[n]ppl,"): the last one is the final figure
-    return float(re.findall(r"\[\d+\]([0-9.]+),", log)[-1])
+    cmd = [str(lcb / "bin" / "llama-perplexity"), "-m", str(gguf), "-f", str(text), "-c", "512", "-b", "512",
+           "--chunks", str(chunks), "-t", "2"]  # fmt: skip
+    for _ in range(3):  # its last log lines are written asynchronously and now and then lost at exit
+        log = run(cmd)
+        if m := re.search(r"Final estimate: PPL = ([0-9.]+)", log):
+            return float(m[1])
+        running = re.findall(r"\[\d+\]([0-9.]+),", log)  # the running estimate after each chunk
+        if len(running) == chunks:
+            return float(running[-1])
+    raise SystemExit(f"{' '.join(cmd)}: no final perplexity in its output")
 
 
 def main() -> None:
@@ -81,6 +88,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/glm-oracle"))
     ap.add_argument("--tool", type=Path, default=ROOT.parent / "shared" / "tools" / "gguf_manifest.py")
     ap.add_argument("--presets", nargs="*", default=["Q8_0", "Q4_K_M", "Q2_K"])
+    ap.add_argument("--imatrix-presets", nargs="*", default=["Q4_K_M", "IQ2_XXS"])
     ap.add_argument("--chunks", type=int, default=8)
     a = ap.parse_args()
     name = "tiny-glm4moe"
@@ -91,9 +99,22 @@ def main() -> None:
     manifest(a.tool, convert(a.lcb, model, a.work / f"{name}-f32.gguf", "f32"), dest / "f32.json")
     no_mtp = convert(a.lcb, model, a.work / f"{name}-bf16-no-mtp.gguf", "bf16", "--no-mtp")
     manifest(a.tool, no_mtp, dest / "bf16-no-mtp.json")
-    for preset in a.presets:
+    imatrix = FIXTURES / name / f"{name}-imatrix.gguf"
+    run([str(a.lcb / "bin" / "llama-imatrix"), "-m", str(no_mtp), "-f", str(ROOT / "tests" / "fixtures" / "text" / "calib.txt"),
+         "-o", str(imatrix), "-c", "512", "-b", "512", "--chunks", str(a.chunks), "-t", "2"])  # fmt: skip
+    for preset in a.presets + [f"{p}-imat" for p in a.imatrix_presets]:
         q = a.work / f"{name}-{preset}.gguf"
-        run([str(a.lcb / "bin" / "llama-quantize"), str(no_mtp), str(q), preset, "2"])
+        im = ["--imatrix", str(imatrix)] if preset.endswith("-imat") else []
+        run(
+            [
+                str(a.lcb / "bin" / "llama-quantize"),
+                *im,
+                str(no_mtp),
+                str(q),
+                preset.removesuffix("-imat"),
+                "2",
+            ]
+        )
         manifest(a.tool, q, dest / f"{preset}.json")
     ppl = perplexity(a.lcb, no_mtp, ROOT / "tests" / "fixtures" / "text" / "val.txt", a.chunks)
     figures = {name: {"bf16-no-mtp": {"ppl": ppl, "chunks": a.chunks, "ctx": 512}}}

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from oracle import manifest
+from oracle import llamacpp_file, manifest
 from test_convert import _kv_as_manifest, _manifest_of
 
 from forge.convert import convert_checkpoint
@@ -44,10 +44,12 @@ def test_mtp_block_is_one_more_layer(tiny_glm4moe: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["Q8_0", "Q4_K_M", "Q2_K"])
+@pytest.mark.parametrize("preset", ["Q8_0", "Q4_K_M", "Q2_K", "Q4_K_M-imat", "IQ2_XXS-imat"])
 def test_quantize_matches_llama_quantize(tiny_glm4moe: Path, tmp_path: Path, preset: str) -> None:
+    """``-imat``: with llama-imatrix's file for the model (shipped)."""
     out = tmp_path / "q.gguf"
-    quantize(tiny_glm4moe, out, preset.lower(), mtp=False)
+    imatrix = llamacpp_file(MODEL, f"{MODEL}-imatrix.gguf") if preset.endswith("-imat") else None
+    quantize(tiny_glm4moe, out, preset.removesuffix("-imat").lower(), imatrix=imatrix, mtp=False)
     assert _manifest_of(out) == manifest(MODEL, preset)["tensors"]
 
 

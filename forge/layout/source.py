@@ -19,13 +19,17 @@ FAMILY_GLM_DSA = 2
 FAMILY_QWEN35MOE = 3
 # gguf-forge extension: ids 0x4647xxxx ("FG") are ours and never used by ds4.
 FAMILY_QWEN3MOE = 0x4647_0001
+FAMILY_GLM4MOE = 0x4647_0002
 
 FAMILIES = {
     "deepseek4": FAMILY_DEEPSEEK4,
     "glm-dsa": FAMILY_GLM_DSA,
     "qwen35moe": FAMILY_QWEN35MOE,
     "qwen3moe": FAMILY_QWEN3MOE,
+    "glm4moe": FAMILY_GLM4MOE,
 }
+#: families whose first ``leading_dense_block_count`` layers have a dense FFN instead of routed experts
+DENSE_LEAD_FAMILIES = (FAMILY_GLM_DSA, FAMILY_GLM4MOE)
 FAMILY_NAMES = {v: k for k, v in FAMILIES.items()}
 
 ROLES = ("gate", "up", "down")
@@ -98,7 +102,7 @@ def plan_source(raw: RawGGUF) -> SourcePlan:
     block_count = _kv_int(raw, f"{arch}.block_count")
     experts = _kv_int(raw, f"{arch}.expert_count")
     used = _kv_int(raw, f"{arch}.expert_used_count")
-    first = _kv_int(raw, f"{arch}.leading_dense_block_count") if family == FAMILY_GLM_DSA else 0
+    first = _kv_int(raw, f"{arch}.leading_dense_block_count") if family in DENSE_LEAD_FAMILIES else 0
     if experts == 0 or not first < block_count:
         raise ForgeError(
             f"{raw.path}: no routed layers ({arch}.expert_count={experts}, block_count={block_count})"

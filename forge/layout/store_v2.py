@@ -14,7 +14,7 @@ from forge.errors import ForgeError
 from forge.gguf_file import align_up
 from forge.layout.gguf_raw import type_geometry
 from forge.layout.records import PAGE, Component, LayerRecords, check_component, check_ffn_shape
-from forge.layout.source import FAMILY_GLM_DSA, FAMILY_NAMES
+from forge.layout.source import DENSE_LEAD_FAMILIES, FAMILY_NAMES
 
 TENSOR_NAME = "ds4.expert_major.v2"
 MAGIC = b"DS4EXPV2"
@@ -238,7 +238,7 @@ def parse_store(buf: memoryview | bytes, where: str) -> StoreV2:
     if pos != h.store_size:
         raise ForgeError(f"{where}: descriptors cover the payload up to {pos}, store ends at {h.store_size}")
     # ds4: layer index == position except for GLM, whose routed layers follow its dense prefix.
-    if h.family != FAMILY_GLM_DSA and [lr.layer for lr in layers] != list(range(n)):
+    if h.family not in DENSE_LEAD_FAMILIES and [lr.layer for lr in layers] != list(range(n)):
         raise ForgeError(f"{where}: {FAMILY_NAMES[h.family]} routed layers must be 0..{n - 1}")
     return StoreV2(h, tuple(layers), descriptors)
 

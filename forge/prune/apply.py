@@ -81,6 +81,11 @@ def apply_mask(model: str | os.PathLike[str], mask: PruneMask, out: str | os.Pat
     if count_key not in f.kvs or used_key not in f.kvs:
         raise ForgeError(f"{src}: no {count_key}/{used_key}: not a Mixture-of-Experts model")
     n_expert, n_used = int(f.kv(count_key)), int(f.kv(used_key))
+    if int(f.kv(_arch_key(f, "nextn_predict_layers"), 0)):
+        raise ForgeError(
+            f"{src}: has a NextN/MTP block, whose routed experts a mask does not cover (it masks the layers "
+            "the model runs); prune a file converted with --no-mtp"
+        )
     layers = routed_layers(f)
     if not layers:
         raise ForgeError(f"{src}: no routed layers (no blk.N.ffn_gate_inp.weight)")
