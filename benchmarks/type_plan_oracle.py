@@ -72,7 +72,7 @@ class Geometry:
     """A real model's type-plan-relevant shape (widths are small; see the module docstring)."""
 
     name: str
-    arch: str  # qwen3moe | qwen35moe
+    arch: str  # qwen3moe | qwen35moe | glm4moe | deepseek4
     layers: int  # decoder layers (without the MTP block)
     heads: int
     kv_heads: int
@@ -151,6 +151,50 @@ GEOMETRIES.update({
                     expert_ff=256, qk_norm=True,
                     source="zai-org/GLM-4.6 config.json (= GLM-4.5, GLM-4.7: ffn 12288, expert ffn 1536); MTP "
                            "block exported"),
+    )
+})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Deepseek4Geometry(Geometry):
+    """deepseek4 as llama.cpp's converter writes a published (FP8 + FP4) checkpoint: routed experts MXFP4, the
+    FP8 projections (attention, indexer query, shared expert) Q8_0, embeddings, router and compressor/indexer
+    projections BF16, hyper-connections, sinks and compressor position biases F32, tid2eid I32; the MTP block
+    left out (llama.cpp exports it only as a separate draft). Widths keep the real ones' multiples of 256:
+    head dim 256 (so the compressors' ape rows, 1x/2x head dim, stay multiples of 256 as the real 512/1024)."""
+
+    q_lora: int = 256
+    o_groups: int = 8
+    o_lora: int = 256
+    expert_ff: int = EXPERT_FF
+    hash_layers: int = 3
+    compress_ratios: tuple[int, ...] = ()  # one per decoder layer: 0 (window only), 4 (CSA) or 128 (HCA)
+    index_heads: int = 64
+    index_dim: int = 128
+    attn_head_dim: int = 256  # the files' head dim (head_dim records the real one)
+
+
+def _flash_ratios(n: int) -> tuple[int, ...]:
+    # layers 0-1 sliding window only, then ratio 4 on even layers and 128 on odd ones
+    return tuple(0 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(n))
+
+
+def _pro_ratios(n: int) -> tuple[int, ...]:
+    # layers 0-1 heavily compressed, then HCA / CSA alternating (transformers' DeepseekV4Config default)
+    return tuple(128 if i < 2 else (4 if (i - 2) % 2 else 128) for i in range(n))
+
+
+GEOMETRIES.update({
+    g.name: g
+    for g in (
+        Deepseek4Geometry("deepseek-v4-flash", "deepseek4", 43, 64, 1, 512, 256, 6, o_groups=8,
+                          hash_layers=3, compress_ratios=_flash_ratios(43),
+                          source="deepseek-ai/DeepSeek-V4-Flash config.json (hidden 4096, q_lora 1024, o_lora 1024, "
+                                 "expert ffn 2048, indexer 64 x 128); MTP block not exported"),
+        Deepseek4Geometry("deepseek-v4-pro", "deepseek4", 61, 128, 1, 512, 384, 6, o_groups=16,
+                          hash_layers=3, compress_ratios=_pro_ratios(61),
+                          source="deepseek-ai/DeepSeek-V4-Pro config.json (hidden 7168, q_lora 1536, o_lora 1024, "
+                                 "expert ffn 3072, indexer 64 x 128); MTP block not exported"),
     )
 })  # fmt: skip
 
@@ -342,9 +386,109 @@ def glm4moe_model(g: GlmGeometry) -> tuple[list[KV], list[TensorSpec]]:
     return kvs + tokenizer_kvs(VOCAB), specs
 
 
+def deepseek4_model(g: Deepseek4Geometry) -> tuple[list[KV], list[TensorSpec]]:
+    """llama.cpp's deepseek4 tensor set and types (as forge convert and convert_hf_to_gguf.py write it)."""
+    h, hd, ff, e = g.hidden, g.attn_head_dim, g.expert_ff, g.experts
+    bf, f32, q8, mx = Q.BF16, Q.F32, Q.Q8_0, Q.MXFP4
+    hc, mix = 4, 24  # hyper-connection streams; (2 + hc) * hc mixing weights
+    specs = [TensorSpec(f"blk.{i}.ffn_gate_tid2eid.weight", (VOCAB, g.experts_used), Q.I32)
+             for i in range(g.hash_layers)]  # fmt: skip
+    for i in range(g.layers):
+        specs += [TensorSpec(f"blk.{i}.ffn_gate_exps.weight", (e, ff, h), mx),
+                  TensorSpec(f"blk.{i}.ffn_down_exps.weight", (e, h, ff), mx),
+                  TensorSpec(f"blk.{i}.ffn_up_exps.weight", (e, ff, h), mx)]  # fmt: skip
+    specs.append(TensorSpec("token_embd.weight", (VOCAB, h), bf))
+    for i in range(g.layers):
+        p, ratio = f"blk.{i}.", g.compress_ratios[i]
+        layer = [
+            TensorSpec(p + "attn_sinks.weight", (g.heads,), f32),
+            TensorSpec(p + "attn_kv_a_norm.weight", (hd,), f32),
+            TensorSpec(p + "attn_q_a_norm.weight", (g.q_lora,), f32),
+            TensorSpec(p + "attn_kv.weight", (hd, h), q8),
+            TensorSpec(p + "attn_output_a.weight", (g.o_groups * g.o_lora, g.heads * hd // g.o_groups), q8),
+            TensorSpec(p + "attn_output_b.weight", (h, g.o_groups * g.o_lora), q8),
+            TensorSpec(p + "attn_q_a.weight", (g.q_lora, h), q8),
+            TensorSpec(p + "attn_q_b.weight", (g.heads * hd, g.q_lora), q8),
+            TensorSpec(p + "attn_norm.weight", (h,), f32),
+            TensorSpec(p + "ffn_gate_inp.weight", (e, h), bf),
+            TensorSpec(p + "ffn_gate_shexp.weight", (ff, h), q8),
+            TensorSpec(p + "ffn_down_shexp.weight", (h, ff), q8),
+            TensorSpec(p + "ffn_up_shexp.weight", (ff, h), q8),
+            TensorSpec(p + "ffn_norm.weight", (h,), f32),
+            *(TensorSpec(p + f"hc_{s}_{k}.weight", shape, f32) for s in ("attn", "ffn")
+              for k, shape in (("base", (mix,)), ("fn", (mix, hc * h)), ("scale", (3,)))),
+        ]  # fmt: skip
+        if i >= g.hash_layers:
+            layer.append(TensorSpec(p + "exp_probs_b.bias", (e,), f32))
+        if ratio:
+            coff = 2 if ratio == 4 else 1
+            layer += [TensorSpec(p + "attn_compressor_ape.weight", (ratio, coff * hd), f32),
+                      TensorSpec(p + "attn_compressor_norm.weight", (hd,), f32),
+                      TensorSpec(p + "attn_compressor_gate.weight", (coff * hd, h), bf),
+                      TensorSpec(p + "attn_compressor_kv.weight", (coff * hd, h), bf)]  # fmt: skip
+        if ratio == 4:
+            di = g.index_dim
+            layer += [TensorSpec(p + "indexer_compressor_ape.weight", (ratio, 2 * di), f32),
+                      TensorSpec(p + "indexer_compressor_norm.weight", (di,), f32),
+                      TensorSpec(p + "indexer_compressor_gate.weight", (2 * di, h), bf),
+                      TensorSpec(p + "indexer_compressor_kv.weight", (2 * di, h), bf),
+                      TensorSpec(p + "indexer.proj.weight", (g.index_heads, h), bf),
+                      TensorSpec(p + "indexer.attn_q_b.weight", (g.index_heads * di, g.q_lora), q8)]  # fmt: skip
+        specs += layer
+    specs += [TensorSpec("output_hc_base.weight", (hc,), f32), TensorSpec("output_hc_fn.weight", (hc, hc * h), f32),
+              TensorSpec("output_hc_scale.weight", (1,), f32), TensorSpec("output.weight", (VOCAB, h), bf),
+              TensorSpec("output_norm.weight", (h,), f32)]  # fmt: skip
+    a, u, f = "deepseek4.", GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    kvs = [
+        KV("general.architecture", "deepseek4", GGUFValueType.STRING),
+        KV("general.type", "model", GGUFValueType.STRING),
+        KV("general.name", f"type-plan oracle {g.name} (small widths)", GGUFValueType.STRING),
+        KV(a + "block_count", g.layers, u),
+        KV(a + "context_length", 1048576, u),
+        KV(a + "embedding_length", h, u),
+        KV(a + "attention.head_count", g.heads, u),
+        KV(a + "attention.head_count_kv", g.kv_heads, u),
+        KV(a + "rope.freq_base", 10000.0, f),
+        KV(a + "attention.layer_norm_rms_epsilon", 1e-6, f),
+        KV(a + "expert_count", e, u),
+        KV(a + "expert_used_count", g.experts_used, u),
+        KV(a + "expert_gating_func", 4, u),
+        KV(a + "attention.key_length", hd, u),
+        KV(a + "attention.value_length", hd, u),
+        KV("general.file_type", 38, u),
+        KV(a + "rope.dimension_count", 64, u),
+        KV(a + "attention.q_lora_rank", g.q_lora, u),
+        KV(a + "attention.sliding_window", 128, u),
+        KV(a + "expert_feed_forward_length", ff, u),
+        KV(a + "expert_shared_count", 1, u),
+        KV(a + "expert_weights_scale", 1.5, f),
+        KV(a + "expert_weights_norm", True, GGUFValueType.BOOL),
+        KV(a + "swiglu_clamp_exp", [10.0] * g.layers, GGUFValueType.ARRAY, f),
+        KV(a + "swiglu_clamp_shexp", [10.0] * g.layers, GGUFValueType.ARRAY, f),
+        KV(a + "attention.indexer.head_count", g.index_heads, u),
+        KV(a + "attention.indexer.key_length", g.index_dim, u),
+        KV(a + "attention.indexer.top_k", 512, u),
+        KV(a + "attention.output_group_count", g.o_groups, u),
+        KV(a + "attention.output_lora_rank", g.o_lora, u),
+        KV(
+            a + "attention.compress_ratios", list(g.compress_ratios), GGUFValueType.ARRAY, GGUFValueType.INT32
+        ),
+        KV(a + "attention.compress_rope_freq_base", 160000.0, f),
+        KV(a + "hyper_connection.count", hc, u),
+        KV(a + "hyper_connection.sinkhorn_iterations", 20, u),
+        KV(a + "hyper_connection.epsilon", 1e-6, f),
+        KV(a + "hash_layer_count", g.hash_layers, u),
+        KV(a + "embedding_length_out", hc * h, u),
+        KV("general.quantization_version", 2, u),
+    ]
+    return kvs + tokenizer_kvs(VOCAB), specs
+
+
 def model(g: Geometry) -> tuple[list[KV], list[TensorSpec]]:
     if isinstance(g, GlmGeometry):
         return glm4moe_model(g)
+    if isinstance(g, Deepseek4Geometry):
+        return deepseek4_model(g)
     return qwen3moe_model(g) if g.arch == "qwen3moe" else qwen35moe_model(g)
 
 
@@ -371,10 +515,13 @@ def write_model(g: Geometry, dest: Path, data: str = "sparse", seed: int = 0) ->
 
 
 def imatrix_for(specs: list[TensorSpec]) -> Imatrix:
-    """What llama-imatrix would hold: every quantizable weight in a block (per expert for ``_exps``), ones."""
+    """What llama-imatrix would hold: every quantizable weight but the embeddings and the output (per expert for
+    ``_exps``), ones."""
     im = Imatrix(datasets=["type-plan-oracle"], chunk_count=1, chunk_size=512)
     for s in specs:
-        if s.name.startswith("blk.") and is_quantizable(SrcTensor(s.name, s.shape, s.ggml_type)):
+        if s.name not in ("token_embd.weight", "output.weight") and is_quantizable(
+            SrcTensor(s.name, s.shape, s.ggml_type)
+        ):
             n_mat = s.shape[0] if len(s.shape) == 3 else 1
             im.sums[s.name] = np.ones((n_mat, s.shape[-1]), np.float32)
             im.counts[s.name] = np.ones(n_mat, np.int64)
@@ -398,7 +545,8 @@ def comparable_presets() -> list[str]:
 
 def forge_types(path: Path, preset: str, imatrix: Imatrix | None) -> dict[str, str]:
     src = GGUFQuantSource(source_ref(path))
-    return {t.name: t.out_type.name for t in make_plan(src, load_recipe(preset), imatrix=imatrix)}
+    plan = make_plan(src, load_recipe(preset), imatrix=imatrix, allow_requantize=True)
+    return {t.name: t.out_type.name for t in plan}
 
 
 _LINE = re.compile(r"\[\s*\d+/\s*\d+\]\s+(\S+)\s+- \[[^\]]*\], type =\s*(\w+), size =[^\n(]*(?:\((\w+)\))?")
@@ -429,6 +577,7 @@ def llama_types(path: Path, preset: str, imatrix: Imatrix | None, real: bool = F
     params.ftype = llama_ftype(preset)
     params.nthread = 2
     params.dry_run = not real
+    params.allow_requantize = True  # deepseek4 files hold MXFP4 and Q8_0 tensors
     if imatrix is not None:
         params.imatrix = _llama_imatrix(imatrix)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
@@ -479,7 +628,9 @@ def llama_quantize_binary() -> str | None:
 
 def binary_types(binary: str, path: Path, preset: str, imatrix_file: Path | None) -> dict[str, str]:
     """llama.cpp's types from the llama-quantize binary's --dry-run."""
-    cmd = [binary, "--dry-run"] + (["--imatrix", str(imatrix_file)] if imatrix_file else [])
+    cmd = [binary, "--dry-run", "--allow-requantize"] + (
+        ["--imatrix", str(imatrix_file)] if imatrix_file else []
+    )
     cmd += [str(path), str(path.with_suffix(".unused.gguf")), preset.upper(), "1"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:

@@ -54,6 +54,8 @@ GEOMETRY_TABLE = [
     ("glm-4.5-air",                   "glm4moe",   47, 96, 8, 128, 8,  True,  0,  False, 256),
     ("glm-4.5-air-nomtp",             "glm4moe",   46, 96, 8, 128, 8,  True,  0,  False, 256),
     ("glm-4.6",                       "glm4moe",   93, 96, 8, 160, 8,  True,  0,  False, 256),
+    ("deepseek-v4-flash",             "deepseek4", 43, 64,  1, 256, 6, True,  0,  False, 256),
+    ("deepseek-v4-pro",               "deepseek4", 61, 128, 1, 384, 6, True,  0,  False, 256),
 ]  # fmt: skip
 # GLM (glm4moe, from zai-org's config.json): leading dense layers (GLM-4.5-Air 1, GLM-4.5/4.6/4.7 3), q/k
 # biases, q/k norms on GLM-4.5/4.6/4.7 only; GLM-4.5-Air's FFN widths (10944, expert 1408) are not multiples
@@ -63,6 +65,14 @@ GLM_TABLE = [
     ("glm-4.5-air",       1,         448,       384,        False),
     ("glm-4.5-air-nomtp", 1,         448,       384,        False),
     ("glm-4.6",           3,         512,       256,        True),
+]  # fmt: skip
+# DeepSeek V4 (deepseek-ai's config.json): the first num_hash_layers layers hash-routed (tid2eid), per-layer
+# compress_ratios (Flash: layers 0-1 window only, then 4 / 128 alternating; Pro: layers 0-1 128, then 128 / 4
+# alternating), grouped output projection (o_groups). The MTP block is not in llama.cpp's converted file.
+#   name                 hash  ratio-0  ratio-4  ratio-128  o_groups
+DEEPSEEK4_TABLE = [
+    ("deepseek-v4-flash", 3,    2,       21,      20,        8),
+    ("deepseek-v4-pro",   3,    0,       29,      32,        16),
 ]  # fmt: skip
 GEOMETRIES = [row[0] for row in GEOMETRY_TABLE]
 
@@ -92,6 +102,23 @@ def test_glm_table_is_what_the_files_hold() -> None:
     assert rows == GLM_TABLE
 
 
+def test_deepseek4_table_is_what_the_files_hold() -> None:
+    rows = []
+    for name, *_ in DEEPSEEK4_TABLE:
+        g = tpo.GEOMETRIES[name]
+        kvs, specs = tpo.model(g)
+        names = {s.name for s in specs}
+        ratios = next(kv.value for kv in kvs if kv.key == "deepseek4.attention.compress_ratios")
+        assert len(ratios) == g.layers
+        for i, r in enumerate(ratios):  # the compressor / indexer tensors follow the ratio
+            assert (f"blk.{i}.attn_compressor_kv.weight" in names) == (r != 0)
+            assert (f"blk.{i}.indexer.proj.weight" in names) == (r == 4)
+        hashed = sum(f"blk.{i}.ffn_gate_tid2eid.weight" in names for i in range(g.layers))
+        groups = next(kv.value for kv in kvs if kv.key == "deepseek4.attention.output_group_count")
+        rows.append((name, hashed, ratios.count(0), ratios.count(4), ratios.count(128), groups))
+    assert rows == DEEPSEEK4_TABLE
+
+
 def _ne(shape: tuple[int, ...]) -> list[int]:
     return list(reversed(shape))
 
@@ -119,6 +146,26 @@ def test_tensor_sets_are_llamacpp_converters(model: str, geometry: tpo.Geometry)
     keys = {kv.key for kv in kvs}
     arch_keys = {k for k in manifest(model, "bf16")["kv"] if k.startswith(geometry.arch + ".")}
     assert arch_keys <= keys
+
+
+def test_deepseek4_tensor_set_is_llamacpp_converters() -> None:
+    """The synthetic deepseek4 files hold what llama.cpp's converter writes from a published (FP8 + FP4)
+    checkpoint: the tiny FP8 fixture's geometry gives its manifest's names, types and shapes."""
+    tiny = tpo.Deepseek4Geometry("tiny", "deepseek4", 4, 4, 1, 64, 8, 2, hidden=256, q_lora=64, o_groups=2,
+                                 o_lora=32, hash_layers=2, compress_ratios=(0, 4, 128, 4), index_heads=4,
+                                 attn_head_dim=64)  # fmt: skip
+    ref = manifest("tiny-deepseek4", "fp8")
+    theirs = {t["name"]: (t["type"], t["shape"]) for t in ref["tensors"]}
+    kvs, specs = tpo.model(tiny)
+    ours = {s.name: (s.ggml_type.name, _ne(s.shape)) for s in specs}
+    vocab = {"token_embd.weight", "output.weight"} | {n for n in theirs if "tid2eid" in n}  # vocabulary sized
+    assert set(ours) == set(theirs)
+    assert {n: v for n, v in ours.items() if n not in vocab} == {
+        n: v for n, v in theirs.items() if n not in vocab
+    }
+    assert {k for k in ref["kv"] if k.startswith("deepseek4.") and "rope.scaling" not in k} <= {
+        kv.key for kv in kvs
+    }
 
 
 def test_tied_embeddings_fact(tmp_path: Path) -> None:
@@ -162,7 +209,9 @@ def test_recorded_llamacpp_plans(geometry: str, tmp_path: Path) -> None:
     # tensors all fall back to IQ4_NL, and neither refuses iq3_xxs)
     plain = {r.preset for r in results if not r.imatrix}
     needs = {"iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq1_s", "iq1_m"}
-    assert (needs | {"iq3_xxs"} if tpo.GEOMETRIES[geometry].hidden % 256 == 0 else needs).isdisjoint(plain)
+    # (deepseek4 has no attn_k, which the iq3_xxs mix makes IQ2_S: neither refuses iq3_xxs there)
+    g = tpo.GEOMETRIES[geometry]
+    assert (needs | {"iq3_xxs"} if g.hidden % 256 == 0 and g.arch != "deepseek4" else needs).isdisjoint(plain)
     assert {"q4_k_m", "iq4_xs", "q2_k", "iq3_s"} <= plain
 
 
