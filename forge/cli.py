@@ -145,7 +145,7 @@ def quantize(
         str | None, typer.Option(help="Ray cluster HOST:PORT (default: $RAY_ADDRESS, else a local Ray)")
     ] = None,
     device: Annotated[
-        str, typer.Option(help="cpu, or a torch device (cuda) for Q4_K/Q5_K/IQ2_XXS; same bytes")
+        str, typer.Option(help="cpu, or a torch device (cuda) for types with a gpu encoder (forge types)")
     ] = "cpu",
     allow_requantize: Annotated[bool, typer.Option(help="allow an already-quantized source")] = False,
     reuse: Annotated[
