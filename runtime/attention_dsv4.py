@@ -30,6 +30,7 @@ from runtime.observers import Observer, notify_matmul
 from runtime.weights import Weights
 
 CSA_RATIO, HCA_RATIO = 4, 128
+QUERY_BLOCK = 256  # queries whose attention is computed together
 
 
 @dataclass(frozen=True)
@@ -171,24 +172,32 @@ class LightningIndexer:
         self.rope = rope
         self.weight_scale = (self.head_dim * self.n_head) ** -0.5
 
-    def __call__(
-        self, x: torch.Tensor, qr: torch.Tensor, pos0: int, st: CompressorState, visible: torch.Tensor,
+    def prepare(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        pos0: int,
+        st: CompressorState,
         cs: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:  # fmt: skip
-        """x (T, n_embd) the attention input, qr (T, q_lora_rank) the normed query latent, ``visible`` (T, n)
-        the causal mask over the CSA entries, cs the compress-rope angles of the queries -> (T, n) bool: the
-        entries each query attends to."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, n_embd) the attention input, qr (T, q_lora_rank) the normed query latent, cs the compress-rope
+        angles of the queries -> (every key so far (n, head_dim), queries (T, heads, head_dim), head weights
+        (T, heads))."""
         keys = self.compressor(x, pos0, st)
-        n = keys.shape[0]
-        if n == 0:
-            return visible
         q = self.rope(self.q_b(qr).view(x.shape[0], self.n_head, self.head_dim), cs)
-        w = self.proj(x) * self.weight_scale
+        return keys, q, self.proj(x) * self.weight_scale
+
+    def choose(
+        self, keys: torch.Tensor, q: torch.Tensor, w: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
+        """Queries q (T, heads, head_dim) with head weights w (T, heads), ``visible`` (T, n) the causal mask
+        over the CSA entries -> (T, n) bool: the entries each query attends to."""
+        if keys.shape[0] == 0:
+            return visible
         scores = torch.einsum("thd,sd->ths", q, keys).relu_()
         scores = torch.einsum("ths,th->ts", scores, w).masked_fill(~visible, float("-inf"))
-        top = torch.topk(scores, min(self.top_k, n), dim=-1).indices
-        chosen = torch.zeros_like(visible).scatter_(1, top, True)
-        return chosen & visible
+        top = torch.topk(scores, min(self.top_k, keys.shape[0]), dim=-1).indices
+        return torch.zeros_like(visible).scatter_(1, top, True) & visible
 
 
 class Dsv4AttentionState:
@@ -249,29 +258,37 @@ class Dsv4Attention:
         kv = self.rope(rms_norm(self.kv(x), self.kv_norm, self.eps), cs)
 
         past = st.keys if st.keys is not None else kv.new_zeros(0, d)
-        keys = torch.cat([past, kv])
-        key_pos = torch.arange(pos0 - past.shape[0], pos0 + t, device=x.device)
-        age = positions[:, None] - key_pos[None, :]
-        mask = (age >= 0) & (age < self.window)
+        keys = torch.cat([past, kv])  # positions pos0 - len(past) ..
         st.keys = keys[max(0, keys.shape[0] - (self.window - 1)) :]
-        if self.compressor is not None:
-            entries = self.compressor(x, pos0, st.comp)
-            visible = (
-                torch.arange(entries.shape[0], device=x.device)[None, :]
-                < (positions[:, None] + 1) // self.ratio
+        entries = self.compressor(x, pos0, st.comp) if self.compressor is not None else kv.new_zeros(0, d)
+        index = self.indexer.prepare(x, qr, pos0, st.index, cs) if self.indexer is not None else None
+        out = torch.empty_like(q)
+        for b0 in range(0, t, QUERY_BLOCK):  # blocks of queries: the scores stay (heads, block, window + n)
+            b1 = min(t, b0 + QUERY_BLOCK)
+            k0 = max(0, b0 + past.shape[0] - (self.window - 1))  # the block's oldest key in its window
+            raw = keys[k0 : b1 + past.shape[0]]
+            age = positions[b0:b1, None] - (
+                pos0 - past.shape[0] + k0 + torch.arange(raw.shape[0], device=x.device)
             )
-            if self.indexer is not None:
-                visible = self.indexer(x, qr, pos0, st.index, visible, cs)
-            keys = torch.cat([keys, entries])
-            mask = torch.cat([mask, visible], dim=1)
+            mask = (age >= 0) & (age < self.window)
+            if entries.shape[0]:
+                n = torch.arange(entries.shape[0], device=x.device)
+                visible = n[None, :] < (positions[b0:b1, None] + 1) // self.ratio
+                if index is not None:
+                    visible = self.indexer.choose(index[0], index[1][b0:b1], index[2][b0:b1], visible)
+                raw, mask = torch.cat([raw, entries]), torch.cat([mask, visible], dim=1)
+            out[b0:b1] = self._attend(q[b0:b1], raw, mask)
+        out = self.rope(out, cs, inverse=True).reshape(t, self.n_groups, -1)
+        return self.out_b(self._grouped(out))
 
-        scores = torch.einsum("thd,sd->hts", q, keys) * d**-0.5
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q (T, heads, d) over keys = values (S, d) where mask (T, S), with each head's sink -> (T, heads, d)."""
+        h, t = q.shape[1], q.shape[0]
+        scores = torch.einsum("thd,sd->hts", q, keys) * q.shape[-1] ** -0.5
         scores = scores.masked_fill(~mask[None], float("-inf"))
         sink = self.sinks.view(h, 1, 1).expand(h, t, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-        out = torch.einsum("hts,sd->thd", probs, keys)
-        out = self.rope(out, cs, inverse=True).reshape(t, self.n_groups, -1)
-        return self.out_b(self._grouped(out))
+        return torch.einsum("hts,sd->thd", probs, keys)
 
     def _grouped(self, out: torch.Tensor) -> torch.Tensor:
         """(T, groups, heads per group x head_dim) -> each group through its rows of ``attn_output_a``."""

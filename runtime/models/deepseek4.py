@@ -79,6 +79,7 @@ class Deepseek4Model(MoeCausalLM):
 
     def __init__(self, weights: Weights, observers: list[Observer] | None = None) -> None:
         super().__init__(weights, observers)
+        self.n_layer -= int(weights.hparam("nextn_predict_layers", 0))  # the MTP block is not run
         self.fast_decode = False  # one token takes the batch path (no compiled one-token kernels for V4)
         self.hc = int(weights.hparam("hyper_connection.count"))
         self.sinkhorn_iters = int(weights.hparam("hyper_connection.sinkhorn_iterations"))
