@@ -53,12 +53,12 @@ def fp4_to_float(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy((values * np.exp2(np.repeat(exp, 32, axis=1))).astype(np.float32))
 
 
-@pytest.fixture(scope="module")
-def hf(checkpoint: Path):  # noqa: ANN201
+def hf_model(checkpoint: Path):  # noqa: ANN201
+    """transformers' model on ``checkpoint``'s twin folder (the experts dequantized to float32)."""
     models = pytest.importorskip("transformers")
     if not hasattr(models, "DeepseekV4ForCausalLM"):
         pytest.skip("this transformers has no DeepseekV4ForCausalLM")
-    twin = checkpoint.parent / "hf-twin"
+    twin = checkpoint.parent / f"{checkpoint.name}-hf-twin"
     twin.mkdir()
     for f in checkpoint.iterdir():
         if f.suffix != ".safetensors":
@@ -77,6 +77,11 @@ def hf(checkpoint: Path):  # noqa: ANN201
     return models.DeepseekV4ForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="module")
+def hf(checkpoint: Path):  # noqa: ANN201
+    return hf_model(checkpoint)
+
+
 def _ids(n: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(seed).integers(0, 4096, n))
 
@@ -87,6 +92,21 @@ def test_logits_match_transformers(gguf: Path, hf) -> None:  # noqa: ANN001
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
     ours = load_model(gguf)
+    got = ours.forward(ids, ours.new_state())
+    assert (got - ref).abs().max() <= 1e-3 * ref.abs().max()
+
+
+def test_sigmoid_scoring_matches_transformers(tmp_path: Path) -> None:
+    """scoring_func sigmoid (expert_gating_func 2) instead of sqrt(softplus); llama.cpp runs only the latter."""
+    fixture = {**RUNTIME_FIXTURE, "scoring_func": "sigmoid"}
+    checkpoint = write_deepseek4(tmp_path / "sigmoid", **fixture)  # type: ignore[arg-type]
+    gguf = tmp_path / "sigmoid.gguf"
+    convert_checkpoint(checkpoint, gguf, "f32")
+    ids = _ids(200, 7)
+    with torch.no_grad():
+        ref = hf_model(checkpoint)(ids[None]).logits[0]
+    ours = load_model(gguf)
+    assert ours.blocks[2].moe.router.score is torch.sigmoid
     got = ours.forward(ids, ours.new_state())
     assert (got - ref).abs().max() <= 1e-3 * ref.abs().max()
 
