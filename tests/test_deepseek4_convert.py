@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -188,3 +189,18 @@ def test_incomplete_checkpoint_is_one_clear_error(
     with pytest.raises(ForgeError, match=message.replace(".", r"\.")):
         convert_checkpoint(ckpt, tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_ds4_2bit_preset(checkpoints: dict[str, Path]) -> None:
+    """The reference engine's 2-bit Flash layout: routed gate/up IQ2_XXS and down Q2_K, attention projections,
+    shared expert and output Q8_0, hyper-connections / compressors / indexer / embeddings F16."""
+    plan, _ = quantize(checkpoints["fp8"], None, "ds4_2bit", imatrix=ORACLE / f"{NAME}-imatrix.gguf")
+    want = [(r"ffn_(gate|up)_exps", "IQ2_XXS"), (r"ffn_down_exps", "Q2_K"),
+            (r"blk\.\d+\.attn_(q_a|q_b|kv|output_a|output_b)\.weight|_shexp\.weight|^output\.weight", "Q8_0"),
+            (r"hc_\w+_fn|output_hc_fn|compressor_(kv|gate|ape)|indexer\.(proj|attn_q_b)|token_embd", "F16"),
+            (r"_norm\.weight|hc_(\w+_)?(base|scale)|attn_sinks|exp_probs_b", "F32"),
+            (r"ffn_gate_inp", "BF16"), (r"tid2eid", "I32")]  # fmt: skip
+    for p in plan:
+        types = {t for pattern, t in want if re.search(pattern, p.name)}
+        assert types == {p.out_type.name}, (p.name, p.out_type.name, types)
+    assert all(p.importance is not None for p in plan if "_exps" in p.name)
