@@ -11,6 +11,11 @@ expert); its routed experts - what streaming is about - are reproduced exactly (
 top 8, hidden 2048, expert FFN 512), the rest approximately: every layer has full attention
 (16 heads, 2 KV heads, head dim 256) and the shared expert is left out (the qwen3moe graph has none).
 
+GLM geometries (``glm-4.5-air``, ``glm-4.6``) are written as ``glm4moe`` models, GLM's own graph: leading
+dense layers, q/k/v biases (zero), routed experts with a sigmoid router and its selection bias (zero) and a
+shared expert; GLM-4.6's q/k norms. A row length that is not a whole number of the type's blocks (GLM-4.5-Air's
+expert FFN 1408 and dense FFN 10944 under a k-quant) is written as Q8_0, as llama-quantize falls back.
+
 The file carries a small byte-level BPE tokenizer (``gpt2`` model, ``qwen2`` pre-tokenizer) so llama.cpp and
 ``forge run`` load it: the 256 byte tokens, ``<|endoftext|>`` (BOS and EOS), ``<|im_start|>``,
 ``<|im_end|>`` and a ChatML template, then lowercase "words" ("ab", " ab", "abc", ...) built by merges
@@ -52,11 +57,20 @@ class SynthGeometry:
     head_dim: int
     vocab: int
     context: int = 262144
+    arch: str = "qwen3moe"  # or glm4moe
+    dense_lead: int = 0  # glm4moe: leading dense layers
+    dense_ff: int = 0  # glm4moe: their FFN length
+    qk_norm: bool = True  # glm4moe: GLM-4.5-Air has none
 
 
 GEOMETRIES = {
     "qwen3.6-35b-a3b": SynthGeometry(40, 256, 8, 2048, 512, 16, 2, 256, 248320),
     "qwen3-30b-a3b": SynthGeometry(48, 128, 8, 2048, 768, 32, 4, 128, 151936),
+    # zai-org's config.json: GLM-4.5-Air 106B-A12B; GLM-4.6 355B-A32B (= GLM-4.5, GLM-4.7)
+    "glm-4.5-air": SynthGeometry(
+        46, 128, 8, 4096, 1408, 96, 8, 128, 151552, 131072, "glm4moe", 1, 10944, False
+    ),
+    "glm-4.6": SynthGeometry(92, 160, 8, 5120, 1536, 96, 8, 128, 151552, 202752, "glm4moe", 3, 12288, True),
 }
 
 
@@ -111,7 +125,36 @@ class _BlockPool:
         return write
 
 
+def _glm_kvs(g: SynthGeometry, name: str) -> list[KV]:
+    a, u, f = "glm4moe.", GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    return [
+        KV("general.architecture", "glm4moe", GGUFValueType.STRING),
+        KV("general.name", f"synthetic {name} (random weights)", GGUFValueType.STRING),
+        KV(a + "block_count", g.layers, u),
+        KV(a + "context_length", g.context, u),
+        KV(a + "embedding_length", g.hidden, u),
+        KV(a + "feed_forward_length", g.dense_ff, u),
+        KV(a + "attention.head_count", g.heads, u),
+        KV(a + "attention.head_count_kv", g.kv_heads, u),
+        KV(a + "attention.key_length", g.head_dim, u),
+        KV(a + "attention.value_length", g.head_dim, u),
+        KV(a + "attention.layer_norm_rms_epsilon", 1e-5, f),
+        KV(a + "rope.freq_base", 1e6, f),
+        KV(a + "rope.dimension_count", g.head_dim // 2, u),
+        KV(a + "expert_count", g.experts, u),
+        KV(a + "expert_used_count", g.experts_used, u),
+        KV(a + "expert_feed_forward_length", g.expert_ff, u),
+        KV(a + "expert_shared_count", 1, u),
+        KV(a + "leading_dense_block_count", g.dense_lead, u),
+        KV(a + "expert_gating_func", 2, u),
+        KV(a + "expert_weights_scale", 1.0, f),
+        KV(a + "expert_weights_norm", True, GGUFValueType.BOOL),
+    ]
+
+
 def _kvs(g: SynthGeometry, name: str) -> list[KV]:
+    if g.arch == "glm4moe":
+        return _glm_kvs(g, name)
     a, u, f = "qwen3moe.", GGUFValueType.UINT32, GGUFValueType.FLOAT32
     return [
         KV("general.architecture", "qwen3moe", GGUFValueType.STRING),
@@ -132,8 +175,59 @@ def _kvs(g: SynthGeometry, name: str) -> list[KV]:
     ]
 
 
+def _glm_layer(g: SynthGeometry, i: int, qtype: Q) -> list[TensorSpec]:
+    h, q_rows, kv_rows, ff, p = (
+        g.hidden,
+        g.heads * g.head_dim,
+        g.kv_heads * g.head_dim,
+        g.expert_ff,
+        f"blk.{i}.",
+    )
+    whole = GGML_QUANT_SIZES[qtype][0]
+
+    def w(
+        name: str, shape: tuple[int, ...]
+    ) -> TensorSpec:  # a row of partial blocks: Q8_0 (llama's fallback)
+        return TensorSpec(p + name, shape, qtype if shape[-1] % whole == 0 else Q.Q8_0)
+
+    layer = [
+        TensorSpec(p + "attn_norm.weight", (h,), Q.F32),
+        TensorSpec(p + "post_attention_norm.weight", (h,), Q.F32),
+        w("attn_q.weight", (q_rows, h)),
+        w("attn_k.weight", (kv_rows, h)),
+        w("attn_v.weight", (kv_rows, h)),
+        TensorSpec(p + "attn_q.bias", (q_rows,), Q.F32),
+        TensorSpec(p + "attn_k.bias", (kv_rows,), Q.F32),
+        TensorSpec(p + "attn_v.bias", (kv_rows,), Q.F32),
+        w("attn_output.weight", (h, q_rows)),
+    ]
+    if g.qk_norm:
+        layer += [TensorSpec(p + "attn_q_norm.weight", (g.head_dim,), Q.F32),
+                  TensorSpec(p + "attn_k_norm.weight", (g.head_dim,), Q.F32)]  # fmt: skip
+    if i < g.dense_lead:
+        layer += [w("ffn_gate.weight", (g.dense_ff, h)), w("ffn_up.weight", (g.dense_ff, h)),
+                  w("ffn_down.weight", (h, g.dense_ff))]  # fmt: skip
+    else:
+        layer += [
+            TensorSpec(p + "ffn_gate_inp.weight", (g.experts, h), Q.F32),
+            TensorSpec(p + "exp_probs_b.bias", (g.experts,), Q.F32),
+            w("ffn_gate_exps.weight", (g.experts, ff, h)),
+            w("ffn_up_exps.weight", (g.experts, ff, h)),
+            w("ffn_down_exps.weight", (g.experts, h, ff)),
+            w("ffn_gate_shexp.weight", (ff, h)),
+            w("ffn_up_shexp.weight", (ff, h)),
+            w("ffn_down_shexp.weight", (h, ff)),
+        ]
+    return sorted(layer, key=lambda s: s.name)
+
+
 def synth_tensors(g: SynthGeometry, qtype: Q) -> list[TensorSpec]:
     """Tensor specs (numpy shapes) in llama-quantize's order: blocks' tensors sorted by name."""
+    if g.arch == "glm4moe":
+        return [TensorSpec("token_embd.weight", (g.vocab, g.hidden), qtype),
+                *(s for i in range(g.layers) for s in _glm_layer(g, i, qtype)),
+                TensorSpec("output.weight", (g.vocab, g.hidden), qtype),
+                TensorSpec("output_norm.weight", (g.hidden,), Q.F32)]  # fmt: skip
     h, q_rows, kv_rows = g.hidden, g.heads * g.head_dim, g.kv_heads * g.head_dim
     specs = [TensorSpec("token_embd.weight", (g.vocab, h), qtype)]
     for i in range(g.layers):
@@ -182,6 +276,7 @@ def synthesize(
     # logits in a trained model's range (std ~3, not ~300), so sampling gives varied text.
     quiet = _BlockPool(t, rng, scale=1e-4)
     specs = synth_tensors(g, t)
+    pools = {(t, False): pool, (t, True): quiet}
 
     def data() -> Iterator[Any]:
         for s in specs:
@@ -190,11 +285,15 @@ def synthesize(
                 # (all-ones) component; router rows orthogonal to it make routing depend on the token.
                 w = rng.standard_normal(s.shape)
                 yield (w - w.mean(axis=-1, keepdims=True)).astype(np.float32)
+            elif s.ggml_type == Q.F32 and s.name.endswith(".bias"):
+                yield np.zeros(s.shape, np.float32)  # glm4moe's attention biases and selection bias
             elif s.ggml_type == Q.F32:
                 yield np.ones(s.shape, np.float32)  # norms: 1 keeps the common component out of routing
             else:
                 small = s.name == "output.weight" or ".attn_output." in s.name or ".attn_v." in s.name
-                yield (quiet if small else pool).writer(s.nbytes)
+                if (s.ggml_type, small) not in pools:  # a fallback type (glm4moe's Q8_0 rows): its own blocks
+                    pools[(s.ggml_type, small)] = _BlockPool(s.ggml_type, rng, scale=1e-4 if small else 0.01)
+                yield pools[(s.ggml_type, small)].writer(s.nbytes)
 
     name = geometry if isinstance(geometry, str) else "custom"
     if any(v is not None for v in overrides.values()):
@@ -222,6 +321,13 @@ def check_geometry(g: SynthGeometry, t: Q) -> None:
     require_int("--vocab", g.vocab, MIN_VOCAB, MAX_VOCAB)
     require_int("context", g.context, 1, 2**31 - 1)
     rows = {"--hidden": g.hidden, "--expert-ff": g.expert_ff, "--heads x --head-dim": g.heads * g.head_dim}
+    if g.arch == "glm4moe":  # FFN rows of partial blocks are written as Q8_0
+        require_int("--layers", g.layers, g.dense_lead + 1, MAX_LAYERS)
+        for option, n in (("--expert-ff", g.expert_ff), ("dense FFN", g.dense_ff)):
+            require_int(option, n, 32, MAX_DIM)
+            if n % 32:
+                raise ForgeError(f"{option} must be a multiple of 32 (Q8_0 blocks), not {n}")
+        del rows["--expert-ff"]
     for option, n in rows.items():
         require_int(option, n, block, MAX_DIM)
         if n % block:

@@ -122,3 +122,31 @@ def test_imatrix_collection_matches_llama_imatrix(tiny_glm4moe: Path, tmp_path: 
         assert np.abs(ours.sums[name] - theirs.sums[name]).max() <= 0.01 * np.abs(theirs.sums[name]).max(), (
             name
         )
+
+
+def test_synth_glm_geometry_runs_here_and_in_llamacpp(tmp_path: Path) -> None:
+    """``forge synth --geometry glm-4.5-air`` (small: 3 layers, 16 experts, hidden 512): a glm4moe file with
+    GLM-4.5-Air's expert FFN 1408 and dense FFN 10944 rows written as Q8_0 (not whole Q4_K blocks)."""
+    from runtime.generate import Sampling, generate
+    from runtime.synth import GEOMETRIES, synthesize
+    from runtime.tokenizer import Tokenizer
+
+    g = GEOMETRIES["glm-4.5-air"]
+    assert (g.arch, g.layers, g.heads, g.kv_heads, g.experts, g.experts_used, g.dense_lead, g.expert_ff,
+            g.dense_ff) == ("glm4moe", 46, 96, 8, 128, 8, 1, 1408, 10944)  # fmt: skip
+    out = tmp_path / "glm.gguf"
+    synthesize(out, "glm-4.5-air", "q4_k", layers=3, vocab=4096, experts=16, hidden=512, heads=8, kv_heads=2)
+    f = open_gguf(out)
+    types = {n: t.ggml_type.name for n, t in f.tensors.items()}
+    assert types["blk.1.ffn_down_exps.weight"] == types["blk.0.ffn_down.weight"] == "Q8_0"
+    assert types["blk.1.ffn_up_exps.weight"] == "Q4_K" and "blk.0.ffn_gate_inp.weight" not in types
+    m = load_model(out)
+    assert m.routed_layers() == [1, 2]
+    tok = Tokenizer.from_metadata(m.weights)
+    res = generate(
+        m, tok.encode("hello"), 8, Sampling(temperature=1.0, seed=3), tokenizer=tok, stop_ids=set()
+    )
+    assert len(set(res.tokens)) > 1
+    llama_cpp = pytest.importorskip("llama_cpp")
+    text_out = llama_cpp.Llama(str(out), n_ctx=64, verbose=False)("hello", max_tokens=4)["choices"][0]["text"]
+    assert text_out
