@@ -49,7 +49,9 @@ class Tokenizer:
         bos_id: int | None = None,
         chat_template: str | None = None,
         add_bos: bool = False,
+        eog_ids: tuple[int, ...] = (),
     ) -> None:
+        """``eog_ids``: further end-of-generation ids (GGUF ``eot`` / ``eom``: GLM ends a turn with <|user|>)."""
         if pre not in _PRE_PATTERNS:
             raise ForgeError(f"unsupported pre-tokenizer {pre!r} (supported: {', '.join(_PRE_PATTERNS)})")
         self.tokens = tokens
@@ -72,6 +74,7 @@ class Tokenizer:
             else None
         )
         self.eos_id, self.bos_id, self.add_bos = eos_id, bos_id, add_bos
+        self.eog_ids = eog_ids
         self.chat_template = chat_template
         self.byte_map = _byte_to_unicode()
         self.unbyte = {c: b for b, c in self.byte_map.items()}
@@ -93,6 +96,11 @@ class Tokenizer:
             bos_id=meta.get("tokenizer.ggml.bos_token_id", None),
             chat_template=meta.get("tokenizer.chat_template", None),
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            eog_ids=tuple(
+                int(meta.get(f"tokenizer.ggml.{k}_token_id"))
+                for k in ("eot", "eom")
+                if meta.get(f"tokenizer.ggml.{k}_token_id", None) is not None
+            ),
         )
 
     # encoding ---------------------------------------------------------------------------------------------
@@ -181,7 +189,7 @@ class Tokenizer:
     @property
     def stop_ids(self) -> set[int]:
         """Tokens that end a reply: EOS and the chat end-of-turn markers present in the vocabulary."""
-        stops = {self.eos_id} if self.eos_id is not None else set()
+        stops = ({self.eos_id} if self.eos_id is not None else set()) | set(self.eog_ids)
         for marker in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>"):
             if marker in self.special:
                 stops.add(self.special[marker])

@@ -129,3 +129,5 @@ def test_glm4_tokenizer_matches_llamacpp(glm) -> None:
     theirs = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False).tokenize(body.encode(), add_bos=False)
     ours = Tokenizer.from_metadata(load_model(gguf).weights)
     assert ours.encode(body) == theirs
+    user, observation = ours.special["<|user|>"], ours.special["<|observation|>"]
+    assert {user, observation} <= ours.stop_ids  # GLM ends a turn with <|user|> (llama.cpp's eot), or eom
