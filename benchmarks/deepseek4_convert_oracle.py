@@ -1,11 +1,13 @@
 """Record llama.cpp's outputs for the tiny DeepSeek V4 fixtures (tests/deepseek4_fixture.py) as shipped manifests.
 
-    python benchmarks/deepseek4_convert_oracle.py [--lcb /tmp/lcb] [--work /tmp/deepseek4-convert-oracle]
+    python benchmarks/deepseek4_convert_oracle.py [--lcb /tmp/lcb] [--llama-cpp /tmp/lcpp/src/llama.cpp]
+                                                  [--work /tmp/deepseek4-convert-oracle]
 
 Writes into ``tests/fixtures/llamacpp/tiny-deepseek4/``:
 
 - ``manifests/bf16.json`` and ``manifests/fp8.json``: llama.cpp's converter on the bf16 and the FP8 (E8M0
-  block scales) checkpoints (routed experts FP4 in both);
+  block scales) checkpoints (routed experts FP4 in both); ``manifests/bf16-bundled-template.json``: the bf16
+  one without its chat_template.jinja (the converter then writes llama.cpp's own DeepSeek V4 template);
 - ``manifests/{Q8_0,Q4_K_M,Q2_K,IQ2_XXS-imat}.json``: llama-quantize (``--allow-requantize``: the converted
   file already holds MXFP4 and Q8_0 tensors) on the bf16 conversion. IQ2_XXS uses the imatrix below and
   keeps every non-expert matrix at Q8_0 (``--tensor-type``, see IQ2_XXS_OVERRIDES);
@@ -16,7 +18,9 @@ Writes into ``tests/fixtures/llamacpp/tiny-deepseek4/``:
 - ``sources.json``: SHA-256 of every file of both checkpoints, so the tests notice a generator that no
   longer writes the same bytes.
 
-llama.cpp's converter names a BPE pre-tokenizer by hashing the token ids of a fixed text, a hash only a
+The converter runs from llama.cpp's source tree (``--llama-cpp``, the same commit as the build in ``--lcb``):
+its DeepSeek V4 class reads ``models/templates/`` there, which the build folder lacks. llama.cpp's converter
+names a BPE pre-tokenizer by hashing the token ids of a fixed text, a hash only a
 published vocabulary has; the fixture's tiny vocabulary (tiny-qwen3moe's, Qwen2's split) has none, so the
 converter runs with that lookup answering ``qwen2``. Nothing else in the converter is changed.
 """
@@ -68,6 +72,7 @@ def sources(folder: Path) -> dict[str, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lcb", type=Path, default=Path("/tmp/lcb"))
+    ap.add_argument("--llama-cpp", type=Path, default=Path("/tmp/lcpp/src/llama.cpp"), help="source tree")
     ap.add_argument("--work", type=Path, default=Path("/tmp/deepseek4-convert-oracle"))
     ap.add_argument("--tool", type=Path, default=ROOT.parent / "shared" / "tools" / "gguf_manifest.py")
     ap.add_argument("--chunks", type=int, default=8)
@@ -78,13 +83,18 @@ def main() -> None:
     def manifest(gguf: Path, label: str) -> None:
         run([sys.executable, str(a.tool), str(gguf), str(dest / "manifests" / f"{label}.json")])
 
+    def convert(model: Path, out: Path) -> Path:
+        run([sys.executable, "-c", _CONVERT, str(a.llama_cpp), str(model), "--outfile", str(out)])
+        return out
+
     hashes = {}
     for variant, kwargs in VARIANTS.items():
         model = write_deepseek4(a.work / variant / NAME, **kwargs)
         hashes[variant] = sources(model)
-        out = a.work / f"{NAME}-{variant}.gguf"
-        run([sys.executable, "-c", _CONVERT, str(a.lcb), str(model), "--outfile", str(out)])
-        manifest(out, variant)
+        manifest(convert(model, a.work / f"{NAME}-{variant}.gguf"), variant)
+    model = write_deepseek4(a.work / "bundled" / NAME, **VARIANTS["bf16"])
+    (model / "chat_template.jinja").unlink()
+    manifest(convert(model, a.work / f"{NAME}-bundled.gguf"), "bf16-bundled-template")
     (dest / "sources.json").write_text(json.dumps(hashes, indent=1) + "\n")
 
     bf16 = a.work / f"{NAME}-bf16.gguf"

@@ -43,14 +43,24 @@ class ModelSource:
     def kvs(self, file_type: int) -> list[KV]:
         """Every KV llama.cpp's converter writes, in its order."""
         vocab_size = int(self.arch.hp("vocab_size"))
+        tokenizer = tokenizer_kvs(
+            self.ckpt, vocab_size, self.arch.pre_tokenizer_names, self.arch.special_tokens
+        )
+        first = []
+        bundled = self.arch.bundled_chat_template()
+        if bundled is not None:  # written first; the model's own template overwrites it in place
+            own = [kv for kv in tokenizer if kv.key == "tokenizer.chat_template"]
+            first = own or [KV("tokenizer.chat_template", bundled, T.STRING)]
+            tokenizer = [kv for kv in tokenizer if kv.key != "tokenizer.chat_template"]
         return [
             KV("general.architecture", self.arch.gguf_arch, T.STRING),
+            *first,
             KV("general.type", "model", T.STRING),
             KV("general.name", model_name(self.ckpt.path), T.STRING),
             KV("general.size_label", self.size_label(), T.STRING),
             *self.arch.model_kvs(file_type),
             KV("general.quantization_version", gguf.GGML_QUANT_VERSION, T.UINT32),
-            *tokenizer_kvs(self.ckpt, vocab_size, self.arch.pre_tokenizer_names, self.arch.special_tokens),
+            *tokenizer,
         ]
 
     def size_label(self) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -70,10 +71,15 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def converted(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("converted")
-    return {v: convert_checkpoint(p, d / f"{v}.gguf").paths[0] for v, p in checkpoints.items()}
+    out = {v: convert_checkpoint(p, d / f"{v}.gguf").paths[0] for v, p in checkpoints.items()}
+    # no template of its own: llama.cpp's DeepSeek V4 template is written (as for deepseek-ai's checkpoints)
+    bare = shutil.copytree(checkpoints["bf16"], tmp_path_factory.mktemp("bundled") / NAME)
+    (bare / "chat_template.jinja").unlink()
+    out["bf16-bundled-template"] = convert_checkpoint(bare, d / "bundled.gguf").paths[0]
+    return out
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", [*VARIANTS, "bf16-bundled-template"])
 def test_convert_matches_llamacpp(variant: str, converted: dict[str, Path]) -> None:
     want = _manifest(variant)
     got = tensor_manifest(converted[variant])

@@ -144,6 +144,11 @@ class Architecture:
             self.kv("expert_feed_forward_length", int(self.hp("moe_intermediate_size"))),
         ]
 
+    def bundled_chat_template(self) -> str | None:
+        """The chat template llama.cpp's converter writes for this family before anything else (right after
+        ``general.architecture``; the model's own template, if any, then takes its place). None: no such."""
+        return None
+
     # -- what subclasses provide
     def model_kvs(self, file_type: int) -> list[KV]:
         """Architecture KVs in llama.cpp's order, ``general.file_type`` where llama.cpp puts it."""

@@ -12,13 +12,16 @@ the source, never ``--outtype``:
   (I64) are written as I32, first of all tensors;
 - hash-routed layers' ``ffn.gate.bias`` is unused and left out; the MTP block (``mtp.*``) is not part of
   the model file (llama.cpp exports it only as a separate draft model), with or without ``--no-mtp``;
-- ``general.file_type`` is MOSTLY_MXFP4_MOE.
+- ``general.file_type`` is MOSTLY_MXFP4_MOE;
+- ``tokenizer.chat_template`` comes right after ``general.architecture``: the model's own template, else
+  llama.cpp's bundled DeepSeek V4 one (``forge/arch/templates``, the Flash-0731 one for a folder named so).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from importlib import resources
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
@@ -106,6 +109,13 @@ class Deepseek4(Architecture):
     @property
     def n_experts(self) -> int:
         return int(self.hp("n_routed_experts"))
+
+    def bundled_chat_template(self) -> str | None:
+        # llama.cpp's own DeepSeek V4 templates (the published checkpoints ship none): the Flash-0731 one for a
+        # folder named so, as llama.cpp picks it
+        name = "deepseek-ai-DeepSeek-V4-Flash-0731.jinja" if "0731" in self.ckpt.path.resolve().name else (
+            "deepseek-ai-DeepSeek-V4.jinja")  # fmt: skip
+        return (resources.files("forge") / "arch" / "templates" / name).read_text(encoding="utf-8")
 
     @property
     def n_hash(self) -> int:
