@@ -294,6 +294,8 @@ class Dsv4Attention:
         """(T, groups, heads per group x head_dim) -> each group through its rows of ``attn_output_a``."""
         if self.observers:
             notify_matmul(self.observers, self.out_a.name, out.reshape(-1, out.shape[-1]))
+        if self.out_a.rounding is not None:  # ggml numerics: the product's input rows as ggml rounds them
+            out = self.out_a.rounding(out.reshape(-1, out.shape[-1])).view(out.shape)
         w = self.out_a.weight.view(self.n_groups, self.o_rank, -1)
         return torch.einsum("tgi,goi->tgo", out, w).reshape(out.shape[0], -1)
 
