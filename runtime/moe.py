@@ -7,9 +7,10 @@ source; observers and ggml numerics meet the experts at one boundary (``Taps``).
 A ``Router`` owns the layer's gate projection (``ffn_gate_inp``) and its prune mask, and turns router
 logits into (expert ids, weights) -- the one place that decides routing, whatever backend then computes
 the experts -- and reports each decision to the observers (``on_routing``). ``SoftmaxTopK`` is Qwen's
-routing; other kinds (sigmoid scores + a selection bias + grouped top-k as DeepSeek V3/V4 and GLM route,
-hash routing) subclass ``Router`` and override ``select`` (hash routing: also ``route``, which would then
-take the token ids).
+routing, ``ScoredTopK`` DeepSeek V4's (scores softmax / sigmoid / sqrt(softplus), a selection bias,
+renormalized and scaled weights); other kinds subclass ``Router`` and override ``select``. ``HashRouter``
+(DeepSeek V4's first layers: experts by token id) reads the token ids, which ``route`` passes to
+``select_tokens``.
 """
 
 from __future__ import annotations
