@@ -50,9 +50,20 @@ def _sync(device: str) -> None:
 
 
 def bench_runtime(path: Path, device: str, pp: int, tg: int, reps: int, budget: int) -> dict:
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     model = load_model(path, device, expert_budget=budget)
     load_s = time.perf_counter() - t0
+    memory = {}
+    if device == "cuda":
+        from forge.gguf_file import GGUFFile
+
+        tensor_bytes = sum(t.nbytes for t in GGUFFile(path).tensors.values())
+        held = torch.cuda.memory_allocated() - base
+        memory = {"tensor_mib": round(tensor_bytes / 2**20), "gpu_load_mib": round(held / 2**20),
+                  "gpu_load_ratio": round(held / tensor_bytes, 3)}  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     vocab = model.vocab_size
     ids = torch.randint(0, vocab, (pp,), generator=gen).to(device)
@@ -77,7 +88,11 @@ def bench_runtime(path: Path, device: str, pp: int, tg: int, reps: int, budget: 
             model.forward(toks[i : i + 1], st, last_only=True)
         _sync(device)
         best_tg = max(best_tg, tg / (time.perf_counter() - t))
-    return {"file": path.name, "load_s": round(load_s, 2), "pp": round(best_pp, 1), "tg": round(best_tg, 1)}
+    if device == "cuda":
+        memory["gpu_peak_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20)
+    return {
+        "file": path.name, "load_s": round(load_s, 2), "pp": round(best_pp, 1), "tg": round(best_tg, 1), **memory
+    }  # fmt: skip
 
 
 def bench_transformers(hf_dir: Path, device: str, pp: int, tg: int, reps: int) -> dict:

@@ -3,9 +3,9 @@ launches, whose host cost (not the GPU's) bounds the speed; a graph replays them
 
 A graph is captured per sequence (``State``) and attention span: the KV slots attention reads, a power
 of two covering the position, with the slots past it masked (``KVCache.put_at``), so one graph serves
-every position up to its span. The position enters as a device tensor. The first step at a new span
-runs eagerly in that same form (it compiles kernels and grows tables outside a capture); the next one
-is captured and replayed. A graph is used only while everything it read is where it was: the state's
+every position up to its span. The position enters as a device tensor. The model's first step at a new
+span runs eagerly in that same form (it compiles kernels and grows tables outside a capture); later ones
+are captured (once per sequence and span) and replayed. A graph is used only while everything it read is where it was: the state's
 cache tensors (updated in place) and the prune mask.
 """
 
@@ -66,7 +66,7 @@ def _fingerprint(model: MoeCausalLM, state: State) -> tuple[int, ...]:
     """Where every cache tensor of ``state`` lives, and the model's prune-mask generation."""
     ptrs = [model.mask_generation]
     for cache in state.layers:
-        ptrs.extend(t.data_ptr() for t in vars(cache).values() if isinstance(t, torch.Tensor))
+        ptrs.extend(t.data_ptr() for n, t in vars(cache).items() if isinstance(t, torch.Tensor) and n != "at")
     return tuple(ptrs)
 
 
@@ -84,9 +84,9 @@ class DecodeGraphs:
         self.model = model
         self.at = torch.zeros(1, dtype=torch.long, device=device)
         self.graphs: dict[int, _Captured] = {}
-        self.warm: set[int] = set()
         self.pool: Any = None
         self.failed = False
+        self.replays = 0
 
     def step(self, h: torch.Tensor, state: State) -> torch.Tensor:
         """h (1, n_embd) the token's embedding at ``state.pos`` -> logits (1, vocab); the caller advances
@@ -95,13 +95,16 @@ class DecodeGraphs:
         span = span_for(pos)
         caches = [c for c in state.layers if isinstance(c, KVCache)]
         captured = self.graphs.get(span)
-        if captured is not None and captured.key == _fingerprint(self.model, state):
+        key = _fingerprint(self.model, state)
+        if captured is not None and captured.key == key:
             self.at.fill_(pos)
             captured.h_in.copy_(h)
             captured.graph.replay()
+            self.replays += 1
             out = captured.out.clone()
         else:
-            out = self._run(h, state, caches, span, capture=span in self.warm and not self.failed)
+            capture = span in self.model.warm_spans and not self.failed
+            out = self._run(h, state, caches, span, capture)
         for c in caches:
             c.length = pos + 1
         return out
@@ -119,13 +122,14 @@ class DecodeGraphs:
             with torch.cuda.stream(side):
                 out = self.model.decode_layers(h, state.layers, state.pos)
             torch.cuda.current_stream().wait_stream(side)
-            self.warm.add(span)
+            self.model.warm_spans.add(span)
             return out
 
     def _capture(self, h: torch.Tensor, state: State, caches: list[KVCache], span: int) -> torch.Tensor:
         for c in caches:  # no cache may grow inside the capture
             assert c.k is not None and c.v is not None
             c.reserve(span, c.k[:, 0], c.v[:, 0])
+        key = _fingerprint(self.model, state)  # where the caches are now
         h_in = h.clone()
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
@@ -136,8 +140,7 @@ class DecodeGraphs:
         except RuntimeError as e:  # a path that cannot be captured: eager from now on
             log.warning("cuda graphs: capturing the decode step failed (%s); running it eagerly", e)
             self.failed = True
-            self.warm.discard(span)
-            return self._run(h, state, caches, span, capture=False)
-        self.graphs[span] = _Captured(graph, h_in, out, _fingerprint(self.model, state))
+            return self._run(h, state, caches, span, False)
+        self.graphs[span] = _Captured(graph, h_in, out, key)
         graph.replay()
         return out.clone()

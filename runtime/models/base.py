@@ -52,6 +52,7 @@ class MoeCausalLM:
         self.fast_decode = not weights.ggml_numerics
         self.eps_row = torch.full((1, 1), self.eps, device=weights.device)
         self.mask_generation = 0  # bumped by each prune-mask change (captured decode steps read the mask)
+        self.warm_spans: set[int] = set()  # attention spans the captured form of the step has run at
 
     def routed_layers(self) -> list[int]:
         """Indices of the layers with routed experts, in order (one prune-mask line each)."""
