@@ -333,7 +333,8 @@ class KVCache:
         """Capacity for ``need`` positions; k/v: (..., n_head_kv, head_dim) rows giving shape and dtype."""
         if self.k is None or self.v is None or need > self.k.shape[1]:
             cap = max(256, need, 2 * (0 if self.k is None else self.k.shape[1]))
-            new_k = k.new_zeros((k.shape[-2], cap, k.shape[-1]))  # finite past the length: a captured step reads them masked
+            # zeros, not garbage, past the length: a captured decode step reads those slots (masked)
+            new_k = k.new_zeros((k.shape[-2], cap, k.shape[-1]))
             new_v = v.new_zeros((v.shape[-2], cap, v.shape[-1]))
             if self.k is not None and self.v is not None:
                 new_k[:, : self.length] = self.k[:, : self.length]
