@@ -8,6 +8,8 @@ Writes into ``tests/fixtures/llamacpp/tiny-deepseek4/``:
 - ``manifests/bf16.json`` and ``manifests/fp8.json``: llama.cpp's converter on the bf16 and the FP8 (E8M0
   block scales) checkpoints (routed experts FP4 in both); ``manifests/bf16-bundled-template.json``: the bf16
   one without its chat_template.jinja (the converter then writes llama.cpp's own DeepSeek V4 template);
+  ``manifests/bf16-model-card.json``: the bf16 one in a folder named like a published model, with a model card
+  and sampling defaults (``general.*`` from gguf's Metadata);
 - ``manifests/{Q8_0,Q4_K_M,Q2_K,IQ2_XXS-imat}.json``: llama-quantize (``--allow-requantize``: the converted
   file already holds MXFP4 and Q8_0 tensors) on the bf16 conversion. IQ2_XXS uses the imatrix below and
   keeps every non-expert matrix at Q8_0 (``--tensor-type``, see IQ2_XXS_OVERRIDES);
@@ -37,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from deepseek4_fixture import write_deepseek4  # noqa: E402
+from deepseek4_fixture import CARD_FOLDER, with_model_card, write_deepseek4  # noqa: E402
 
 NAME = "tiny-deepseek4"
 FIXTURES = ROOT / "tests" / "fixtures" / "llamacpp"
@@ -95,6 +97,8 @@ def main() -> None:
     model = write_deepseek4(a.work / "bundled" / NAME, **VARIANTS["bf16"])
     (model / "chat_template.jinja").unlink()
     manifest(convert(model, a.work / f"{NAME}-bundled.gguf"), "bf16-bundled-template")
+    model = with_model_card(write_deepseek4(a.work / "card" / CARD_FOLDER, **VARIANTS["bf16"]))
+    manifest(convert(model, a.work / f"{NAME}-card.gguf"), "bf16-model-card")
     (dest / "sources.json").write_text(json.dumps(hashes, indent=1) + "\n")
 
     bf16 = a.work / f"{NAME}-bf16.gguf"

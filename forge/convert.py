@@ -55,13 +55,27 @@ class ModelSource:
         return [
             KV("general.architecture", self.arch.gguf_arch, T.STRING),
             *first,
-            KV("general.type", "model", T.STRING),
-            KV("general.name", model_name(self.ckpt.path), T.STRING),
-            KV("general.size_label", self.size_label(), T.STRING),
+            *self.general_kvs(),
             *self.arch.model_kvs(file_type),
             KV("general.quantization_version", gguf.GGML_QUANT_VERSION, T.UINT32),
             *tokenizer,
         ]
+
+    def general_kvs(self) -> list[KV]:
+        """``general.type``, the sampling defaults of generation_config.json, ``general.name`` and what the model
+        card (README.md) and the folder name say (basename, version, license, tags...), and the size label:
+        gguf's own ``Metadata``, the code llama.cpp's converter runs."""
+        total = sum(int(np.prod(t.shape)) for t in self.tensors)
+        meta = gguf.Metadata.load(None, self.ckpt.path, None, total)
+        if meta.name is None:
+            meta.name = self.ckpt.path.name
+        if meta.size_label is None and total > 0:
+            meta.size_label = self.size_label()
+        writer = gguf.GGUFWriter(path=None, arch=self.arch.gguf_arch)
+        writer.add_type(gguf.GGUFType.MODEL)
+        meta.set_gguf_meta_model(writer)
+        return [KV(key, v.value, v.type, _item_type(v)) for key, v in writer.kv_data[0].items()
+                if key != "general.architecture"]  # fmt: skip
 
     def size_label(self) -> str:
         sizes = [int(np.prod(t.shape)) for t in self.tensors]
@@ -72,9 +86,11 @@ class ModelSource:
         return gguf.utility.size_label(total, total - expert, expert // max(n_exp, 1), n_exp)
 
 
-def model_name(path: Path) -> str:
-    """'tiny-qwen3moe' -> 'Tiny Qwen3Moe' (llama.cpp derives general.name from the folder the same way)."""
-    return path.resolve().name.replace("-", " ").replace("_", " ").title()
+def _item_type(v: gguf.gguf_writer.GGUFValue) -> T | None:
+    """An array's item type (the writer infers it from the first item when it was not given)."""
+    if v.type != T.ARRAY:
+        return None
+    return v.sub_type or (T.get_type(v.value[0]) if v.value else T.STRING)
 
 
 def float_type_for(t: OutTensor, outtype: GGMLQuantizationType) -> GGMLQuantizationType:

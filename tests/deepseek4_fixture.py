@@ -103,6 +103,19 @@ DEEPSEEK4_CONFIG = {
 FP8_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                     "weight_block_size": [128, 128]}  # fmt: skip
 
+#: the folder name and files of the model-card case (llama.cpp names the model, its basename, finetune and version
+#: from the folder name, takes license and tags from the card and sampling defaults from generation_config.json)
+CARD_FOLDER = "DeepSeek-V4-Flash-Tiny"
+MODEL_CARD = (
+    "---\nlicense: mit\nlibrary_name: transformers\ntags:\n- deepseek\n- moe\n---\n# A tiny DeepSeek V4\n"
+)
+GENERATION_CONFIG = {
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "do_sample": True,
+    "temperature": 1.0,
+    "top_p": 0.95,
+}
 #: the values of the 4-bit E2M1 codes 0..7 (bit 3 is the sign)
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
 
@@ -336,6 +349,13 @@ def write_deepseek4(
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     _tokenizer(out)
     return out
+
+
+def with_model_card(folder: Path) -> Path:
+    """A model card (README.md with YAML front matter) and sampling defaults, as published checkpoints have."""
+    (folder / "README.md").write_text(MODEL_CARD, encoding="utf-8")
+    (folder / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
+    return folder
 
 
 def main() -> None:

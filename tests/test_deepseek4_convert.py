@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from deepseek4_fixture import e4m3_values, write_deepseek4
+from deepseek4_fixture import CARD_FOLDER, e4m3_values, with_model_card, write_deepseek4
 from gguf import GGUFReader, GGUFValueType
 from oracle import tensor_manifest
 from safetensors.torch import load_file, save_file
@@ -76,10 +76,15 @@ def converted(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFac
     bare = shutil.copytree(checkpoints["bf16"], tmp_path_factory.mktemp("bundled") / NAME)
     (bare / "chat_template.jinja").unlink()
     out["bf16-bundled-template"] = convert_checkpoint(bare, d / "bundled.gguf").paths[0]
+    # a published model's folder name, model card and sampling defaults (general.* as gguf's Metadata says)
+    card = with_model_card(
+        shutil.copytree(checkpoints["bf16"], tmp_path_factory.mktemp("card") / CARD_FOLDER)
+    )
+    out["bf16-model-card"] = convert_checkpoint(card, d / "card.gguf").paths[0]
     return out
 
 
-@pytest.mark.parametrize("variant", [*VARIANTS, "bf16-bundled-template"])
+@pytest.mark.parametrize("variant", [*VARIANTS, "bf16-bundled-template", "bf16-model-card"])
 def test_convert_matches_llamacpp(variant: str, converted: dict[str, Path]) -> None:
     want = _manifest(variant)
     got = tensor_manifest(converted[variant])
