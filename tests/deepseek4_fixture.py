@@ -352,9 +352,14 @@ def write_deepseek4(
 
 
 def with_model_card(folder: Path) -> Path:
-    """A model card (README.md with YAML front matter) and sampling defaults, as published checkpoints have."""
+    """What published checkpoints add: a model card (README.md with YAML front matter), sampling defaults
+    (generation_config.json) and add_bos_token / add_eos_token in the tokenizer config."""
     (folder / "README.md").write_text(MODEL_CARD, encoding="utf-8")
     (folder / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
+    tcfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({**tcfg, "add_bos_token": True, "add_eos_token": False})
+    )
     return folder
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import gguf
+
 from forge.checkpoint import Checkpoint
 from forge.errors import ForgeError
 from forge.gguf_file import KV, T
@@ -106,6 +108,7 @@ def _tokenizer_kvs(
         if all(kv.key != key for kv in specials):
             specials.append(KV(key, vocab[content], T.UINT32))
     kvs += specials
+    kvs += _add_special_flags(ckpt)
     template = ckpt.chat_template()
     if template:
         kvs.append(KV("tokenizer.chat_template", template, T.STRING))
@@ -129,3 +132,16 @@ def _special_ids(ckpt: Checkpoint, vocab: dict[str, int]) -> list[KV]:
             name = "unknown" if kind == "unk" else kind  # llama.cpp's key names
             out.append(KV(f"tokenizer.ggml.{name}_token_id", int(tid), T.UINT32))
     return out
+
+
+def _add_special_flags(ckpt: Checkpoint) -> list[KV]:
+    """``tokenizer.ggml.add_{bos,eos,sep}_token`` as llama.cpp's converter sets them: gguf's own SpecialVocab
+    (tokenizer.json's post-processor, then tokenizer_config.json's add_*_token), through a GGUF writer's
+    handlers (types it has none for are skipped, as there)."""
+    flags = gguf.SpecialVocab(ckpt.path, load_merges=False).add_special_token
+    writer = gguf.GGUFWriter(path=None, arch="")
+    for typ, value in flags.items():
+        handler = getattr(writer, f"add_add_{typ}_token", None)
+        if handler is not None:
+            handler(value)
+    return [KV(key, v.value, v.type) for key, v in writer.kv_data[0].items() if key.startswith("tokenizer.")]
