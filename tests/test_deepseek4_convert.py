@@ -21,6 +21,7 @@ from gguf import GGUFReader, GGUFValueType
 from oracle import tensor_manifest
 from safetensors.torch import load_file, save_file
 
+from forge.arch.tokenizer import detect_pre_tokenizer
 from forge.convert import convert_checkpoint
 from forge.errors import ForgeError
 from forge.quant.quantize import quantize
@@ -215,3 +216,15 @@ def test_ds4_2bit_preset(checkpoints: dict[str, Path]) -> None:
         types = {t for pattern, t in want if re.search(pattern, p.name)}
         assert types == {p.out_type.name}, (p.name, p.out_type.name, types)
     assert all(p.importance is not None for p in plan if "_exps" in p.name)
+
+
+def test_deepseek_v3_pre_tokenizer_is_named() -> None:
+    """deepseek-ai's tokenizer.json split sequence (as published for V3 and V4) is llama.cpp's deepseek-v3."""
+    pre = json.loads(
+        r"""{"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "\\p{N}{1,3}"}, "behavior": "Isolated", "invert": false},
+        {"type": "Split", "pattern": {"Regex": "[一-龥぀-ゟ゠-ヿ]+"}, "behavior": "Isolated", "invert": false},
+        {"type": "Split", "pattern": {"Regex": "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"}, "behavior": "Isolated", "invert": false},
+        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]}"""
+    )  # fmt: skip
+    assert detect_pre_tokenizer({"pre_tokenizer": pre}, "tokenizer.json") == "deepseek-v3"

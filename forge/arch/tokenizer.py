@@ -19,6 +19,8 @@ PRE_TOKENIZERS = {
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "llama-bpe",
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen2",
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen35",
+    # DeepSeek V3 / V4: the third of its three splits (digits by three, CJK runs, then this); \r \n are the characters
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+": "deepseek-v3",
 }
 
 
@@ -41,7 +43,7 @@ def detect_pre_tokenizer(tok: dict[str, Any], where: str) -> str:
     patterns = _split_patterns(tok.get("pre_tokenizer"))
     shown = patterns[0][:60] + "..." if patterns else "none"
     raise ForgeError(
-        f"{where}: unknown pre-tokenizer split pattern ({shown}); known: qwen2, llama-bpe, qwen35"
+        f"{where}: unknown pre-tokenizer split pattern ({shown}); known: {', '.join(sorted(set(PRE_TOKENIZERS.values())))}"
     )
 
 
