@@ -1,10 +1,10 @@
 """Record llama.cpp's outputs for the tiny GLM fixtures (tests/glm_fixture.py) as shipped manifests.
 
-    python benchmarks/glm_oracle.py [--lcb /tmp/lcb] [--work /tmp/glm-oracle] [--presets Q8_0 Q4_K_M Q2_K]
+    python benchmarks/glm_oracle.py [--model tiny-glm4moe tiny-glm-dsa] [--lcb /tmp/lcb] [--work /tmp/glm-oracle]
 
-Writes ``tests/fixtures/llamacpp/tiny-glm4moe/manifests/{bf16,f32,bf16-no-mtp,PRESET,PRESET-imat}.json`` with
+Writes, per model, ``tests/fixtures/llamacpp/MODEL/manifests/{bf16,f32,bf16-no-mtp,PRESET,PRESET-imat}.json`` with
 ``gguf_manifest.py`` (``../shared/tools``, the tool that made the tiny-qwen3moe manifests), and
-llama-imatrix's output on ``text/calib.txt`` (``tiny-glm4moe-imatrix.gguf``, used for the ``-imat`` presets) and
+llama-imatrix's output on ``text/calib.txt`` (``MODEL-imatrix.gguf``, used for the ``-imat`` presets) and
 llama-perplexity's figure on the bf16 GGUF into ``tests/fixtures/llamacpp/glm_perplexity.json``.
 
 llama.cpp's converter names a BPE pre-tokenizer by hashing the token ids of a fixed text, a hash that only
@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from glm_fixture import write_glm4moe  # noqa: E402
+from glm_fixture import write_glm4moe, write_glm_dsa  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "llamacpp"
 _CONVERT = """
@@ -82,26 +82,22 @@ def perplexity(lcb: Path, gguf: Path, text: Path, chunks: int) -> float:
     raise SystemExit(f"{' '.join(cmd)}: no final perplexity in its output")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lcb", type=Path, default=Path("/tmp/lcb"))
-    ap.add_argument("--work", type=Path, default=Path("/tmp/glm-oracle"))
-    ap.add_argument("--tool", type=Path, default=ROOT.parent / "shared" / "tools" / "gguf_manifest.py")
-    ap.add_argument("--presets", nargs="*", default=["Q8_0", "Q4_K_M", "Q2_K"])
-    ap.add_argument("--imatrix-presets", nargs="*", default=["Q4_K_M", "IQ2_XXS"])
-    ap.add_argument("--chunks", type=int, default=8)
-    a = ap.parse_args()
-    name = "tiny-glm4moe"
-    model = write_glm4moe(a.work / name)
+MODELS = {"tiny-glm4moe": write_glm4moe, "tiny-glm-dsa": write_glm_dsa}
+
+
+def record(a: argparse.Namespace, name: str) -> dict:
+    """One model's manifests and imatrix; returns its perplexity figure."""
+    model = MODELS[name](a.work / name)
     dest = FIXTURES / name / "manifests"
     bf16 = convert(a.lcb, model, a.work / f"{name}-bf16.gguf", "bf16")
     manifest(a.tool, bf16, dest / "bf16.json")
     manifest(a.tool, convert(a.lcb, model, a.work / f"{name}-f32.gguf", "f32"), dest / "f32.json")
     no_mtp = convert(a.lcb, model, a.work / f"{name}-bf16-no-mtp.gguf", "bf16", "--no-mtp")
     manifest(a.tool, no_mtp, dest / "bf16-no-mtp.json")
+    text = ROOT / "tests" / "fixtures" / "text"
     imatrix = FIXTURES / name / f"{name}-imatrix.gguf"
-    run([str(a.lcb / "bin" / "llama-imatrix"), "-m", str(no_mtp), "-f", str(ROOT / "tests" / "fixtures" / "text" / "calib.txt"),
-         "-o", str(imatrix), "-c", "512", "-b", "512", "--chunks", str(a.chunks), "-t", "2"])  # fmt: skip
+    run([str(a.lcb / "bin" / "llama-imatrix"), "-m", str(no_mtp), "-f", str(text / "calib.txt"), "-o", str(imatrix),
+         "-c", "512", "-b", "512", "--chunks", str(a.chunks), "-t", "2"])  # fmt: skip
     for preset in a.presets + [f"{p}-imat" for p in a.imatrix_presets]:
         q = a.work / f"{name}-{preset}.gguf"
         im = ["--imatrix", str(imatrix)] if preset.endswith("-imat") else []
@@ -116,9 +112,25 @@ def main() -> None:
             ]
         )
         manifest(a.tool, q, dest / f"{preset}.json")
-    ppl = perplexity(a.lcb, no_mtp, ROOT / "tests" / "fixtures" / "text" / "val.txt", a.chunks)
-    figures = {name: {"bf16-no-mtp": {"ppl": ppl, "chunks": a.chunks, "ctx": 512}}}
-    (FIXTURES / "glm_perplexity.json").write_text(json.dumps(figures, indent=1) + "\n")
+    ppl = perplexity(a.lcb, no_mtp, text / "val.txt", a.chunks)
+    return {"bf16-no-mtp": {"ppl": ppl, "chunks": a.chunks, "ctx": 512}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lcb", type=Path, default=Path("/tmp/lcb"))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/glm-oracle"))
+    ap.add_argument("--tool", type=Path, default=ROOT.parent / "shared" / "tools" / "gguf_manifest.py")
+    ap.add_argument("--model", nargs="*", choices=list(MODELS), default=list(MODELS))
+    ap.add_argument("--presets", nargs="*", default=["Q8_0", "Q4_K_M", "Q2_K"])
+    ap.add_argument("--imatrix-presets", nargs="*", default=["Q4_K_M", "IQ2_XXS"])
+    ap.add_argument("--chunks", type=int, default=8)
+    a = ap.parse_args()
+    path = FIXTURES / "glm_perplexity.json"
+    figures = json.loads(path.read_text()) if path.is_file() else {}
+    for name in a.model:
+        figures[name] = record(a, name)
+        path.write_text(json.dumps(figures, indent=1) + "\n")
     print(json.dumps(figures))
 
 

@@ -484,7 +484,119 @@ def deepseek4_model(g: Deepseek4Geometry) -> tuple[list[KV], list[TensorSpec]]:
     return kvs + tokenizer_kvs(VOCAB), specs
 
 
+@dataclass(frozen=True)
+class GlmDsaGeometry(GlmGeometry):
+    """glm-dsa (GLM-5.x): MLA + the DSA indexer; the MLA widths are the real ones (they are row lengths:
+    attn_k_b's rows are qk_nope_head_dim long, 192 on GLM-5, not a multiple of 256)."""
+
+    q_lora: int = 2048
+    kv_lora: int = 512
+    rope_dim: int = 64
+    nope_dim: int = 192
+    v_dim: int = 256
+    index_heads: int = 32
+    index_dim: int = 128
+
+
+GEOMETRIES["glm-5"] = GlmDsaGeometry(
+    "glm-5", "glm-dsa", 78, 64, 64, 192, 256, 8, mtp=1, dense_lead=3, dense_ff=512, expert_ff=256,
+    source="zai-org/GLM-5 config.json (= GLM-5.1: ffn 12288, expert ffn 2048, MLA q/kv rank 2048/512, rope/nope/v "
+           "64/192/256, indexer 32 heads x 128); MTP block exported",
+)  # fmt: skip
+
+
+def glm_dsa_model(g: GlmDsaGeometry) -> tuple[list[KV], list[TensorSpec]]:
+    """llama.cpp's glm-dsa tensor set (as forge convert and convert_hf_to_gguf.py write it)."""
+    h, ff, bf, f32, nh = g.hidden, g.expert_ff, Q.BF16, Q.F32, g.heads
+    specs = [TensorSpec("output.weight", (VOCAB, h), bf), TensorSpec("token_embd.weight", (VOCAB, h), bf)]
+    for i in range(g.block_count):
+        p = f"blk.{i}."
+        layer = [
+            TensorSpec(p + "attn_norm.weight", (h,), f32),
+            TensorSpec(p + "ffn_norm.weight", (h,), f32),
+            TensorSpec(p + "attn_q_a.weight", (g.q_lora, h), bf),
+            TensorSpec(p + "attn_q_a_norm.weight", (g.q_lora,), f32),
+            TensorSpec(p + "attn_q_b.weight", (nh * (g.nope_dim + g.rope_dim), g.q_lora), bf),
+            TensorSpec(p + "attn_kv_a_mqa.weight", (g.kv_lora + g.rope_dim, h), bf),
+            TensorSpec(p + "attn_kv_a_norm.weight", (g.kv_lora,), f32),
+            TensorSpec(p + "attn_k_b.weight", (nh, g.kv_lora, g.nope_dim), bf),
+            TensorSpec(p + "attn_v_b.weight", (nh, g.v_dim, g.kv_lora), bf),
+            TensorSpec(p + "attn_output.weight", (h, nh * g.v_dim), bf),
+            TensorSpec(p + "indexer.attn_q_b.weight", (g.index_heads * g.index_dim, g.q_lora), bf),
+            TensorSpec(p + "indexer.attn_k.weight", (g.index_dim, h), bf),
+            TensorSpec(p + "indexer.k_norm.weight", (g.index_dim,), f32),
+            TensorSpec(p + "indexer.k_norm.bias", (g.index_dim,), f32),
+            TensorSpec(p + "indexer.proj.weight", (g.index_heads, h), f32),
+        ]
+        if i < g.dense_lead:
+            layer += [TensorSpec(p + "ffn_gate.weight", (g.dense_ff, h), bf),
+                      TensorSpec(p + "ffn_up.weight", (g.dense_ff, h), bf),
+                      TensorSpec(p + "ffn_down.weight", (h, g.dense_ff), bf)]  # fmt: skip
+        else:
+            layer += [
+                TensorSpec(p + "ffn_gate_inp.weight", (g.experts, h), f32),
+                TensorSpec(p + "exp_probs_b.bias", (g.experts,), f32),
+                TensorSpec(p + "ffn_gate_exps.weight", (g.experts, ff, h), bf),
+                TensorSpec(p + "ffn_up_exps.weight", (g.experts, ff, h), bf),
+                TensorSpec(p + "ffn_down_exps.weight", (g.experts, h, ff), bf),
+                TensorSpec(p + "ffn_gate_shexp.weight", (ff, h), bf),
+                TensorSpec(p + "ffn_up_shexp.weight", (ff, h), bf),
+                TensorSpec(p + "ffn_down_shexp.weight", (h, ff), bf),
+            ]
+        if i >= g.layers:  # the NextN/MTP block
+            layer += [
+                TensorSpec(p + "nextn.eh_proj.weight", (h, 2 * h), bf),
+                TensorSpec(p + "nextn.enorm.weight", (h,), f32),
+                TensorSpec(p + "nextn.hnorm.weight", (h,), f32),
+                TensorSpec(p + "nextn.shared_head_norm.weight", (h,), f32),
+            ]
+        specs += sorted(layer, key=lambda s: s.name)
+    specs.append(TensorSpec("output_norm.weight", (h,), f32))
+    a, u, f = "glm-dsa.", GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    kvs = [
+        KV("general.architecture", "glm-dsa", GGUFValueType.STRING),
+        KV("general.type", "model", GGUFValueType.STRING),
+        KV("general.name", f"type-plan oracle {g.name} (small widths)", GGUFValueType.STRING),
+        KV(a + "block_count", g.block_count, u),
+        KV(a + "context_length", 202752, u),
+        KV(a + "embedding_length", h, u),
+        KV(a + "feed_forward_length", g.dense_ff, u),
+        KV(a + "attention.head_count", nh, u),
+        KV(a + "attention.head_count_kv", 1, u),
+        KV(a + "rope.freq_base", 1e6, f),
+        KV(a + "attention.layer_norm_rms_epsilon", 1e-5, f),
+        KV(a + "expert_count", g.experts, u),
+        KV(a + "expert_used_count", g.experts_used, u),
+        KV(a + "expert_group_count", 1, u),
+        KV(a + "expert_group_used_count", 1, u),
+        KV(a + "expert_gating_func", 2, u),
+        KV(a + "attention.key_length", g.kv_lora + g.rope_dim, u),
+        KV(a + "attention.value_length", g.kv_lora, u),
+        KV("general.file_type", 32, u),
+        KV(a + "leading_dense_block_count", g.dense_lead, u),
+        KV(a + "vocab_size", VOCAB, u),
+        KV(a + "attention.q_lora_rank", g.q_lora, u),
+        KV(a + "attention.kv_lora_rank", g.kv_lora, u),
+        KV(a + "attention.key_length_mla", g.nope_dim + g.rope_dim, u),
+        KV(a + "attention.value_length_mla", g.v_dim, u),
+        KV(a + "expert_feed_forward_length", ff, u),
+        KV(a + "expert_shared_count", 1, u),
+        KV(a + "expert_weights_scale", 2.5, f),
+        KV(a + "expert_weights_norm", True, GGUFValueType.BOOL),
+        KV(a + "rope.dimension_count", g.rope_dim, u),
+        KV(a + "attention.indexer.head_count", g.index_heads, u),
+        KV(a + "attention.indexer.key_length", g.index_dim, u),
+        KV(a + "attention.indexer.top_k", 2048, u),
+        KV("general.quantization_version", 2, u),
+    ]
+    if g.mtp:
+        kvs.insert(-5, KV(a + "nextn_predict_layers", g.mtp, u))
+    return kvs + tokenizer_kvs(VOCAB), specs
+
+
 def model(g: Geometry) -> tuple[list[KV], list[TensorSpec]]:
+    if isinstance(g, GlmDsaGeometry):
+        return glm_dsa_model(g)
     if isinstance(g, GlmGeometry):
         return glm4moe_model(g)
     if isinstance(g, Deepseek4Geometry):

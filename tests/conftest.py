@@ -53,3 +53,11 @@ def tiny_glm4moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from glm_fixture import write_glm4moe
 
     return write_glm4moe(tmp_path_factory.mktemp("glm") / "tiny-glm4moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm_dsa(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random GLM-5-style (glm-dsa) checkpoint (tests/glm_fixture.py), written once per session."""
+    from glm_fixture import write_glm_dsa
+
+    return write_glm_dsa(tmp_path_factory.mktemp("glm-dsa") / "tiny-glm-dsa")

@@ -91,9 +91,8 @@ def _bf16(a: np.ndarray) -> torch.Tensor:
 
 
 def _layer(v: _Values, cfg: dict, i: int, moe: bool, nextn: bool) -> dict[str, torch.Tensor]:
-    h, d = cfg["hidden_size"], cfg["head_dim"]
-    nh, nkv, ff, e = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["moe_intermediate_size"], cfg["n_routed_experts"]  # fmt: skip
-    std = WEIGHT_STD
+    h, d = cfg["hidden_size"], cfg.get("head_dim", 0)
+    nh, nkv, std = cfg["num_attention_heads"], cfg["num_key_value_heads"], WEIGHT_STD
     p = f"model.layers.{i}."
     out: dict[str, torch.Tensor] = {}
     if nextn:
@@ -103,6 +102,9 @@ def _layer(v: _Values, cfg: dict, i: int, moe: bool, nextn: bool) -> dict[str, t
         out[p + "shared_head.norm.weight"] = _bf16(v.normal((h,), 0.1, 1.0))
     out[p + "input_layernorm.weight"] = _bf16(v.normal((h,), 0.1, 1.0))
     out[p + "post_attention_layernorm.weight"] = _bf16(v.normal((h,), 0.1, 1.0))
+    if "q_lora_rank" in cfg:
+        out |= _dsa_attention(v, cfg, p)
+        return out | _ffn(v, cfg, p, moe)
     for name, rows in (("q", nh * d), ("k", nkv * d), ("v", nkv * d)):
         out[p + f"self_attn.{name}_proj.weight"] = _bf16(v.normal((rows, h), std))
         if cfg["attention_bias"]:
@@ -111,6 +113,12 @@ def _layer(v: _Values, cfg: dict, i: int, moe: bool, nextn: bool) -> dict[str, t
     if cfg["use_qk_norm"]:
         out[p + "self_attn.q_norm.weight"] = _bf16(v.normal((d,), 0.1, 1.0))
         out[p + "self_attn.k_norm.weight"] = _bf16(v.normal((d,), 0.1, 1.0))
+    return out | _ffn(v, cfg, p, moe)
+
+
+def _ffn(v: _Values, cfg: dict, p: str, moe: bool) -> dict[str, torch.Tensor]:
+    h, ff, e, std = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"], WEIGHT_STD
+    out: dict[str, torch.Tensor] = {}
     if not moe:
         dff = cfg["intermediate_size"]
         out[p + "mlp.gate_proj.weight"] = _bf16(v.normal((dff, h), std))
@@ -128,6 +136,56 @@ def _layer(v: _Values, cfg: dict, i: int, moe: bool, nextn: bool) -> dict[str, t
     out[p + "mlp.shared_experts.gate_proj.weight"] = _bf16(v.normal((sff, h), std))
     out[p + "mlp.shared_experts.up_proj.weight"] = _bf16(v.normal((sff, h), std))
     out[p + "mlp.shared_experts.down_proj.weight"] = _bf16(v.normal((h, sff), std))
+    return out
+
+
+#: the tiny GLM-5 (``GlmMoeDsaForCausalLM``): MLA with q/kv LoRA ranks, the DSA indexer keeping 8 tokens, one
+#: dense layer, routed + shared experts, and the NextN block
+GLM_DSA_CONFIG = {
+    **{k: v for k, v in GLM4MOE_CONFIG.items() if k not in ("attention_bias", "head_dim", "partial_rotary_factor",
+                                                           "use_qk_norm")},
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "model_type": "glm_moe_dsa",
+    "attention_bias": False,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 256,
+    "kv_lora_rank": 256,
+    "qk_rope_head_dim": 32,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+    "index_n_heads": 4,
+    "index_head_dim": 64,
+    "index_topk": 8,
+    "indexer_types": ["full", "shared", "full"],
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+}  # fmt: skip
+
+
+def _dsa_attention(v: _Values, cfg: dict, p: str) -> dict[str, torch.Tensor]:
+    h, nh, std = cfg["hidden_size"], cfg["num_attention_heads"], WEIGHT_STD
+    ql, kvl, rope, nope, vd = (cfg[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                                                "v_head_dim"))  # fmt: skip
+    a = p + "self_attn."
+    out = {
+        a + "q_a_proj.weight": _bf16(v.normal((ql, h), std)),
+        a + "q_a_layernorm.weight": _bf16(v.normal((ql,), 0.1, 1.0)),
+        a + "q_b_proj.weight": _bf16(v.normal((nh * (nope + rope), ql), std)),
+        a + "kv_a_proj_with_mqa.weight": _bf16(v.normal((kvl + rope, h), std)),
+        a + "kv_a_layernorm.weight": _bf16(v.normal((kvl,), 0.1, 1.0)),
+        a + "kv_b_proj.weight": _bf16(v.normal((nh * (nope + vd), kvl), std)),
+        a + "o_proj.weight": _bf16(v.normal((h, nh * vd), std)),
+    }
+    layer = int(p.split(".")[2])
+    if layer >= len(cfg["indexer_types"]) or cfg["indexer_types"][layer] == "full":
+        ih, idim = cfg["index_n_heads"], cfg["index_head_dim"]
+        out |= {
+            a + "indexer.wq_b.weight": _bf16(v.normal((ih * idim, ql), std)),
+            a + "indexer.wk.weight": _bf16(v.normal((idim, h), std)),
+            a + "indexer.k_norm.weight": _bf16(v.normal((idim,), 0.1, 1.0)),
+            a + "indexer.k_norm.bias": _bf16(v.normal((idim,), 0.1)),
+            a + "indexer.weights_proj.weight": _bf16(v.normal((ih, h), std)),
+        }
     return out
 
 
@@ -149,9 +207,16 @@ def _tokenizer(out: Path, vocab_size: int) -> None:
 
 def write_glm4moe(out: str | Path, seed: int = 0, **overrides: object) -> Path:
     """A tiny random ``Glm4MoeForCausalLM`` checkpoint in ``out``; ``overrides`` change config keys."""
-    out = Path(out)
+    return _write(Path(out), {**GLM4MOE_CONFIG, **overrides}, seed)
+
+
+def write_glm_dsa(out: str | Path, seed: int = 0, **overrides: object) -> Path:
+    """A tiny random ``GlmMoeDsaForCausalLM`` (GLM-5) checkpoint in ``out``; ``overrides`` change config keys."""
+    return _write(Path(out), {**GLM_DSA_CONFIG, **overrides}, seed)
+
+
+def _write(out: Path, cfg: dict, seed: int) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    cfg = {**GLM4MOE_CONFIG, **overrides}
     v = _Values(seed)
     h, vocab, n = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     tensors = {"model.embed_tokens.weight": _bf16(v.normal((vocab, h), 1.0))}
@@ -170,8 +235,12 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-qk-norm", action="store_true")
+    ap.add_argument("--dsa", action="store_true", help="GLM-5 (GlmMoeDsaForCausalLM) instead of GLM-4.5")
     a = ap.parse_args()
-    print(write_glm4moe(a.out, a.seed, **({"use_qk_norm": False} if a.no_qk_norm else {})))
+    if a.dsa:
+        print(write_glm_dsa(a.out, a.seed))
+    else:
+        print(write_glm4moe(a.out, a.seed, **({"use_qk_norm": False} if a.no_qk_norm else {})))
 
 
 if __name__ == "__main__":

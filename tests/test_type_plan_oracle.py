@@ -56,15 +56,17 @@ GEOMETRY_TABLE = [
     ("glm-4.6",                       "glm4moe",   93, 96, 8, 160, 8,  True,  0,  False, 256),
     ("deepseek-v4-flash",             "deepseek4", 43, 64,  1, 256, 6, True,  0,  False, 256),
     ("deepseek-v4-pro",               "deepseek4", 61, 128, 1, 384, 6, True,  0,  False, 256),
+    ("glm-5",                         "glm-dsa",   79, 64,  64, 256, 8, True, 0,  False, 256),
 ]  # fmt: skip
 # GLM (glm4moe, from zai-org's config.json): leading dense layers (GLM-4.5-Air 1, GLM-4.5/4.6/4.7 3), q/k
-# biases, q/k norms on GLM-4.5/4.6/4.7 only; GLM-4.5-Air's FFN widths (10944, expert 1408) are not multiples
+# biases, q/k norms on GLM-4.5/4.6/4.7 only; GLM-5 (glm-dsa): MLA (real widths) + DSA indexer, 3 dense layers; GLM-4.5-Air's FFN widths (10944, expert 1408) are not multiples
 # of 256, so its ffn_down tensors take llama-quantize's row-length fallbacks (the files keep the remainders).
 #   name                 dense-lead  dense ffn  expert ffn  q/k norm
 GLM_TABLE = [
     ("glm-4.5-air",       1,         448,       384,        False),
     ("glm-4.5-air-nomtp", 1,         448,       384,        False),
     ("glm-4.6",           3,         512,       256,        True),
+    ("glm-5",             3,         512,       256,        False),
 ]  # fmt: skip
 # DeepSeek V4 (deepseek-ai's config.json): the first num_hash_layers layers hash-routed (tid2eid), per-layer
 # compress_ratios (Flash: layers 0-1 window only, then 4 / 128 alternating; Pro: layers 0-1 128, then 128 / 4

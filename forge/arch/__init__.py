@@ -5,12 +5,13 @@ from __future__ import annotations
 from forge.arch.base import Architecture, OutTensor, SourceArray
 from forge.arch.deepseek4 import Deepseek4
 from forge.arch.glm4moe import Glm4Moe
+from forge.arch.glm_dsa import GlmDsa
 from forge.arch.qwen3moe import Qwen3Moe
 from forge.arch.qwen35moe import Qwen35Moe
 from forge.checkpoint import Checkpoint
 from forge.errors import ForgeError
 
-ARCHITECTURES: tuple[type[Architecture], ...] = (Qwen3Moe, Qwen35Moe, Glm4Moe, Deepseek4)
+ARCHITECTURES: tuple[type[Architecture], ...] = (Qwen3Moe, Qwen35Moe, Glm4Moe, GlmDsa, Deepseek4)
 
 
 def supported_model_types() -> list[str]:
