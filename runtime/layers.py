@@ -57,12 +57,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_norm_row(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """rms_norm of one (1, n) row in four ops (F.rms_norm takes six on CPU); eps: a (1, 1) tensor."""
+    """rms_norm of one (1, n) row in four ops (F.rms_norm takes six on CPU); eps: a (1, 1) tensor.
+    On CUDA the mean square is a reduction: as a matmul cuBLAS runs it as a split-K GEMM plus a reduction."""
+    if x.is_cuda:
+        return (x * weight).mul_(x.square().mean(-1, keepdim=True).add_(eps).rsqrt_())
     return (x * weight).mul_(torch.addmm(eps, x, x.T, alpha=1 / x.shape[-1]).rsqrt_())
 
 
 def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     """rms_norm of each row of x (N, d) with a per-row weight (N, d); eps: an (N, 1, 1) tensor."""
+    if x.is_cuda:
+        return (x * weight).mul_(x.square().mean(-1, keepdim=True).add_(eps.view(-1, 1)).rsqrt_())
     mean_sq = torch.baddbmm(eps, x[:, None, :], x[:, :, None], alpha=1 / x.shape[-1])
     return (x * weight).mul_(mean_sq.rsqrt_().view(-1, 1))
 
@@ -728,9 +733,14 @@ class GatedDeltaNet:
         v = conv[2 * key_dim :].view(self.n_v, 1, self.d_v)
         g = F.softplus(alpha + self.dt_bias) * self.a
         s = st.recurrent * torch.exp(g).view(-1, 1, 1)
-        delta = (v - torch.bmm(k, s)) * torch.sigmoid(beta).view(-1, 1, 1)
-        s = torch.baddbmm(s, k.transpose(1, 2), delta)
-        st.recurrent.copy_(s)
-        o = torch.bmm(q, s).view(self.n_v, self.d_v)
+        if s.is_cuda:  # products of one row: elementwise and a sum, not cuBLAS's batched GEMMs
+            kt = k.transpose(1, 2)
+            delta = (v - (kt * s).sum(1, keepdim=True)) * torch.sigmoid(beta).view(-1, 1, 1)
+            st.recurrent.copy_(s.addcmul_(kt, delta))
+            o = (q.transpose(1, 2) * st.recurrent).sum(1)
+        else:
+            delta = (v - torch.bmm(k, s)) * torch.sigmoid(beta).view(-1, 1, 1)
+            st.recurrent.copy_(torch.baddbmm(s, k.transpose(1, 2), delta))
+            o = torch.bmm(q, st.recurrent).view(self.n_v, self.d_v)
         o = (rms_norm(o, self.norm, self.eps) * F.silu(z.view(self.n_v, self.d_v))).view(1, -1)
         return self.out.step(o, h)
