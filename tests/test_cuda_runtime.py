@@ -94,3 +94,18 @@ def test_a_graph_follows_prefills_masks_and_a_second_sequence(
     eager = session(_load(path, monkeypatch, "1", "0"))
     graphed = session(_load(path, monkeypatch, "1", "1"))
     assert float((graphed - eager).abs().max() / eager.abs().max()) < 1e-4
+
+
+def test_a_resident_model_holds_its_file_bytes_not_float32_copies(models: dict[str, Path]) -> None:
+    """GPU memory after load is the tensors' file bytes (every quantized weight stays encoded), not a
+    float32 decode of them (which would be about 7x for Q4_K)."""
+    from forge.gguf_file import GGUFFile
+
+    path = models["qwen35moe"]
+    tensor_bytes = sum(t.nbytes for t in GGUFFile(path).tensors.values())
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    model = load_model(path, "cuda")
+    held = torch.cuda.memory_allocated() - before
+    assert held <= 1.15 * tensor_bytes, (held, tensor_bytes)
+    del model
