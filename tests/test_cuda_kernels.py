@@ -22,9 +22,10 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
+from forge.quant.types import get_type
 from runtime.backends import cuda_kernels as ck
 from runtime.dequant import dequantize
-from runtime.synth import random_blocks
+from runtime.synth import fp16_fields, random_blocks
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and ck.triton is not None
 
@@ -53,6 +54,10 @@ def random_rows(qtype: Q, rows: int, k: int, seed: int = 0) -> torch.Tensor:
         v = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32) * 0.05)
         v = v.to({Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}[qtype])
         return v.view(torch.uint8).reshape(rows, -1).contiguous()
+    if fp16_fields(qtype) is None:  # no fp16 scales to set (MXFP4): random values through the quantizer
+        return torch.from_numpy(
+            get_type(qtype).encode(rng.standard_normal((rows, k)).astype(np.float32) * 0.05)
+        )
     blocks = random_blocks(qtype, rows * k // GGML_QUANT_SIZES[qtype][0], rng, 0.002, 0.02)
     return torch.from_numpy(blocks.reshape(rows, -1))
 

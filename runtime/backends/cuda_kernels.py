@@ -62,6 +62,7 @@ for _qtype, _kt in {
     T.IQ2_XXS: KernelType(32),
     T.IQ2_XS: KernelType(16),
     T.IQ3_XXS: KernelType(32),
+    T.MXFP4: KernelType(32),
 }.items():
     ggml_types.provide("cuda", _qtype, _kt)
 _PRECISIONS = {"tf32": 0, "ieee": 1, "fp16": 2, "bf16": 3, "tf32x3": 4}
@@ -222,6 +223,11 @@ if triton is not None:
             db = _f16(w + bp) * (0.5 + (_u8(w + ap + 3) >> 4).to(tl.float32)) * 0.5
             gv = tl.load(tab + _u8(w + bp + 2 + s * 8 + si // 4) * 4 + si % 4)
             return db * gv * _parity_sign((aux >> (7 * (si // 8))) & 127, si % 8)
+        elif QT == 39:  # MXFP4: E8M0 e | 16 B nibbles (E2M1 codes); x = kvalues_mxfp4[q] * 2^(e-128)
+            e = _u8(w + bp)
+            d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+            nib = (_u8(w + bp + 1 + si % 16) >> ((si // 16) * 4)) & 15
+            return tl.load(tab + nib) * d
         else:
             tl.static_assert(False, "no kernel for this GGUF type")
 
@@ -529,6 +535,10 @@ def _table(qtype: GGMLQuantizationType, device: torch.device) -> torch.Tensor:
 
         if qtype in (T.IQ4_NL, T.IQ4_XS):
             t = torch.tensor(iq._IQ4_VALUES, dtype=torch.float32)
+        elif qtype == T.MXFP4:
+            from runtime import dequant_legacy
+
+            t = torch.tensor(dequant_legacy._FP4_LEVELS, dtype=torch.float32)
         elif qtype in (T.IQ2_XXS, T.IQ2_XS, T.IQ3_XXS):
             cls = {T.IQ2_XXS: gq.IQ2_XXS, T.IQ2_XS: gq.IQ2_XS, T.IQ3_XXS: gq.IQ3_XXS}[qtype]
             t = iq._grid(cls, torch.device("cpu")).reshape(-1)
