@@ -247,3 +247,10 @@ def test_serve_chat_uses_the_chat_template(gguf: Path) -> None:
         server.stop()
     assert r.choices[0].message.content == want.text
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(want.tokens))
+
+
+def test_hugging_face_folder_runs_as_its_gguf(checkpoint: Path, gguf: Path) -> None:
+    """The runtime on the published checkpoint folder (converted in memory by forge's deepseek4 table)."""
+    ids = _ids(60, 8)
+    a, b = load_model(gguf), load_model(checkpoint)
+    assert torch.equal(a.forward(ids, a.new_state()), b.forward(ids, b.new_state()))
