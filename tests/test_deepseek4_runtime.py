@@ -254,3 +254,37 @@ def test_hugging_face_folder_runs_as_its_gguf(checkpoint: Path, gguf: Path) -> N
     ids = _ids(60, 8)
     a, b = load_model(gguf), load_model(checkpoint)
     assert torch.equal(a.forward(ids, a.new_state()), b.forward(ids, b.new_state()))
+
+
+def _rewritten(gguf: Path, out: Path, changes: dict[str, object], drop: str | None = None) -> Path:
+    """``gguf`` with some KVs given new values (or added as uint32) and tensors named ``drop*`` left out."""
+    from gguf import GGUFValueType
+
+    from forge.gguf_file import KV, TensorSpec, open_gguf, write_gguf
+
+    f = open_gguf(gguf)
+    kvs = [KV(kv.key, changes.pop(kv.key), kv.vtype, kv.item_type) if kv.key in changes else kv
+           for kv in f.kvs.values()]  # fmt: skip
+    kvs += [KV(k, v, GGUFValueType.UINT32) for k, v in changes.items()]
+    names = [n for n in f.tensors if drop is None or not n.startswith(drop)]
+    specs = [TensorSpec(n, f.tensors[n].shape, f.tensors[n].ggml_type) for n in names]
+    write_gguf(out, kvs, specs, (f.raw(n) for n in names), alignment=f.alignment)
+    return out
+
+
+def test_mtp_block_is_not_run_and_bad_files_are_one_error(gguf: Path, tmp_path: Path) -> None:
+    ids = _ids(40, 9)
+    m = load_model(gguf)
+    want = m.forward(ids, m.new_state())
+    # a file that declares an MTP block (block_count counts it): the trunk's layers only
+    mtp = _rewritten(
+        gguf, tmp_path / "mtp.gguf", {"deepseek4.block_count": 5, "deepseek4.nextn_predict_layers": 1}
+    )
+    m = load_model(mtp)
+    assert m.n_layer == 4 and torch.equal(m.forward(ids, m.new_state()), want)
+    bad = _rewritten(gguf, tmp_path / "ratio.gguf", {"deepseek4.attention.compress_ratios": [0, 4, 8, 4]})
+    with pytest.raises(ForgeError, match="layer 2: compress ratio 8"):
+        load_model(bad)
+    missing = _rewritten(gguf, tmp_path / "table.gguf", {}, drop="blk.1.ffn_gate_tid2eid")
+    with pytest.raises(ForgeError, match="missing tensor blk.1.ffn_gate_tid2eid.weight"):
+        load_model(missing)
