@@ -192,12 +192,21 @@ class LightningIndexer:
     ) -> torch.Tensor:
         """Queries q (T, heads, head_dim) with head weights w (T, heads), ``visible`` (T, n) the causal mask
         over the CSA entries -> (T, n) bool: the entries each query attends to."""
-        if keys.shape[0] == 0:
-            return visible
-        scores = torch.einsum("thd,sd->ths", q, keys).relu_()
-        scores = torch.einsum("ths,th->ts", scores, w).masked_fill(~visible, float("-inf"))
-        top = torch.topk(scores, min(self.top_k, keys.shape[0]), dim=-1).indices
-        return torch.zeros_like(visible).scatter_(1, top, True) & visible
+        return lightning_choice(keys, q, w, visible, self.top_k)
+
+
+def lightning_choice(
+    keys: torch.Tensor, q: torch.Tensor, w: torch.Tensor, visible: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """The lightning indexer's pick: keys (n, head_dim), queries q (T, heads, head_dim) with head weights w
+    (T, heads), ``visible`` (T, n) the causal mask -> (T, n) bool, per query the ``top_k`` visible keys with
+    the best sum_h w_h ReLU(q_h . k)."""
+    if keys.shape[0] == 0:
+        return visible
+    scores = torch.einsum("thd,sd->ths", q, keys).relu_()
+    scores = torch.einsum("ths,th->ts", scores, w).masked_fill(~visible, float("-inf"))
+    top = torch.topk(scores, min(top_k, keys.shape[0]), dim=-1).indices
+    return torch.zeros_like(visible).scatter_(1, top, True) & visible
 
 
 class Dsv4AttentionState:

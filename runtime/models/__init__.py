@@ -13,6 +13,7 @@ from forge.mask_file import PruneMask
 from runtime.models.base import MoeCausalLM, State
 from runtime.models.deepseek4 import Deepseek4Model
 from runtime.models.glm4moe import Glm4MoeModel
+from runtime.models.glm_dsa import GlmDsaModel
 from runtime.models.qwen3moe import Qwen3MoeModel
 from runtime.models.qwen35moe import Qwen35MoeModel
 from runtime.observers import Observer
@@ -23,6 +24,7 @@ ARCHITECTURES: dict[str, type[MoeCausalLM]] = {
     "qwen35moe": Qwen35MoeModel,
     "deepseek4": Deepseek4Model,
     "glm4moe": Glm4MoeModel,
+    "glm-dsa": GlmDsaModel,
 }
 
 __all__ = [

@@ -18,15 +18,11 @@ from runtime.observers import Observer
 from runtime.weights import Weights
 
 
-class Glm4MoeBlock:
-    def __init__(
-        self, weights: Weights, layer: int, attn_cfg: AttentionConfig, n_used: int, observers: list[Observer]
-    ) -> None:
+class GlmFfn:
+    """A GLM layer's FFN: a dense SwiGLU (the leading layers), or routed experts plus the shared expert."""
+
+    def __init__(self, weights: Weights, layer: int, n_used: int, observers: list[Observer]) -> None:
         p = f"blk.{layer}."
-        self.eps = attn_cfg.eps
-        self.attn_norm = weights.dense(p + "attn_norm.weight")
-        self.post_norm = weights.dense(p + "post_attention_norm.weight")
-        self.attn = GQAttention(weights, layer, attn_cfg, observers)
         self.moe: RoutedExperts | None = None
         self.shared: SharedSwiGLU | None = None
         self.dense: SharedSwiGLU | None = None
@@ -47,16 +43,29 @@ class Glm4MoeBlock:
         if weights.has(p + "ffn_up_shexp.weight"):
             self.shared = SharedSwiGLU(weights, layer, observers, None)
 
-    def __call__(self, h: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
-        h = h + self.attn(rms_norm(h, self.attn_norm, self.eps), cache, pos0)
-        x = rms_norm(h, self.post_norm, self.eps)
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None:
-            return h + self.dense(x)
+            return self.dense(x)
         assert self.moe is not None
         y = self.moe(x)
-        if self.shared is not None:
-            y = y + self.shared(x)
-        return h + y
+        return y if self.shared is None else y + self.shared(x)
+
+
+class Glm4MoeBlock:
+    def __init__(
+        self, weights: Weights, layer: int, attn_cfg: AttentionConfig, n_used: int, observers: list[Observer]
+    ) -> None:
+        p = f"blk.{layer}."
+        self.eps = attn_cfg.eps
+        self.attn_norm = weights.dense(p + "attn_norm.weight")
+        self.post_norm = weights.dense(p + "post_attention_norm.weight")
+        self.attn = GQAttention(weights, layer, attn_cfg, observers)
+        self.ffn = GlmFfn(weights, layer, n_used, observers)
+        self.moe = self.ffn.moe  # the routed experts (None on a dense layer), as the driver finds them
+
+    def __call__(self, h: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
+        h = h + self.attn(rms_norm(h, self.attn_norm, self.eps), cache, pos0)
+        return h + self.ffn(rms_norm(h, self.post_norm, self.eps))
 
 
 class Glm4MoeModel(MoeCausalLM):

@@ -1,7 +1,8 @@
-"""glm4moe runtime against transformers' Glm4MoeForCausalLM (fp32) and llama.cpp's perplexity, on tiny random
-GLM checkpoints (tests/glm_fixture.py): routing (sigmoid + selection bias, group-limited top-k, normalized and
-scaled weights), the ungated shared expert, leading dense layers, q/k/v biases, optional q/k norms, partial
-RoPE; the MTP block is not run."""
+"""GLM runtimes against transformers (fp32) and llama.cpp's perplexity, on tiny random checkpoints
+(tests/glm_fixture.py). glm4moe (Glm4MoeForCausalLM): routing (sigmoid + selection bias, group-limited top-k,
+normalized and scaled weights), the ungated shared expert, leading dense layers, q/k/v biases, optional q/k
+norms, partial RoPE. glm-dsa (GlmMoeDsaForCausalLM): MLA with the DSA lightning indexer keeping 8 keys per
+query (and a layer sharing its selection) over 256-token prompts. The MTP blocks are not run."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from glm_fixture import write_glm4moe
+from glm_fixture import write_glm4moe, write_glm_dsa
 from oracle import SHIPPED, text
 
 from forge.convert import convert_checkpoint
@@ -27,12 +28,15 @@ VARIANTS = {"base": {}, "grouped-plain": {"use_qk_norm": False, "attention_bias"
 
 @pytest.fixture(scope="module")
 def glm(tmp_path_factory: pytest.TempPathFactory):
-    """variant -> (HF folder, forge-converted bf16 GGUF with the MTP block)."""
+    """variant (or "dsa", the GLM-5 fixture) -> (HF folder, forge-converted bf16 GGUF with the MTP block)."""
     made: dict[str, tuple[Path, Path]] = {}
 
     def get(variant: str) -> tuple[Path, Path]:
         if variant not in made:
-            d = write_glm4moe(tmp_path_factory.mktemp(variant) / "tiny-glm4moe", **VARIANTS[variant])
+            if variant == "dsa":
+                d = write_glm_dsa(tmp_path_factory.mktemp(variant) / "tiny-glm-dsa")
+            else:
+                d = write_glm4moe(tmp_path_factory.mktemp(variant) / "tiny-glm4moe", **VARIANTS[variant])
             convert_checkpoint(d, d.parent / "bf16.gguf", "bf16")
             made[variant] = (d, d.parent / "bf16.gguf")
         return made[variant]
@@ -45,6 +49,7 @@ class _Proj:
         self.n_out = n
 
 
+@pytest.mark.slow  # importing transformers' modeling code takes seconds
 def test_grouped_router_matches_transformers() -> None:
     glm_moe = pytest.importorskip("transformers.models.glm4_moe.modeling_glm4_moe")
     from transformers import Glm4MoeConfig
@@ -83,11 +88,17 @@ def test_layers_dense_routed_and_mtp(glm) -> None:
     m = load_model(gguf)
     assert m.n_layer == 3  # blk.3, the MTP block, is in the file and not run
     assert m.routed_layers() == [1, 2]  # blk.0 is dense (leading_dense_block_count 1)
-    assert m.blocks[0].dense is not None and m.blocks[1].shared is not None
+    assert m.blocks[0].ffn.dense is not None and m.blocks[1].ffn.shared is not None
+
+
+def test_glm_dsa_layers(glm) -> None:
+    m = load_model(glm("dsa")[1])
+    assert m.n_layer == 3 and m.routed_layers() == [1, 2]
+    assert [b.attn.indexer for b in m.blocks] == [True, False, True]  # indexer.types: full, shared, full
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [*VARIANTS, "dsa"])
 def test_matches_transformers_fp32(glm, variant: str) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -109,12 +120,11 @@ def test_matches_transformers_fp32(glm, variant: str) -> None:
 
 
 @pytest.mark.slow
-def test_perplexity_matches_llamacpp(glm) -> None:
+@pytest.mark.parametrize(("model", "variant"), [("tiny-glm4moe", "base"), ("tiny-glm-dsa", "dsa")])
+def test_perplexity_matches_llamacpp(glm, model: str, variant: str) -> None:
     """llama-perplexity on llama.cpp's own conversion of the same checkpoint (benchmarks/glm_oracle.py)."""
-    want = json.loads((SHIPPED / "llamacpp" / "glm_perplexity.json").read_text())["tiny-glm4moe"][
-        "bf16-no-mtp"
-    ]
-    m = load_model(glm("base")[1], ggml_numerics=True)
+    want = json.loads((SHIPPED / "llamacpp" / "glm_perplexity.json").read_text())[model]["bf16-no-mtp"]
+    m = load_model(glm(variant)[1], ggml_numerics=True)
     ids = perplexity_tokens(
         Tokenizer.from_metadata(m.weights), text("val.txt").read_text(), want["ctx"], want["chunks"]
     )

@@ -1,0 +1,50 @@
+"""glm-dsa (GLM-5.x): MLA attention with the DSA lightning indexer (``runtime.attention_mla``), GLM's FFNs
+(leading dense layers, then routed experts with sigmoid routing, selection bias and a shared expert, as
+``glm4moe``). The NextN/MTP block is not run; every step goes through the batched path."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.attention_mla import MlaAttention, MlaState, Selection
+from runtime.layers import rms_norm
+from runtime.models.base import MoeCausalLM
+from runtime.models.glm4moe import GlmFfn
+from runtime.observers import Observer
+from runtime.weights import Weights
+
+
+class GlmDsaBlock:
+    def __init__(
+        self, weights: Weights, layer: int, eps: float, n_used: int, observers: list[Observer], selection: Selection,
+        indexer: bool,
+    ) -> None:  # fmt: skip
+        p = f"blk.{layer}."
+        self.eps = eps
+        self.attn_norm = weights.dense(p + "attn_norm.weight")
+        self.ffn_norm = weights.dense(p + "ffn_norm.weight")
+        self.attn = MlaAttention(weights, layer, eps, observers, selection, indexer)
+        self.ffn = GlmFfn(weights, layer, n_used, observers)
+        self.moe = self.ffn.moe
+
+    def __call__(self, h: torch.Tensor, cache: MlaState, pos0: int) -> torch.Tensor:
+        h = h + self.attn(rms_norm(h, self.attn_norm, self.eps), cache, pos0)
+        return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
+
+
+class GlmDsaModel(MoeCausalLM):
+    arch = "glm-dsa"
+
+    def __init__(self, weights: Weights, observers: list[Observer] | None = None) -> None:
+        super().__init__(weights, observers)
+        self.n_layer -= int(weights.hparam("nextn_predict_layers", 0))  # the MTP block is not run
+        self.fast_decode = False
+        types = list(weights.hparam("attention.indexer.types", [True] * self.n_layer))
+        selection = Selection()
+        self.blocks = [
+            GlmDsaBlock(weights, i, self.eps, self.n_expert_used, self.observers, selection, bool(types[i]))
+            for i in range(self.n_layer)
+        ]
+
+    def _layer_state(self, layer: int, device: torch.device) -> object:
+        return MlaState()
