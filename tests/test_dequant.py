@@ -8,22 +8,16 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf import quants as gq
 
+from forge import ggml_types
 from forge.errors import ForgeError
 from runtime.dequant import dequantize, supported_types
+from runtime.synth import fp16_fields
 from tests import oracle
 
 T = GGMLQuantizationType
-EXPECTED_TYPES = {
-    T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
-    T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.IQ3_XXS, T.IQ3_S, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S, T.IQ1_M, T.MXFP4,
-}  # fmt: skip
+#: every type the runtime decodes (the type table's ``torch`` kind)
+EXPECTED_TYPES = set(ggml_types.types_with("torch"))
 QUANT_TYPES = sorted(EXPECTED_TYPES - {T.F32, T.F16, T.BF16}, key=int)
-# Byte offsets of the fp16 scale fields in each block (ggml-common.h block structs).
-FP16_FIELDS = {
-    T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.Q2_K: (80, 82),
-    T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_NL: (0,), T.IQ4_XS: (0,),
-    T.IQ3_XXS: (0,), T.IQ3_S: (0,), T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ1_S: (0,), T.IQ1_M: (), T.MXFP4: (),
-}  # fmt: skip
 SHAPES = [(1,), (3,), (2, 5)]  # leading dims (rows, or batch x rows)
 FIXTURE_FILES = ("Q8_0", "Q4_K_M-imat", "IQ2_XXS-imat")
 
@@ -43,7 +37,7 @@ def random_rows(
     if qtype in (T.F32, T.F16, T.BF16):
         return data
     blocks = data.reshape(*lead, n_blocks, type_size)
-    for off in FP16_FIELDS[qtype]:
+    for off in fp16_fields(qtype) or ():
         blocks[..., off : off + 2] = moderate_fp16(rng, (*lead, n_blocks, 1)).view(np.uint8)
     if qtype == T.IQ1_M:
         # the fp16 scale lives in the top nibbles of the four uint16 scale words (bytes 49, 51, 53, 55)
@@ -81,7 +75,7 @@ def decode(data: np.ndarray, qtype: GGMLQuantizationType, device: str = "cpu") -
 
 def test_supported_types_are_the_quantizers_types() -> None:
     types = supported_types()
-    assert set(types) == EXPECTED_TYPES
+    assert set(types) == set(ggml_types.types_with("numpy"))
     assert types == sorted(types, key=int)
 
 
