@@ -61,7 +61,7 @@ from forge.imatrix.model import Imatrix  # noqa: E402
 from forge.quant.plan import is_quantizable, make_plan  # noqa: E402
 from forge.quant.recipe import available_recipes, load_recipe  # noqa: E402
 from forge.quant.source import GGUFQuantSource, SrcTensor, source_ref  # noqa: E402
-from runtime.synth import SynthGeometry, synth_tensors, tokenizer_kvs  # noqa: E402
+from runtime.synth import SynthGeometry, compress_ratios, synth_tensors, tokenizer_kvs  # noqa: E402
 from runtime.synth import _kvs as qwen3moe_kvs  # noqa: E402
 
 HIDDEN, EXPERT_FF, VOCAB = 256, 256, 512
@@ -174,25 +174,15 @@ class Deepseek4Geometry(Geometry):
     attn_head_dim: int = 256  # the files' head dim (head_dim records the real one)
 
 
-def _flash_ratios(n: int) -> tuple[int, ...]:
-    # layers 0-1 sliding window only, then ratio 4 on even layers and 128 on odd ones
-    return tuple(0 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(n))
-
-
-def _pro_ratios(n: int) -> tuple[int, ...]:
-    # layers 0-1 heavily compressed, then HCA / CSA alternating (transformers' DeepseekV4Config default)
-    return tuple(128 if i < 2 else (4 if (i - 2) % 2 else 128) for i in range(n))
-
-
 GEOMETRIES.update({
     g.name: g
     for g in (
         Deepseek4Geometry("deepseek-v4-flash", "deepseek4", 43, 64, 1, 512, 256, 6, o_groups=8,
-                          hash_layers=3, compress_ratios=_flash_ratios(43),
+                          hash_layers=3, compress_ratios=tuple(compress_ratios("flash", 43)),
                           source="deepseek-ai/DeepSeek-V4-Flash config.json (hidden 4096, q_lora 1024, o_lora 1024, "
                                  "expert ffn 2048, indexer 64 x 128); MTP block not exported"),
         Deepseek4Geometry("deepseek-v4-pro", "deepseek4", 61, 128, 1, 512, 384, 6, o_groups=16,
-                          hash_layers=3, compress_ratios=_pro_ratios(61),
+                          hash_layers=3, compress_ratios=tuple(compress_ratios("pro", 61)),
                           source="deepseek-ai/DeepSeek-V4-Pro config.json (hidden 7168, q_lora 1536, o_lora 1024, "
                                  "expert ffn 3072, indexer 64 x 128); MTP block not exported"),
     )

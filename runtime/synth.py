@@ -16,6 +16,12 @@ dense layers, q/k/v biases (zero), routed experts with a sigmoid router and its 
 shared expert; GLM-4.6's q/k norms. A row length that is not a whole number of the type's blocks (GLM-4.5-Air's
 expert FFN 1408 and dense FFN 10944 under a k-quant) is written as Q8_0, as llama-quantize falls back.
 
+DeepSeek V4 geometries (``deepseek-v4-flash``, ``deepseek-v4-pro``) are written as ``deepseek4`` models, as
+llama-quantize leaves a converted one: hash-routed first layers (I32 token -> expert tables), per-layer KV
+compression (Flash: window, window, then ratio 4 / 128; Pro: 128, 128, then 128 / 4) with the compressors
+and the ratio-4 layers' lightning indexer, query / grouped output LoRAs, hyper-connections (4 streams), routed
+and shared experts; the router in F32, norms one, biases zero.
+
 The file carries a small byte-level BPE tokenizer (``gpt2`` model, ``qwen2`` pre-tokenizer) so llama.cpp and
 ``forge run`` load it: the 256 byte tokens, ``<|endoftext|>`` (BOS and EOS), ``<|im_start|>``,
 ``<|im_end|>`` and a ChatML template, then lowercase "words" ("ab", " ab", "abc", ...) built by merges
@@ -61,6 +67,13 @@ class SynthGeometry:
     dense_lead: int = 0  # glm4moe: leading dense layers
     dense_ff: int = 0  # glm4moe: their FFN length
     qk_norm: bool = True  # glm4moe: GLM-4.5-Air has none
+    q_lora: int = 0  # deepseek4: query LoRA rank
+    o_groups: int = 0  # deepseek4: output projection groups
+    o_lora: int = 0  # deepseek4: their rank
+    hash_layers: int = 0  # deepseek4: leading hash-routed layers
+    index_heads: int = 0  # deepseek4: lightning indexer heads
+    index_dim: int = 0  # deepseek4: and their dimension
+    ratios: str = ""  # deepseek4: compression-ratio schedule, "flash" or "pro" (see compress_ratios)
 
 
 GEOMETRIES = {
@@ -71,7 +84,56 @@ GEOMETRIES = {
         46, 128, 8, 4096, 1408, 96, 8, 128, 151552, 131072, "glm4moe", 1, 10944, False
     ),
     "glm-4.6": SynthGeometry(92, 160, 8, 5120, 1536, 96, 8, 128, 151552, 202752, "glm4moe", 3, 12288, True),
+    # deepseek-ai's config.json: DeepSeek-V4-Flash 284B-A13B, DeepSeek-V4-Pro 1.6T-A49B
+    "deepseek-v4-flash": SynthGeometry(
+        43,
+        256,
+        6,
+        4096,
+        2048,
+        64,
+        1,
+        512,
+        129280,
+        1048576,
+        "deepseek4",
+        q_lora=1024,
+        o_groups=8,
+        o_lora=1024,
+        hash_layers=3,
+        index_heads=64,
+        index_dim=128,
+        ratios="flash",
+    ),
+    "deepseek-v4-pro": SynthGeometry(
+        61,
+        384,
+        6,
+        7168,
+        3072,
+        128,
+        1,
+        512,
+        129280,
+        1048576,
+        "deepseek4",
+        q_lora=1536,
+        o_groups=16,
+        o_lora=1024,
+        hash_layers=3,
+        index_heads=64,
+        index_dim=128,
+        ratios="pro",
+    ),
 }
+
+
+def compress_ratios(schedule: str, layers: int) -> list[int]:
+    """deepseek4's per-layer KV compression: "flash": layers 0-1 window only (0), then 4 / 128 alternating;
+    "pro": layers 0-1 128, then 128 / 4 alternating (transformers' DeepseekV4Config default)."""
+    if schedule == "flash":
+        return [0 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(layers)]
+    return [128 if i < 2 or i % 2 == 0 else 4 for i in range(layers)]
 
 
 def synth_types() -> list[Q]:
@@ -152,9 +214,62 @@ def _glm_kvs(g: SynthGeometry, name: str) -> list[KV]:
     ]
 
 
+def _deepseek4_kvs(g: SynthGeometry, name: str) -> list[KV]:
+    a, u, f, hc = "deepseek4.", GGUFValueType.UINT32, GGUFValueType.FLOAT32, HC_STREAMS
+    return [
+        KV("general.architecture", "deepseek4", GGUFValueType.STRING),
+        KV("general.name", f"synthetic {name} (random weights)", GGUFValueType.STRING),
+        KV(a + "block_count", g.layers, u),
+        KV(a + "context_length", g.context, u),
+        KV(a + "embedding_length", g.hidden, u),
+        KV(a + "attention.head_count", g.heads, u),
+        KV(a + "attention.head_count_kv", 1, u),
+        KV(a + "rope.scaling.type", "yarn", GGUFValueType.STRING),
+        KV(a + "rope.scaling.factor", 16.0, f),
+        KV(a + "rope.scaling.original_context_length", 65536, u),
+        KV(a + "rope.scaling.yarn_beta_fast", 32.0, f),
+        KV(a + "rope.scaling.yarn_beta_slow", 1.0, f),
+        KV(a + "rope.freq_base", 10000.0, f),
+        KV(a + "attention.layer_norm_rms_epsilon", 1e-6, f),
+        KV(a + "expert_count", g.experts, u),
+        KV(a + "expert_used_count", g.experts_used, u),
+        KV(a + "expert_gating_func", 4, u),  # sqrtsoftplus
+        KV(a + "attention.key_length", g.head_dim, u),
+        KV(a + "attention.value_length", g.head_dim, u),
+        KV(a + "rope.dimension_count", min(64, g.head_dim), u),
+        KV(a + "attention.q_lora_rank", g.q_lora, u),
+        KV(a + "attention.sliding_window", 128, u),
+        KV(a + "expert_feed_forward_length", g.expert_ff, u),
+        KV(a + "expert_shared_count", 1, u),
+        KV(a + "expert_weights_scale", 1.5, f),
+        KV(a + "expert_weights_norm", True, GGUFValueType.BOOL),
+        KV(a + "swiglu_clamp_exp", [10.0] * g.layers, GGUFValueType.ARRAY, f),
+        KV(a + "swiglu_clamp_shexp", [10.0] * g.layers, GGUFValueType.ARRAY, f),
+        KV(a + "attention.indexer.head_count", g.index_heads, u),
+        KV(a + "attention.indexer.key_length", g.index_dim, u),
+        KV(a + "attention.indexer.top_k", 512, u),
+        KV(a + "attention.output_group_count", g.o_groups, u),
+        KV(a + "attention.output_lora_rank", g.o_lora, u),
+        KV(
+            a + "attention.compress_ratios",
+            compress_ratios(g.ratios, g.layers),
+            GGUFValueType.ARRAY,
+            GGUFValueType.INT32,
+        ),
+        KV(a + "attention.compress_rope_freq_base", 160000.0, f),
+        KV(a + "hyper_connection.count", hc, u),
+        KV(a + "hyper_connection.sinkhorn_iterations", 20, u),
+        KV(a + "hyper_connection.epsilon", 1e-6, f),
+        KV(a + "hash_layer_count", g.hash_layers, u),
+        KV(a + "embedding_length_out", hc * g.hidden, u),
+    ]
+
+
 def _kvs(g: SynthGeometry, name: str) -> list[KV]:
     if g.arch == "glm4moe":
         return _glm_kvs(g, name)
+    if g.arch == "deepseek4":
+        return _deepseek4_kvs(g, name)
     a, u, f = "qwen3moe.", GGUFValueType.UINT32, GGUFValueType.FLOAT32
     return [
         KV("general.architecture", "qwen3moe", GGUFValueType.STRING),
@@ -221,8 +336,64 @@ def _glm_layer(g: SynthGeometry, i: int, qtype: Q) -> list[TensorSpec]:
     return sorted(layer, key=lambda s: s.name)
 
 
+HC_STREAMS = 4  # deepseek4's hyper-connection streams (both models)
+
+
+def _deepseek4_layer(g: SynthGeometry, i: int, ratio: int, qtype: Q) -> list[TensorSpec]:
+    """A deepseek4 block as llama-quantize leaves it: matrices in ``qtype`` (Q8_0 where a row is not a whole
+    number of its blocks), the router, norms, biases, sinks in F32, the hash table in I32."""
+    h, hd, ff, e, p, f32 = g.hidden, g.head_dim, g.expert_ff, g.experts, f"blk.{i}.", Q.F32
+    whole = GGML_QUANT_SIZES[qtype][0]
+    mix = (2 + HC_STREAMS) * HC_STREAMS
+
+    def w(name: str, shape: tuple[int, ...]) -> TensorSpec:
+        return TensorSpec(p + name, shape, qtype if shape[-1] % whole == 0 else Q.Q8_0)
+
+    layer = [
+        TensorSpec(p + "attn_norm.weight", (h,), f32), TensorSpec(p + "ffn_norm.weight", (h,), f32),
+        TensorSpec(p + "attn_sinks.weight", (g.heads,), f32), TensorSpec(p + "attn_q_a_norm.weight", (g.q_lora,), f32),
+        TensorSpec(p + "attn_kv_a_norm.weight", (hd,), f32),
+        w("attn_q_a.weight", (g.q_lora, h)), w("attn_q_b.weight", (g.heads * hd, g.q_lora)),
+        w("attn_kv.weight", (hd, h)),
+        w("attn_output_a.weight", (g.o_groups * g.o_lora, g.heads * hd // g.o_groups)),
+        w("attn_output_b.weight", (h, g.o_groups * g.o_lora)),
+        *(x for s in ("attn", "ffn") for x in (w(f"hc_{s}_fn.weight", (mix, HC_STREAMS * h)),
+          TensorSpec(p + f"hc_{s}_base.weight", (mix,), f32), TensorSpec(p + f"hc_{s}_scale.weight", (3,), f32))),
+        TensorSpec(p + "ffn_gate_inp.weight", (e, h), f32),
+        w("ffn_gate_exps.weight", (e, ff, h)), w("ffn_up_exps.weight", (e, ff, h)),
+        w("ffn_down_exps.weight", (e, h, ff)),
+        w("ffn_gate_shexp.weight", (ff, h)), w("ffn_up_shexp.weight", (ff, h)), w("ffn_down_shexp.weight", (h, ff)),
+    ]  # fmt: skip
+    if i < g.hash_layers:
+        layer.append(TensorSpec(p + "ffn_gate_tid2eid.weight", (g.vocab, g.experts_used), Q.I32))
+    else:
+        layer.append(TensorSpec(p + "exp_probs_b.bias", (e,), f32))
+    if ratio:
+        coff = 2 if ratio == 4 else 1
+        layer += [w("attn_compressor_kv.weight", (coff * hd, h)), w("attn_compressor_gate.weight", (coff * hd, h)),
+                  w("attn_compressor_ape.weight", (ratio, coff * hd)),
+                  TensorSpec(p + "attn_compressor_norm.weight", (hd,), f32)]  # fmt: skip
+    if ratio == 4:
+        di = g.index_dim
+        layer += [w("indexer.proj.weight", (g.index_heads, h)), w("indexer.attn_q_b.weight", (g.index_heads * di, g.q_lora)),
+                  w("indexer_compressor_kv.weight", (2 * di, h)), w("indexer_compressor_gate.weight", (2 * di, h)),
+                  w("indexer_compressor_ape.weight", (ratio, 2 * di)),
+                  TensorSpec(p + "indexer_compressor_norm.weight", (di,), f32)]  # fmt: skip
+    return sorted(layer, key=lambda s: s.name)
+
+
 def synth_tensors(g: SynthGeometry, qtype: Q) -> list[TensorSpec]:
     """Tensor specs (numpy shapes) in llama-quantize's order: blocks' tensors sorted by name."""
+    if g.arch == "deepseek4":
+        h, whole = g.hidden, GGML_QUANT_SIZES[qtype][0]
+        head_fn = HC_STREAMS * h
+        return [TensorSpec("token_embd.weight", (g.vocab, h), qtype),
+                *(s for i, r in enumerate(compress_ratios(g.ratios, g.layers)) for s in _deepseek4_layer(g, i, r, qtype)),
+                TensorSpec("output_hc_base.weight", (HC_STREAMS,), Q.F32),
+                TensorSpec("output_hc_fn.weight", (HC_STREAMS, head_fn), qtype if head_fn % whole == 0 else Q.Q8_0),
+                TensorSpec("output_hc_scale.weight", (1,), Q.F32),
+                TensorSpec("output.weight", (g.vocab, h), qtype),
+                TensorSpec("output_norm.weight", (h,), Q.F32)]  # fmt: skip
     if g.arch == "glm4moe":
         return [TensorSpec("token_embd.weight", (g.vocab, g.hidden), qtype),
                 *(s for i in range(g.layers) for s in _glm_layer(g, i, qtype)),
@@ -287,6 +458,9 @@ def synthesize(
                 yield (w - w.mean(axis=-1, keepdims=True)).astype(np.float32)
             elif s.ggml_type == Q.F32 and s.name.endswith(".bias"):
                 yield np.zeros(s.shape, np.float32)  # glm4moe's attention biases and selection bias
+            elif s.ggml_type == Q.I32:  # deepseek4's hash routing: k distinct experts per token
+                first = rng.integers(0, g.experts, (s.shape[0], 1))
+                yield ((first + np.arange(s.shape[1])) % g.experts).astype(np.int32)
             elif s.ggml_type == Q.F32:
                 yield np.ones(s.shape, np.float32)  # norms: 1 keeps the common component out of routing
             else:
@@ -321,6 +495,21 @@ def check_geometry(g: SynthGeometry, t: Q) -> None:
     require_int("--vocab", g.vocab, MIN_VOCAB, MAX_VOCAB)
     require_int("context", g.context, 1, 2**31 - 1)
     rows = {"--hidden": g.hidden, "--expert-ff": g.expert_ff, "--heads x --head-dim": g.heads * g.head_dim}
+    if g.arch == "deepseek4":  # rows of partial blocks are written as Q8_0
+        for option, n in (("--hidden", g.hidden), ("--expert-ff", g.expert_ff), ("--head-dim", g.head_dim),
+                          ("q LoRA rank", g.q_lora), ("output LoRA rank", g.o_lora), ("indexer dim", g.index_dim)):  # fmt: skip
+            require_int(option, n, 32, MAX_DIM)
+            if n % 32:
+                raise ForgeError(f"{option} must be a multiple of 32 (Q8_0 blocks), not {n}")
+        if (g.heads * g.head_dim // max(g.o_groups, 1)) % 32:
+            raise ForgeError(
+                "deepseek4: heads x head dim / output groups must be a multiple of 32 (Q8_0 blocks)"
+            )
+        if g.heads % g.o_groups or g.kv_heads != 1:
+            raise ForgeError(f"deepseek4: --heads ({g.heads}) must be a multiple of the output groups "
+                             f"({g.o_groups}) and --kv-heads 1")  # fmt: skip
+        require_int("--experts-used", g.experts_used, 1, g.experts)
+        return
     if g.arch == "glm4moe":  # FFN rows of partial blocks are written as Q8_0
         require_int("--layers", g.layers, g.dense_lead + 1, MAX_LAYERS)
         for option, n in (("--expert-ff", g.expert_ff), ("dense FFN", g.dense_ff)):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ from gguf import GGUFReader
 
 from runtime.generate import Sampling, generate
 from runtime.models import load_model
-from runtime.synth import MIN_VOCAB, SynthGeometry, synth_tokens, synthesize
+from runtime.synth import GEOMETRIES, MIN_VOCAB, SynthGeometry, compress_ratios, synth_tokens, synthesize
 from runtime.tokenizer import Tokenizer
 from runtime.weights import load_weights
 
@@ -192,3 +193,50 @@ def test_llamacpp_loads_and_runs_a_synth_file(tiny: Path) -> None:
     assert int(ours.argmax()) == int(logits.argmax())
     res = generate(model, prompt, 8, tokenizer=tok, stop_ids=set(), context=64)
     assert res.text == out["choices"][0]["text"]
+
+
+#: deepseek-v4-flash's layout at small widths: layers 0-1 window only, 2 ratio 4 (indexer), 3 ratio 128
+DSV4 = replace(GEOMETRIES["deepseek-v4-flash"], layers=4, experts=8, experts_used=2, hidden=256, expert_ff=256,
+               heads=4, head_dim=128, vocab=VOCAB, q_lora=256, o_groups=2, o_lora=256, index_heads=4)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dsv4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("synth") / "dsv4.gguf"
+    synthesize(path, DSV4, "q4_k")
+    return path
+
+
+def test_deepseek4_geometry_runs(dsv4: Path) -> None:
+    assert compress_ratios("flash", 4) == [0, 0, 4, 128] and compress_ratios("pro", 5) == [
+        128,
+        128,
+        128,
+        4,
+        128,
+    ]
+    tensors = {t.name: t for t in GGUFReader(dsv4).tensors}
+    assert [i for i in range(4) if f"blk.{i}.ffn_gate_tid2eid.weight" in tensors] == [0, 1, 2]
+    assert [i for i in range(4) if f"blk.{i}.attn_compressor_kv.weight" in tensors] == [2, 3]
+    assert [i for i in range(4) if f"blk.{i}.indexer.proj.weight" in tensors] == [2]
+    table = tensors["blk.0.ffn_gate_tid2eid.weight"].data
+    assert all(len(set(row)) == 2 for row in table[:100]) and table.max() < 8
+    model = load_model(dsv4)
+    tok = Tokenizer.from_metadata(model.weights)
+    prompt = tok.encode("hello world")
+    logits = model.forward(torch.tensor(prompt), model.new_state(64))
+    assert torch.isfinite(logits).all() and float(logits[-1].std()) > 0.1
+    res = generate(
+        model, prompt, 8, Sampling(temperature=1.0, seed=3), tokenizer=tok, stop_ids=set(), context=64
+    )
+    assert len(res.tokens) == 8 and all(0 <= t < VOCAB for t in res.tokens)
+
+
+@pytest.mark.slow
+def test_llamacpp_runs_the_deepseek4_geometry(dsv4: Path) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(dsv4), n_ctx=64, n_threads=2, logits_all=True, verbose=False)
+    prompt = Tokenizer.from_metadata(load_weights(dsv4)).encode("hello world")
+    llm.eval(prompt)
+    logits = np.array(llm.scores[len(prompt) - 1])
+    assert logits.shape == (VOCAB,) and np.isfinite(logits).all() and logits.std() > 0.1
