@@ -8,6 +8,7 @@ other tensors are decoded once, on first use, to float32 — except quantized pr
 
 from __future__ import annotations
 
+import math
 import warnings
 from functools import cache
 from pathlib import Path
@@ -118,6 +119,7 @@ class Weights:
         # one-token steps run compiled kernels over row-major weights
         self.cpu_kernels = available(torch.device(device))
         self.expert_cache: ExpertCache | None = None
+        self._experts_fit: bool | None = None  # all routed experts fit decoded in the budget (decided once)
         self._dense: dict[str, torch.Tensor] = {}
         arch = self.get("general.architecture", None)
         if not isinstance(arch, str):
@@ -184,7 +186,10 @@ class Weights:
         return GGMLQuantizationType.F32
 
     def experts(self, name: str) -> ExpertTensor:
-        """A routed-expert tensor; made resident while the expert budget lasts (first come, first served).
+        """A routed-expert tensor, kept encoded; decoded to float32 at load (resident) only when all of the
+        model's routed experts fit in the expert budget decoded (a small model: its fastest path), never
+        some of them (a layer with some parts decoded could use neither the encoded-row kernels nor a fused
+        resident matrix).
 
         With an expert cache (SSD streaming), routed experts are served by the cache instead.
         """
@@ -197,8 +202,9 @@ class Weights:
         t = self._experts(name)
         if self.cuda_computes(t.qtype):  # the cuda kernels read the file bytes: no float32 copy
             return t
-        if not t.resident and t.decoded_nbytes <= self.expert_budget:
-            self.expert_budget -= t.decoded_nbytes
+        if self._experts_fit is None:
+            self._experts_fit = self._routed_decoded_nbytes() <= self.expert_budget
+        if self._experts_fit:
             t.resident = True
         if t.resident:
             t.decoded()  # at load, so that the first forward pass is not the one paying for it
@@ -206,6 +212,10 @@ class Weights:
 
     def _experts(self, name: str) -> ExpertTensor:
         raise NotImplementedError
+
+    def _routed_decoded_nbytes(self) -> int:
+        """Bytes of every routed-expert tensor decoded to float32."""
+        return 0
 
     def cuda_computes(self, qtype: GGMLQuantizationType) -> bool:
         """The cuda kernels compute products of this type straight from its file bytes (device cuda, no ggml
@@ -284,6 +294,10 @@ class GGUFWeights(Weights):
 
     def has(self, name: str) -> bool:
         return name in self._tensors or name in self._routed
+
+    def _routed_decoded_nbytes(self) -> int:
+        names = [n for n in (*self._tensors, *self._routed) if n.endswith("_exps.weight")]
+        return sum(4 * math.prod(self.shape(n)) for n in names)
 
     def _component(self, name: str) -> Any:
         assert self.store is not None
