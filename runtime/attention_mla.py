@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from runtime.attention_dsv4 import Rope, lightning_choice
 from runtime.layers import Linear, rms_norm
-from runtime.observers import Observer
+from runtime.observers import Observer, notify_matmul
 from runtime.weights import Weights
 
 #: the indexer key LayerNorm's epsilon (transformers' GlmMoeDsaIndexer)
@@ -53,7 +53,8 @@ class MlaAttention:
         indexer: bool,
     ) -> None:
         p = f"blk.{layer}."
-        self.eps, self.selection = eps, selection
+        self.eps, self.selection, self.observers = eps, selection, observers
+        self.names = (p + "attn_k_b.weight", p + "attn_v_b.weight")
         self.n_head = int(weights.hparam("attention.head_count"))
         self.kv_lora = int(weights.hparam("attention.kv_lora_rank"))
         self.n_rot = int(weights.hparam("rope.dimension_count"))
@@ -114,8 +115,12 @@ class MlaAttention:
             self.selection.mask = self._select(x, qr, cs, st, visible)
         elif self.selection.mask is None or self.selection.mask.shape != visible.shape:
             raise RuntimeError("a shared-indexer layer runs before any layer with its own indexer")
+        if self.observers:  # per head, as llama-imatrix sees the absorbed products' inputs (head-major rows)
+            notify_matmul(self.observers, self.names[0], q_nope.reshape(t, -1))
         q_abs = torch.einsum("thn,hkn->thk", q_nope, self.k_b)  # queries absorbed into the latent
         scores = torch.einsum("thk,sk->ths", q_abs, st.latent) + torch.einsum("thr,sr->ths", q_pe, st.k_pe)
         scores = (scores * self.kq_scale).masked_fill(~self.selection.mask[:, None, :], float("-inf"))
         latent_out = torch.einsum("ths,sk->thk", torch.softmax(scores, dim=-1), st.latent)
+        if self.observers:
+            notify_matmul(self.observers, self.names[1], latent_out.reshape(t, -1))
         return self.out(torch.einsum("thk,hvk->thv", latent_out, self.v_b).reshape(t, -1))
