@@ -212,10 +212,9 @@ def test_prune_profile_covers_routed_layers_and_apply_refuses_hash_layers(gguf: 
     from forge.prune.mask import build_mask
     from runtime.models import apply_prune_mask
 
-    logs: list[str] = []
-    report = collect_profile(gguf, TEXT, None, ctx=128, chunks=1, log=logs.append)
+    report = collect_profile(gguf, TEXT, None, ctx=128, chunks=1)
     assert [p.layer for p in report.profile.layers] == [2, 3]
-    assert any("layers 0, 1 are hash-routed" in line for line in logs)
+    assert report.hash_routed == [0, 1] and report.profile.meta["hash_routed_layers"] == [0, 1]
     mask = build_mask(report.profile, keep=4)
     assert apply_prune_mask(load_model(gguf), mask) == 8
     with pytest.raises(ForgeError, match="layers 0, 1 are hash-routed"):

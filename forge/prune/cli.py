@@ -58,6 +58,9 @@ def profile(
         total = max(int(lp.count.sum()), 1)
         table.add_row(str(lp.layer), str(n_unused), f"{100 * lp.count[order[:8]].sum() / total:.1f}%")
     out.print(table)
+    if rep.hash_routed:
+        out.print(f"layers {', '.join(map(str, rep.hash_routed))} are hash-routed (experts by token id): not "
+                  "profiled; a prune mask covers the routed layers only")  # fmt: skip
 
 
 @app.command()

@@ -67,6 +67,7 @@ class ProfileReport:
     chunks: int
     tokens: int
     seconds: float
+    hash_routed: list[int]  # layers that route by token id (DeepSeek V4): not profiled, no mask covers them
 
 
 def collect_profile(
@@ -116,16 +117,13 @@ def collect_profile(
             log(f"chunk {i + 1}/{n_chunks}")
     seconds = time.perf_counter() - start
     hashed = sorted(set(obs.count) - set(model.routed_layers()))
-    if hashed:  # DeepSeek V4's first layers route by token id: a mask does not cover them
-        for counts in (obs.count, obs.weight, obs.weighted_norm):
-            for layer in hashed:
-                counts.pop(layer, None)
-        if log:
-            log(f"layers {', '.join(map(str, hashed))} are hash-routed (experts by token id): left out of the "
-                "profile; a prune mask covers the routed layers only")  # fmt: skip
+    for counts in (obs.count, obs.weight, obs.weighted_norm):  # DeepSeek V4's first layers route by token id
+        for layer in hashed:
+            counts.pop(layer, None)
     prof = profile_from_observer(obs, model.n_expert_used, n_chunks * ctx)
     prof.meta = {"model": str(model_path), "architecture": model.arch, "text": str(text_path), "ctx": ctx,
-                 "chunks": n_chunks, "prune_mask": str(prune_mask) if prune_mask else None}  # fmt: skip
+                 "chunks": n_chunks, "prune_mask": str(prune_mask) if prune_mask else None,
+                 "hash_routed_layers": hashed}  # fmt: skip
     if out is not None:
         prof.save(out)
-    return ProfileReport(prof, n_chunks, n_chunks * ctx, seconds)
+    return ProfileReport(prof, n_chunks, n_chunks * ctx, seconds, hashed)
