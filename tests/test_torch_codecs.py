@@ -14,7 +14,15 @@ from forge.quant.types import get_type
 from tests import oracle
 
 MODEL = "tiny-qwen3moe"
-CASES = [("Q4_K", False), ("Q4_K", True), ("Q5_K", False), ("Q5_K", True), ("IQ2_XXS", True)]
+#: every type the q4_k_m, q5_k_m, q6_k, iq4_xs and iq2_xxs presets produce, with and without an imatrix
+CASES = [
+    *[
+        (q, imat)
+        for q in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS")
+        for imat in (False, True)
+    ],
+    ("IQ2_XXS", True),
+]
 DEVICES = [
     pytest.param("cpu", id="cpu"),
     pytest.param(
@@ -97,6 +105,7 @@ def _assert_same(qtype: str, rows: np.ndarray, importance: np.ndarray | None, de
 
 
 @pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")  # the numpy codec on the 1e15 row
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # and its sums, inf - inf there (IQ4)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     ("qtype", "with_importance"), CASES, ids=[f"{q}-{'imat' if i else 'plain'}" for q, i in CASES]
@@ -121,7 +130,7 @@ def test_same_bytes_as_numpy_across_chunks(device: str, qtype: str, with_importa
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_same_bytes_as_numpy_on_gaussian_matrix(device: str, qtype: str) -> None:
     """Enough blocks (1024 super-blocks) that a rare one-ulp difference would show."""
     rng = np.random.default_rng(0)
@@ -180,6 +189,16 @@ def _fixture_cases() -> list:
         ("Q4_K_M-imat", "blk.0.attn_k.weight", "Q4_K"),
         ("Q5_K_M", "blk.0.attn_k.weight", "Q5_K"),
         ("IQ2_XXS-imat", "blk.0.attn_k.weight", "IQ2_XXS"),
+        ("Q6_K", "blk.0.attn_k.weight", "Q6_K"),
+        ("Q8_0", "blk.0.attn_k.weight", "Q8_0"),
+        ("IQ4_XS", "blk.0.attn_k.weight", "IQ4_XS"),
+        ("IQ4_XS-imat", "blk.0.attn_k.weight", "IQ4_XS"),
+        ("IQ4_NL", "blk.0.attn_k.weight", "IQ4_NL"),
+        ("Q2_K", "blk.0.attn_k.weight", "Q2_K"),
+        ("Q2_K-imat", "blk.0.attn_k.weight", "Q2_K"),
+        ("Q2_K-imat", "blk.0.attn_v.weight", "Q3_K"),
+        ("Q3_K_M", "blk.0.attn_k.weight", "Q3_K"),
+        ("Q3_K_M-imat", "blk.0.attn_k.weight", "Q3_K"),
     ]
     present = set(oracle.manifest_names(MODEL))
     cases = [
@@ -205,11 +224,12 @@ def test_fixture_tensor_matches_llamacpp(device: str, manifest: str, tensor: str
 
 
 def test_supported_types_and_refusals() -> None:
-    assert supported_on_device("q4_k") and supported_on_device("IQ2_XXS") and supported_on_device("Q5_K")
-    assert not supported_on_device("Q6_K")
+    for qtype in ("q4_k", "IQ2_XXS", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS", "Q2_K", "Q3_K"):
+        assert supported_on_device(qtype)
+    assert not supported_on_device("IQ3_S")
     rows = np.ones((2, 256), np.float32)
     with pytest.raises(ForgeError, match="no device encoder"):
-        encode_on_device("Q6_K", rows, None, "cpu")
+        encode_on_device("IQ3_S", rows, None, "cpu")
     with pytest.raises(ForgeError, match="needs importance"):
         encode_on_device("IQ2_XXS", rows, None, "cpu")
     with pytest.raises(ForgeError, match="NaN"):

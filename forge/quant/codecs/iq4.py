@@ -55,14 +55,17 @@ _LO_VAL, _HI_VAL = _LEVELS_F32[_UPPER - 1], _LEVELS_F32[_UPPER]
 
 
 def _slot(al: np.ndarray) -> np.ndarray:
-    return (np.floor(al).clip(-128, 113) + np.float32(128)).astype(np.intp)
+    """The table row of al; NaN (an overflowed search) takes the top row, where ggml's binary search ends."""
+    return (np.floor(np.where(np.isnan(al), np.float32(113), al)).clip(-128, 113) + np.float32(128)).astype(
+        np.intp
+    )
 
 
 def _best_level(al: np.ndarray) -> np.ndarray:
     """best_index_int8(16, kvalues_iq4nl, al): index of the nearest level; on a tie, or while the
     lower level is not strictly farther, ggml keeps the lower one."""
     slot = _slot(al)
-    up = al - _LO_VAL[slot] >= _HI_VAL[slot] - al
+    up = ~(al - _LO_VAL[slot] < _HI_VAL[slot] - al)  # ggml's test, so that NaN picks the upper level
     return (_UPPER[slot] - 1 + up).astype(np.uint8)
 
 
@@ -71,7 +74,7 @@ def _best_value(al: np.ndarray) -> np.ndarray:
     slot = _slot(al)
     lo = _LO_VAL[slot]
     hi = _HI_VAL[slot]
-    return np.where(al - lo >= hi - al, hi, lo)
+    return np.where(al - lo < hi - al, lo, hi)
 
 
 def _block_scales(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Q4_K and Q5_K on torch: the same steps, in the same float32 order, as codecs/kquants.py."""
+"""K-quants (Q2_K..Q6_K) on torch: the same steps, in the same float32 order, as codecs/kquants.py."""
 
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ def _pack_scale_min_k4(ls: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
 
 
 def _requant_t(
-    x_t: torch.Tensor, levels: torch.Tensor, d: torch.Tensor, dm: torch.Tensor, nmax: int
+    x_t: torch.Tensor, levels: torch.Tensor, d: torch.Tensor, dm: torch.Tensor | None, hi: int, lo: int = 0
 ) -> torch.Tensor:
-    """clamp(nearest_int((x + dm)/d), 0, nmax); sub-blocks with d == 0 keep the search's levels."""
-    q = ops.nearest_int_clip(ops.div(x_t + dm, d), 0, nmax)
+    """clamp(nearest_int((x + dm)/d), lo, hi) - lo; sub-blocks with d == 0 keep the search's levels."""
+    q = ops.nearest_int_clip(ops.div(x_t if dm is None else x_t + dm, d), lo, hi) - float(lo)
     return torch.where(d == 0, levels.to(torch.float32), q).to(torch.uint8)
 
 
@@ -106,3 +106,141 @@ def encode_q5_k(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Te
     shifts = 2 * torch.arange(4, device=levels.device)[:, None] + torch.arange(2, device=levels.device)
     qh = (hi << shifts[None, :, :, None].to(torch.int32)).sum(dim=(1, 2)).to(torch.uint8)
     return torch.cat([header, qh, _pack_nibbles_64(levels)], dim=1).reshape(rows.shape[0], -1)
+
+
+def _sub_t(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows (R, cols) -> sub-blocks of n, position-major (n, R*cols/n)."""
+    return ops.to_t(rows.reshape(-1, n))
+
+
+def _weights_t(importance: torch.Tensor, n_rows: int, n: int) -> torch.Tensor:
+    """The imatrix column weights of every sub-block of n_rows rows, position-major."""
+    return ops.to_t(importance.reshape(-1, n)).repeat(1, n_rows)
+
+
+def _imatrix_weights_t(rows: torch.Tensor, x_t: torch.Tensor, importance: torch.Tensor, sigma_mul: float):
+    """``qw * sqrt(sigma2 + x²)`` per element of the 16-sub-blocks, sigma2 = sigma_mul·Σx²/256 per super-block."""
+    x_sb = ops.to_t(rows.reshape(-1, QK))
+    sumsq = ops.seq_sum(x_sb * x_sb)
+    del x_sb
+    if sigma_mul != 1.0:
+        sumsq = ops.scalar(sigma_mul, sumsq) * sumsq
+    sig_t = torch.repeat_interleave(ops.div(sumsq, float(QK)), 16)[None, :]
+    return _weights_t(importance, rows.shape[0], 16) * ops.sqrt(sig_t + x_t * x_t)
+
+
+def _signed_max(scales: torch.Tensor) -> torch.Tensor:
+    """(NB, 16) -> the scale of largest magnitude per super-block (first on ties), with its sign."""
+    return ops.first_absmax(scales.t())
+
+
+def _int8(v: torch.Tensor) -> torch.Tensor:
+    """An int32 stored through int8_t (wraps)."""
+    return ((v + 128) & 0xFF) - 128
+
+
+def _or_shifted(parts: torch.Tensor, dim: int) -> torch.Tensor:
+    """OR of ``parts`` (values of 2 bits) shifted by 0, 2, 4, 6 along ``dim`` (size 4): their sum, as the bits are disjoint."""
+    shape = [1] * parts.dim()
+    shape[dim] = 4
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=parts.device).reshape(shape)
+    return (parts.to(torch.int32) << shifts).sum(dim=dim).to(torch.uint8)
+
+
+def _pack_2bit_128(levels: torch.Tensor) -> torch.Tensor:
+    """(NB, 256) 2-bit values -> (NB, 64): per 128-chunk, byte l = v[l] | v[l+32]<<2 | v[l+64]<<4 | v[l+96]<<6."""
+    return _or_shifted(levels.reshape(-1, 2, 4, 32) & 3, dim=2).reshape(-1, 64)
+
+
+@device_encoder(T.Q6_K, bytes_per_elem=64)
+def encode_q6_k(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+    n_rows = rows.shape[0]
+    x_t = _sub_t(rows, 16)  # (16, NS), NS = NB*16
+    nb = x_t.shape[1] // 16
+    w_t = None if importance is None else _weights_t(importance, n_rows, 16)
+    scale, levels = ops.make_qx_quants_t(x_t, 32, w_t)
+    del w_t
+    scales = scale.reshape(nb, 16)
+    max_scale = _signed_max(scales)
+    zero = max_scale.abs() < ops.GROUP_MAX_EPS
+    iscale = ops.div(-128.0, torch.where(zero, ops.scalar(1.0, scales), max_scale))
+    d_val = ops.div(1.0, iscale)
+    sc = _int8(torch.clamp(ops.nearest_int(iscale[:, None] * scales), max=127))
+    d_eff = (ops.fp16_round(d_val)[:, None] * sc.to(torch.float32)).reshape(-1)
+    q = _requant_t(x_t, levels, d_eff, None, 31, -32).t().reshape(nb, 2, 4, 32)
+    ql = ((q[:, :, 0:2] & 0xF) | ((q[:, :, 2:4] & 0xF) << 4)).reshape(nb, 128)
+    qh = _or_shifted(q >> 4, dim=2).reshape(nb, 64)
+    out = torch.cat([ql, qh, (sc & 0xFF).to(torch.uint8), ops.fp16_bytes(d_val)], dim=1)
+    return torch.where(zero[:, None], torch.zeros_like(out), out).reshape(n_rows, -1)
+
+
+@device_encoder(T.Q2_K, bytes_per_elem=96)
+def encode_q2_k(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+    n_rows = rows.shape[0]
+    x_t = _sub_t(rows, 16)
+    nb = x_t.shape[1] // 16
+    if importance is None:
+        scales, mins, levels = ops.make_qkx_t(x_t, x_t.abs(), 3, -0.5, 0.1, 15, True, guarded=False)
+        scales = scales.reshape(nb, 16)
+        mins = mins.reshape(nb, 16)
+        zero = ops.scalar(0.0, x_t)
+        max_scale = ops.np_maximum(scales.amax(dim=1), zero)
+        max_min = ops.np_maximum(mins.amax(dim=1), zero)
+        ls = ops.nearest_int(ops.div(15.0, max_scale)[:, None] * scales)
+        lm = ops.nearest_int(ops.div(15.0, max_min)[:, None] * mins)
+        ls = torch.where((max_scale > 0)[:, None], ls, 0)
+        lm = torch.where((max_min > 0)[:, None], lm, 0)
+        packed = (ls | (lm << 4)) & 0xFF
+        d_val = ops.div(max_scale, 15.0)
+        m_val = ops.div(max_min, 15.0)
+    else:
+        w_t = _imatrix_weights_t(rows, x_t, importance, 1.0)
+        sw_t = ops.to_t(ops.seq_sum(w_t).reshape(nb, 16))
+        scales, mins, levels = ops.make_qkx_t(x_t, w_t, 3, -0.9, 0.05, 36, False, guarded=True)
+        del w_t
+        d_val, ls = ops.make_qp_quants_t(ops.to_t(scales.reshape(nb, 16)), 15, sw_t)
+        m_val, lm = ops.make_qp_quants_t(ops.to_t(mins.reshape(nb, 16)), 15, sw_t)
+        packed = (ls.t().to(torch.int32) | (lm.t().to(torch.int32) << 4)) & 0xFF
+    d_eff = (ops.fp16_round(d_val)[:, None] * (packed & 0xF).to(torch.float32)).reshape(-1)
+    dm_eff = (ops.fp16_round(m_val)[:, None] * (packed >> 4).to(torch.float32)).reshape(-1)
+    q = _requant_t(x_t, levels, d_eff, dm_eff, 3).t().reshape(nb, QK)
+    head = [packed.to(torch.uint8), _pack_2bit_128(q), ops.fp16_bytes(d_val), ops.fp16_bytes(m_val)]
+    return torch.cat(head, dim=1).reshape(n_rows, -1)
+
+
+def _pack_q3_scales(ls: torch.Tensor) -> torch.Tensor:
+    """16 six-bit scales (NB, 16) -> 12 bytes: low nibbles of j and j+8, then 2-bit highs by j%4, j/4."""
+    ls = ls.to(torch.int32) & 0xFF
+    low = ((ls[:, :8] & 0xF) | ((ls[:, 8:] & 0xF) << 4)).to(torch.uint8)
+    return torch.cat([low, _or_shifted((ls >> 4).reshape(-1, 4, 4), dim=1)], dim=1)
+
+
+@device_encoder(T.Q3_K, bytes_per_elem=96)
+def encode_q3_k(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+    n_rows = rows.shape[0]
+    x_t = _sub_t(rows, 16)
+    nb = x_t.shape[1] // 16
+    if importance is None:
+        scale, levels = ops.make_q3_quants_t(x_t, 4)
+        scales = scale.reshape(nb, 16)
+        max_scale = _signed_max(scales)
+        nonzero = max_scale != 0
+        iscale = ops.div(-32.0, torch.where(nonzero, max_scale, ops.scalar(1.0, scales)))
+        li = _int8(ops.nearest_int(iscale[:, None] * scales))
+        ls = torch.where(nonzero[:, None], torch.clamp(li, -32, 31) + 32, 0)
+        d_val = torch.where(nonzero, ops.div(1.0, iscale), ops.scalar(0.0, scales))
+        sc = torch.where(nonzero[:, None], ls - 32, -32)
+    else:
+        w_t = _imatrix_weights_t(rows, x_t, importance, 2.0)
+        sw_t = ops.to_t(ops.seq_sum(w_t).reshape(nb, 16))
+        scale, levels = ops.make_qx_quants_t(x_t, 4, w_t)
+        del w_t
+        d_val, ls_t = ops.make_qx_quants_t(ops.to_t(scale.reshape(nb, 16)), 32, sw_t)
+        ls = ls_t.t().to(torch.int32)
+        sc = ls - 32
+    d_eff = (ops.fp16_round(d_val)[:, None] * sc.to(torch.float32)).reshape(-1)
+    q = _requant_t(x_t, levels, d_eff, None, 3, -4).t().reshape(nb, QK)
+    bit = torch.arange(8, device=q.device, dtype=torch.int32)[None, :, None]
+    hmask = ((q > 3).reshape(nb, 8, 32).to(torch.int32) << bit).sum(dim=1).to(torch.uint8)
+    parts = [hmask, _pack_2bit_128(q & 3), _pack_q3_scales(ls), ops.fp16_bytes(d_val)]
+    return torch.cat(parts, dim=1).reshape(n_rows, -1)

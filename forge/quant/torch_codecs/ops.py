@@ -234,3 +234,84 @@ def make_qp_quants_t(x: torch.Tensor, nmax: int, w: torch.Tensor) -> tuple[torch
     scale = torch.where(suml2 > 0, div(sumlx, suml2), zero_t)
     lv = torch.where(zero, zero_t, lv)
     return torch.where(zero, zero_t, scale), lv.to(torch.uint8)
+
+
+# --------------------------------------------------------------------------------------------------
+# make_qx_quants / make_q3_quants (numerics.make_qx_quants_t, numerics.make_q3_quants_t)
+
+
+def first_absmax(x: torch.Tensor) -> torch.Tensor:
+    """The element of largest magnitude of each column (first one on ties), keeping its sign."""
+    return x.gather(0, x.abs().argmax(dim=0)[None])[0]
+
+
+def make_qx_quants_t(
+    x: torch.Tensor, nmax: int, w: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """numerics.make_qx_quants_t: (scale (B,), L (n, B) uint8 holding l + nmax); ``w=None``: weights x²."""
+    if w is None:
+        w = x * x
+    zero_t = scalar(0.0, x)
+    mx = first_absmax(x)
+    zero = mx.abs() < GROUP_MAX_EPS
+    mx = torch.where(zero, scalar(1.0, x), mx)
+    wx = w * x
+
+    def levels(iscale: torch.Tensor) -> torch.Tensor:
+        return torch.round(iscale * x).clamp_(-nmax, nmax - 1)
+
+    def sums(iscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lv = levels(iscale)
+        wl = w * lv
+        wl *= lv
+        return seq_sum(wx * lv), seq_sum(wl)
+
+    best_iscale = div(-float(nmax), mx)
+    sumlx, suml2 = sums(best_iscale)
+    scale = torch.where(suml2 != 0, div(sumlx, suml2), zero_t)
+    best = scale * sumlx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        iscale = div(-float(F32(nmax) + F32(0.1) * F32(step)), mx)
+        sumlx, suml2 = sums(iscale)
+        better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+        new_scale = div(sumlx, suml2)
+        scale = torch.where(better, new_scale, scale)
+        best = torch.where(better, new_scale * sumlx, best)
+        best_iscale = torch.where(better, iscale, best_iscale)
+    lv = levels(best_iscale) + float(nmax)
+    lv = torch.where(zero, zero_t, lv)
+    return torch.where(zero, zero_t, scale), lv.to(torch.uint8)
+
+
+def make_q3_quants_t(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """numerics.make_q3_quants_t: (scale (B,), L (n, B) uint8 = l + nmax), weights x², coordinate descent."""
+    zero_t = scalar(0.0, x)
+    mx = first_absmax(x)
+    zero = mx.abs() < GROUP_MAX_EPS
+    mx = torch.where(zero, scalar(1.0, x), mx)
+    lv = torch.round(div(-float(nmax), mx) * x).clamp_(-nmax, nmax - 1)
+    w = x * x
+    wx = w * x
+    sumlx = seq_sum(wx * lv)
+    suml2 = seq_sum(w * lv * lv)
+    for _ in range(5):
+        changed = torch.zeros_like(zero)
+        for i in range(x.shape[0]):
+            li = lv[i]
+            slx = sumlx - wx[i] * li
+            sl2 = suml2 - w[i] * li * li
+            new_l = nearest_int_clip(div(x[i] * sl2, slx), -nmax, nmax - 1)
+            slx2 = slx + wx[i] * new_l
+            sl22 = sl2 + w[i] * new_l * new_l
+            take = (slx > 0) & (new_l != li) & (sl22 > 0) & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22)
+            lv[i] = torch.where(take, new_l, li)
+            sumlx = torch.where(take, slx2, sumlx)
+            suml2 = torch.where(take, sl22, suml2)
+            changed |= take
+        if not bool(changed.any()):
+            break
+    scale = torch.where(suml2 > 0, div(sumlx, suml2), zero_t)
+    levels = torch.where(zero, zero_t, lv + float(nmax))
+    return torch.where(zero, zero_t, scale), levels.to(torch.uint8)
