@@ -9,7 +9,8 @@ Writes into ``tests/fixtures/llamacpp/tiny-deepseek4/``:
   block scales) checkpoints (routed experts FP4 in both); ``manifests/bf16-bundled-template.json``: the bf16
   one without its chat_template.jinja (the converter then writes llama.cpp's own DeepSeek V4 template);
   ``manifests/bf16-model-card.json``: the bf16 one in a folder named like a published model, with a model card
-  and sampling defaults (``general.*`` from gguf's Metadata);
+  and sampling defaults (``general.*`` from gguf's Metadata); ``manifests/{bf16,fp8}-mtp.json``: the converter's
+  ``--mtp`` export (the MTP block alone, a draft model);
 - ``manifests/{Q8_0,Q4_K_M,Q2_K,IQ2_XXS-imat}.json``: llama-quantize (``--allow-requantize``: the converted
   file already holds MXFP4 and Q8_0 tensors) on the bf16 conversion. IQ2_XXS uses the imatrix below and
   keeps every non-expert matrix at Q8_0 (``--tensor-type``, see IQ2_XXS_OVERRIDES);
@@ -85,8 +86,8 @@ def main() -> None:
     def manifest(gguf: Path, label: str) -> None:
         run([sys.executable, str(a.tool), str(gguf), str(dest / "manifests" / f"{label}.json")])
 
-    def convert(model: Path, out: Path) -> Path:
-        run([sys.executable, "-c", _CONVERT, str(a.llama_cpp), str(model), "--outfile", str(out)])
+    def convert(model: Path, out: Path, *extra: str) -> Path:
+        run([sys.executable, "-c", _CONVERT, str(a.llama_cpp), str(model), "--outfile", str(out), *extra])
         return out
 
     hashes = {}
@@ -94,6 +95,7 @@ def main() -> None:
         model = write_deepseek4(a.work / variant / NAME, **kwargs)
         hashes[variant] = sources(model)
         manifest(convert(model, a.work / f"{NAME}-{variant}.gguf"), variant)
+        manifest(convert(model, a.work / f"{NAME}-{variant}-mtp.gguf", "--mtp"), f"{variant}-mtp")
     model = write_deepseek4(a.work / "bundled" / NAME, **VARIANTS["bf16"])
     (model / "chat_template.jinja").unlink()
     manifest(convert(model, a.work / f"{NAME}-bundled.gguf"), "bf16-bundled-template")

@@ -47,15 +47,23 @@ def convert(
     no_mtp: Annotated[
         bool, typer.Option("--no-mtp", help="leave out the multi-token-prediction block")
     ] = False,
+    mtp_only: Annotated[
+        bool,
+        typer.Option(
+            "--mtp-only", help="write only the multi-token-prediction block, a draft model (deepseek4)"
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print a JSON report")] = False,
 ) -> None:
     """Convert a Hugging Face MoE checkpoint to GGUF, losslessly (streamed, bounded memory)."""
     from forge.convert import convert_checkpoint
     from forge.gguf_file import parse_size
 
+    if no_mtp and mtp_only:
+        raise ForgeError("--no-mtp and --mtp-only exclude each other")
     split = parse_size(split_max_size) if split_max_size else None
     rep = convert_checkpoint(
-        hf_dir, output, outtype, split_max_size=split, mtp=not no_mtp, progress=not as_json
+        hf_dir, output, outtype, split_max_size=split, mtp=not no_mtp, mtp_only=mtp_only, progress=not as_json
     )
     mbps = rep.source_bytes / rep.seconds / 1e6 if rep.seconds else 0.0
     if as_json:

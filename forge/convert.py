@@ -35,9 +35,9 @@ class ModelSource:
     tensors: list[OutTensor]
 
     @classmethod
-    def open(cls, hf_dir: str | Path, mtp: bool = True) -> ModelSource:
+    def open(cls, hf_dir: str | Path, mtp: bool = True, mtp_only: bool = False) -> ModelSource:
         ckpt = Checkpoint(hf_dir)
-        arch = architecture_for(ckpt, mtp=mtp)
+        arch = architecture_for(ckpt, mtp=mtp, mtp_only=mtp_only)
         return cls(ckpt, arch, arch.plan())
 
     def kvs(self, file_type: int) -> list[KV]:
@@ -151,14 +151,16 @@ def convert_checkpoint(
     outtype: str = "bf16",
     split_max_size: int | None = None,
     mtp: bool = True,
+    mtp_only: bool = False,
     progress: bool = False,
 ) -> ConvertReport:
-    """Convert a checkpoint folder to GGUF; memory stays bounded by the largest tensor."""
+    """Convert a checkpoint folder to GGUF; memory stays bounded by the largest tensor. ``mtp_only``: the
+    multi-token-prediction block alone, a draft model for speculative decoding (llama.cpp's ``--mtp``)."""
     if outtype not in OUTTYPES:
         raise ForgeError(f"unsupported --outtype {outtype!r}; choose from {', '.join(OUTTYPES)}")
     gtype, ftype = OUTTYPES[outtype]
     start = time.perf_counter()
-    src = ModelSource.open(hf_dir, mtp=mtp)
+    src = ModelSource.open(hf_dir, mtp=mtp, mtp_only=mtp_only)
     kvs = src.kvs(int(ftype))
     specs = [TensorSpec(t.name, t.shape, float_type_for(t, gtype)) for t in src.tensors]
 

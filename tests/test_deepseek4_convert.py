@@ -73,6 +73,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def converted(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("converted")
     out = {v: convert_checkpoint(p, d / f"{v}.gguf").paths[0] for v, p in checkpoints.items()}
+    for v, p in checkpoints.items():  # the MTP block alone, a draft model (llama.cpp's --mtp)
+        out[f"{v}-mtp"] = convert_checkpoint(p, d / f"{v}-mtp.gguf", mtp_only=True).paths[0]
     # no template of its own: llama.cpp's DeepSeek V4 template is written (as for deepseek-ai's checkpoints)
     bare = shutil.copytree(checkpoints["bf16"], tmp_path_factory.mktemp("bundled") / NAME)
     (bare / "chat_template.jinja").unlink()
@@ -85,7 +87,9 @@ def converted(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFac
     return out
 
 
-@pytest.mark.parametrize("variant", [*VARIANTS, "bf16-bundled-template", "bf16-model-card"])
+@pytest.mark.parametrize(
+    "variant", [*VARIANTS, "bf16-mtp", "fp8-mtp", "bf16-bundled-template", "bf16-model-card"]
+)
 def test_convert_matches_llamacpp(variant: str, converted: dict[str, Path]) -> None:
     want = _manifest(variant)
     got = tensor_manifest(converted[variant])
@@ -102,6 +106,13 @@ def test_mtp_block_left_out_with_or_without_no_mtp(
     out = convert_checkpoint(checkpoints["bf16"], tmp_path / "no-mtp.gguf", mtp=False).paths[0]
     assert out.read_bytes() == converted["bf16"].read_bytes()
     assert not [t for t in tensor_manifest(out) if "nextn" in t["name"] or t["name"].startswith("blk.4.")]
+
+
+def test_mtp_only_needs_an_mtp_block(tmp_path: Path) -> None:
+    ckpt = write_deepseek4(tmp_path / NAME, mtp=False)
+    with pytest.raises(ForgeError, match="--mtp-only: the checkpoint has no MTP block"):
+        convert_checkpoint(ckpt, tmp_path / "d.gguf", mtp_only=True)
+    assert not (tmp_path / "d.gguf").exists()
 
 
 def test_outtype_does_not_change_the_file(

@@ -18,12 +18,17 @@ def supported_model_types() -> list[str]:
     return [t for a in ARCHITECTURES for t in a.hf_model_types]
 
 
-def architecture_for(ckpt: Checkpoint, mtp: bool = True) -> Architecture:
+def architecture_for(ckpt: Checkpoint, mtp: bool = True, mtp_only: bool = False) -> Architecture:
+    """``mtp_only``: the multi-token-prediction block alone, as a draft model (families that have the export)."""
     cfg = ckpt.config
     model_type = cfg.get("model_type")
     for arch in ARCHITECTURES:
         if model_type in arch.hf_model_types:
-            return arch(ckpt, mtp=mtp)
+            if mtp_only and not arch.exports_mtp_alone:
+                raise ForgeError(f"{ckpt.path}: --mtp-only is not available for {arch.gguf_arch} models")
+            table = arch(ckpt, mtp=mtp)
+            table.mtp_only = mtp_only
+            return table
     raise ForgeError(
         f"{ckpt.path}: unsupported model_type {model_type!r}; supported: {', '.join(supported_model_types())}"
     )

@@ -87,6 +87,10 @@ class Architecture:
     prefixes: ClassVar[tuple[str, ...]] = ("model.language_model.", "model.", "language_model.model.")
     #: the detected pre-tokenizer's name as llama.cpp records it for this family (e.g. llama-bpe -> glm4)
     pre_tokenizer_names: ClassVar[dict[str, str]] = {}
+    #: llama.cpp's converter can write this family's MTP block alone, as a draft model (its --mtp)
+    exports_mtp_alone: ClassVar[bool] = False
+    #: write only the MTP block (set by architecture_for)
+    mtp_only: bool = False
     #: (kind, token) special ids llama.cpp's converter sets for this family when the tokenizer files did not
     special_tokens: ClassVar[tuple[tuple[str, str], ...]] = ()
 

@@ -11,7 +11,9 @@ the source, never ``--outtype``:
 - BF16 matrices stay BF16, F32 tensors F32, vectors and norms F32; the hash-routing tables ``tid2eid``
   (I64) are written as I32, first of all tensors;
 - hash-routed layers' ``ffn.gate.bias`` is unused and left out; the MTP block (``mtp.*``) is not part of
-  the model file (llama.cpp exports it only as a separate draft model), with or without ``--no-mtp``;
+  the model file, with or without ``--no-mtp``: ``--mtp-only`` writes it alone, a draft model (llama.cpp's
+  ``--mtp``): the block as layer n_layers, its e_proj / h_proj side by side as ``nextn.eh_proj`` (Q8_0), its
+  hc_head as the root's, with the embeddings, final norm and head;
 - ``general.file_type`` is MOSTLY_MXFP4_MOE;
 - ``tokenizer.chat_template`` comes right after ``general.architecture``: the model's own template, else
   llama.cpp's bundled DeepSeek V4 one (``forge/arch/templates``, the Flash-0731 one for a folder named so).
@@ -68,6 +70,9 @@ LAYER_TENSORS = {
     "ffn.shared_experts.w1.weight": "ffn_gate_shexp.weight",
     "ffn.shared_experts.w2.weight": "ffn_down_shexp.weight",
     "ffn.shared_experts.w3.weight": "ffn_up_shexp.weight",
+    "nextn.enorm.weight": "nextn.enorm.weight",
+    "nextn.hnorm.weight": "nextn.hnorm.weight",
+    "nextn.shared_head_norm.weight": "nextn.shared_head_norm.weight",
 }
 #: kept in F32 when the source is F16 (llama.cpp's converter list); BF16/F32 sources keep their type
 F32_WHEN_F16 = ("ffn_gate_inp.weight", "indexer.proj.weight")
@@ -105,6 +110,7 @@ class Deepseek4(Architecture):
     hf_model_types = ("deepseek_v4",)
     gguf_arch = "deepseek4"
     prefixes = ()
+    exports_mtp_alone = True
 
     @property
     def n_experts(self) -> int:
@@ -121,14 +127,44 @@ class Deepseek4(Architecture):
     def n_hash(self) -> int:
         return int(self.hp("num_hash_layers", default=0))
 
+    @property
+    def n_nextn(self) -> int:
+        return int(self.hp("num_nextn_predict_layers", default=0))
+
+    @property
+    def block_count(self) -> int:
+        return self.n_layers + (self.n_nextn if self.mtp_only else 0)
+
     def strip(self, name: str) -> str | None:
-        if name.startswith(("mtp.", "aligner.", "image_", "vision.")):
-            return None  # llama.cpp's converter leaves the MTP block and the vision parts out of the model
+        if name.startswith(("aligner.", "image_", "vision.")):
+            return None
+        if self.mtp_only:
+            return self._mtp_name(name)
+        if name.startswith("mtp."):
+            return None  # llama.cpp's converter leaves the MTP block out of the model (--mtp-only writes it alone)
         return name
+
+    def _mtp_name(self, name: str) -> str | None:
+        """The draft model's names: the MTP block j as layer n_layers + j (its own hc_head at the root, e_proj /
+        h_proj / enorm / hnorm / norm under nextn.), plus the embeddings, final norm and head."""
+        if not name.startswith("mtp."):
+            return name if name in ("embed.weight", "norm.weight", "head.weight", "head.scale") else None
+        parts = name.split(".", 2)
+        if len(parts) < 3 or not parts[1].isdecimal() or int(parts[1]) >= self.n_nextn:
+            raise ForgeError(f"{self.ckpt.path}: unexpected MTP tensor {name} (num_nextn_predict_layers "
+                             f"{self.n_nextn})")  # fmt: skip
+        bid, rest = self.n_layers + int(parts[1]), parts[2]
+        if rest in ("hc_head_fn", "hc_head_base", "hc_head_scale"):
+            return rest
+        if rest.startswith(("e_proj.", "h_proj.", "enorm.", "hnorm.")):
+            return f"layers.{bid}.nextn.{rest}"
+        if rest == "norm.weight":
+            return f"layers.{bid}.nextn.shared_head_norm.weight"
+        return f"layers.{bid}.{rest}"
 
     def model_kvs(self, file_type: int) -> list[KV]:
         del file_type  # always MXFP4_MOE: the routed experts are MXFP4 whatever the output type
-        n = self.n_layers
+        n = self.block_count
         limit = float(self.hp("swiglu_limit"))
         scoring = self.hp("scoring_func", default=None)
         if scoring is not None and scoring not in _GATING:
@@ -175,6 +211,8 @@ class Deepseek4(Architecture):
             self.kv("hash_layer_count", self.n_hash),
             self.kv("embedding_length_out", int(self.hp("hidden_size")) * int(self.hp("hc_mult"))),
         ]
+        if self.mtp_only and self.n_nextn:
+            kvs.append(self.kv("nextn_predict_layers", self.n_nextn))
         return kvs
 
     def _rope_scaling_kvs(self) -> list[KV]:
@@ -200,10 +238,16 @@ class Deepseek4(Architecture):
         """llama.cpp's order: the hash-routing tables, the routed experts layer by layer, then the rest as
         the checkpoint lists it."""
         tensors = {n: t for t in self.ckpt if (n := self.strip(t.name)) is not None}
-        out = [self._tid2eid(i, tensors) for i in range(self.n_hash)]
-        for layer in range(self.n_layers):
+        if self.mtp_only and not any(n.startswith(f"layers.{self.n_layers}.") for n in tensors):
+            raise ForgeError(f"{self.ckpt.path}: --mtp-only: the checkpoint has no MTP block (mtp.*)")
+        first = self.n_layers if self.mtp_only else 0
+        out = [] if self.mtp_only else [self._tid2eid(i, tensors) for i in range(self.n_hash)]
+        for layer in range(first, self.block_count):
             out += [self._experts(layer, w, proj, tensors) for w, proj in EXPERT_PROJECTIONS]
+        out += [self._eh_proj(layer, tensors) for layer in range(first, self.block_count) if self.mtp_only]
         for name, t in tensors.items():
+            if ".nextn.e_proj." in name or ".nextn.h_proj." in name:
+                continue
             if _EXPERT.match(name) or name.endswith(".ffn.gate.tid2eid") or name.endswith(".scale"):
                 continue
             m = LAYER_RE.match(name)
@@ -220,7 +264,7 @@ class Deepseek4(Architecture):
             gname = ROOT_TENSORS[name]
         else:
             m = LAYER_RE.match(name)
-            if not m or m["rest"] not in LAYER_TENSORS or int(m["layer"]) >= self.n_layers:
+            if not m or m["rest"] not in LAYER_TENSORS or int(m["layer"]) >= self.block_count:
                 return None
             gname = f"blk.{m['layer']}.{LAYER_TENSORS[m['rest']]}"
         scale = tensors.get(name.removesuffix(".weight") + ".scale") if name.endswith(".weight") else None
@@ -233,6 +277,28 @@ class Deepseek4(Architecture):
         if t.dtype == "BF16":
             return OutTensor(gname, t.shape, lambda: raw(t), (t,), verbatim=True, gguf_type=Q.BF16)
         return OutTensor(gname, t.shape, lambda: raw(t), (t,), force_f32=gname.endswith(F32_WHEN_F16))
+
+    def _eh_proj(self, layer: int, tensors: dict[str, HFTensor]) -> OutTensor:
+        """The draft's input projection: e_proj and h_proj side by side ([hidden, 2 x hidden]), always Q8_0."""
+        pairs = []
+        for part in ("e_proj", "h_proj"):
+            t = tensors.get(f"layers.{layer}.nextn.{part}.weight")
+            if t is None:
+                raise ForgeError(f"{self.ckpt.path}: the MTP block has no {part}.weight")
+            pairs.append((t, tensors.get(f"layers.{layer}.nextn.{part}.scale")))
+
+        def values(t: HFTensor, scale: HFTensor | None) -> np.ndarray:
+            if t.dtype in ("F8_E4M3", "F8_E5M2"):
+                if scale is None:
+                    raise ForgeError(f"{self.ckpt.path}: FP8 tensor {t.name} has no .scale")
+                return fp8_dequantized(t, scale)
+            return t.float32()
+
+        (e, _), (h, _) = pairs
+        shape = (e.shape[0], e.shape[1] + h.shape[1])
+        sources = tuple(x for pair in pairs for x in pair if x is not None)
+        return _encoded(f"blk.{layer}.nextn.eh_proj.weight", shape,
+                        lambda: _q8_0(np.concatenate([values(*p) for p in pairs], axis=1)), Q.Q8_0, sources)  # fmt: skip
 
     def _tid2eid(self, layer: int, tensors: dict[str, HFTensor]) -> OutTensor:
         t = tensors.get(f"layers.{layer}.ffn.gate.tid2eid")
