@@ -74,6 +74,11 @@ class SynthGeometry:
     index_heads: int = 0  # deepseek4: lightning indexer heads
     index_dim: int = 0  # deepseek4: and their dimension
     ratios: str = ""  # deepseek4: compression-ratio schedule, "flash" or "pro" (see compress_ratios)
+    kv_lora: int = (
+        0  # glm-dsa: MLA kv LoRA rank (q_lora, index_heads, index_dim as above; head_dim = nope + rope)
+    )
+    rope_dim: int = 0  # glm-dsa: roped dims of a query head
+    v_dim: int = 0  # glm-dsa: value head dimension
 
 
 GEOMETRIES = {
@@ -84,6 +89,29 @@ GEOMETRIES = {
         46, 128, 8, 4096, 1408, 96, 8, 128, 151552, 131072, "glm4moe", 1, 10944, False
     ),
     "glm-4.6": SynthGeometry(92, 160, 8, 5120, 1536, 96, 8, 128, 151552, 202752, "glm4moe", 3, 12288, True),
+    # zai-org's GLM-5 config.json (= GLM-5.1): MLA + DSA indexer, 744B-A40B
+    "glm-5": SynthGeometry(
+        78,
+        256,
+        8,
+        6144,
+        2048,
+        64,
+        1,
+        256,
+        154880,
+        202752,
+        "glm-dsa",
+        3,
+        12288,
+        False,
+        q_lora=2048,
+        index_heads=32,
+        index_dim=128,
+        kv_lora=512,
+        rope_dim=64,
+        v_dim=256,
+    ),  # fmt: skip
     # deepseek-ai's config.json: DeepSeek-V4-Flash 284B-A13B, DeepSeek-V4-Pro 1.6T-A49B
     "deepseek-v4-flash": SynthGeometry(
         43,
@@ -187,7 +215,43 @@ class _BlockPool:
         return write
 
 
+def _glm_dsa_kvs(g: SynthGeometry, name: str) -> list[KV]:
+    a, u, f = "glm-dsa.", GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    return [
+        KV("general.architecture", "glm-dsa", GGUFValueType.STRING),
+        KV("general.name", f"synthetic {name} (random weights)", GGUFValueType.STRING),
+        KV(a + "block_count", g.layers, u),
+        KV(a + "context_length", g.context, u),
+        KV(a + "embedding_length", g.hidden, u),
+        KV(a + "feed_forward_length", g.dense_ff, u),
+        KV(a + "attention.head_count", g.heads, u),
+        KV(a + "attention.head_count_kv", 1, u),
+        KV(a + "rope.freq_base", 1e6, f),
+        KV(a + "attention.layer_norm_rms_epsilon", 1e-5, f),
+        KV(a + "expert_count", g.experts, u),
+        KV(a + "expert_used_count", g.experts_used, u),
+        KV(a + "expert_gating_func", 2, u),
+        KV(a + "attention.key_length", g.kv_lora + g.rope_dim, u),
+        KV(a + "attention.value_length", g.kv_lora, u),
+        KV(a + "leading_dense_block_count", g.dense_lead, u),
+        KV(a + "attention.q_lora_rank", g.q_lora, u),
+        KV(a + "attention.kv_lora_rank", g.kv_lora, u),
+        KV(a + "attention.key_length_mla", g.head_dim, u),
+        KV(a + "attention.value_length_mla", g.v_dim, u),
+        KV(a + "expert_feed_forward_length", g.expert_ff, u),
+        KV(a + "expert_shared_count", 1, u),
+        KV(a + "expert_weights_scale", 2.5, f),
+        KV(a + "expert_weights_norm", True, GGUFValueType.BOOL),
+        KV(a + "rope.dimension_count", g.rope_dim, u),
+        KV(a + "attention.indexer.head_count", g.index_heads, u),
+        KV(a + "attention.indexer.key_length", g.index_dim, u),
+        KV(a + "attention.indexer.top_k", 2048, u),
+    ]
+
+
 def _glm_kvs(g: SynthGeometry, name: str) -> list[KV]:
+    if g.arch == "glm-dsa":
+        return _glm_dsa_kvs(g, name)
     a, u, f = "glm4moe.", GGUFValueType.UINT32, GGUFValueType.FLOAT32
     return [
         KV("general.architecture", "glm4moe", GGUFValueType.STRING),
@@ -266,7 +330,7 @@ def _deepseek4_kvs(g: SynthGeometry, name: str) -> list[KV]:
 
 
 def _kvs(g: SynthGeometry, name: str) -> list[KV]:
-    if g.arch == "glm4moe":
+    if g.arch in ("glm4moe", "glm-dsa"):
         return _glm_kvs(g, name)
     if g.arch == "deepseek4":
         return _deepseek4_kvs(g, name)
@@ -291,13 +355,7 @@ def _kvs(g: SynthGeometry, name: str) -> list[KV]:
 
 
 def _glm_layer(g: SynthGeometry, i: int, qtype: Q) -> list[TensorSpec]:
-    h, q_rows, kv_rows, ff, p = (
-        g.hidden,
-        g.heads * g.head_dim,
-        g.kv_heads * g.head_dim,
-        g.expert_ff,
-        f"blk.{i}.",
-    )
+    h, q_rows, kv_rows, p = g.hidden, g.heads * g.head_dim, g.kv_heads * g.head_dim, f"blk.{i}."
     whole = GGML_QUANT_SIZES[qtype][0]
 
     def w(
@@ -305,6 +363,19 @@ def _glm_layer(g: SynthGeometry, i: int, qtype: Q) -> list[TensorSpec]:
     ) -> TensorSpec:  # a row of partial blocks: Q8_0 (llama's fallback)
         return TensorSpec(p + name, shape, qtype if shape[-1] % whole == 0 else Q.Q8_0)
 
+    if g.arch == "glm-dsa":  # MLA + the DSA indexer
+        nope, r, kvl, ih, idim = g.head_dim - g.rope_dim, g.rope_dim, g.kv_lora, g.index_heads, g.index_dim
+        layer = [
+            TensorSpec(p + "attn_norm.weight", (h,), Q.F32), TensorSpec(p + "ffn_norm.weight", (h,), Q.F32),
+            w("attn_q_a.weight", (g.q_lora, h)), TensorSpec(p + "attn_q_a_norm.weight", (g.q_lora,), Q.F32),
+            w("attn_q_b.weight", (g.heads * g.head_dim, g.q_lora)), w("attn_kv_a_mqa.weight", (kvl + r, h)),
+            TensorSpec(p + "attn_kv_a_norm.weight", (kvl,), Q.F32), w("attn_k_b.weight", (g.heads, kvl, nope)),
+            w("attn_v_b.weight", (g.heads, g.v_dim, kvl)), w("attn_output.weight", (h, g.heads * g.v_dim)),
+            w("indexer.attn_q_b.weight", (ih * idim, g.q_lora)), w("indexer.attn_k.weight", (idim, h)),
+            TensorSpec(p + "indexer.k_norm.weight", (idim,), Q.F32),
+            TensorSpec(p + "indexer.k_norm.bias", (idim,), Q.F32), TensorSpec(p + "indexer.proj.weight", (ih, h), Q.F32),
+        ]  # fmt: skip
+        return sorted(layer + _glm_ffn(g, i, w, p), key=lambda s: s.name)
     layer = [
         TensorSpec(p + "attn_norm.weight", (h,), Q.F32),
         TensorSpec(p + "post_attention_norm.weight", (h,), Q.F32),
@@ -319,21 +390,24 @@ def _glm_layer(g: SynthGeometry, i: int, qtype: Q) -> list[TensorSpec]:
     if g.qk_norm:
         layer += [TensorSpec(p + "attn_q_norm.weight", (g.head_dim,), Q.F32),
                   TensorSpec(p + "attn_k_norm.weight", (g.head_dim,), Q.F32)]  # fmt: skip
+    return sorted(layer + _glm_ffn(g, i, w, p), key=lambda s: s.name)
+
+
+def _glm_ffn(g: SynthGeometry, i: int, w: Any, p: str) -> list[TensorSpec]:
+    h, ff = g.hidden, g.expert_ff
     if i < g.dense_lead:
-        layer += [w("ffn_gate.weight", (g.dense_ff, h)), w("ffn_up.weight", (g.dense_ff, h)),
-                  w("ffn_down.weight", (h, g.dense_ff))]  # fmt: skip
-    else:
-        layer += [
-            TensorSpec(p + "ffn_gate_inp.weight", (g.experts, h), Q.F32),
-            TensorSpec(p + "exp_probs_b.bias", (g.experts,), Q.F32),
-            w("ffn_gate_exps.weight", (g.experts, ff, h)),
-            w("ffn_up_exps.weight", (g.experts, ff, h)),
-            w("ffn_down_exps.weight", (g.experts, h, ff)),
-            w("ffn_gate_shexp.weight", (ff, h)),
-            w("ffn_up_shexp.weight", (ff, h)),
-            w("ffn_down_shexp.weight", (h, ff)),
-        ]
-    return sorted(layer, key=lambda s: s.name)
+        return [w("ffn_gate.weight", (g.dense_ff, h)), w("ffn_up.weight", (g.dense_ff, h)),
+                w("ffn_down.weight", (h, g.dense_ff))]  # fmt: skip
+    return [
+        TensorSpec(p + "ffn_gate_inp.weight", (g.experts, h), Q.F32),
+        TensorSpec(p + "exp_probs_b.bias", (g.experts,), Q.F32),
+        w("ffn_gate_exps.weight", (g.experts, ff, h)),
+        w("ffn_up_exps.weight", (g.experts, ff, h)),
+        w("ffn_down_exps.weight", (g.experts, h, ff)),
+        w("ffn_gate_shexp.weight", (ff, h)),
+        w("ffn_up_shexp.weight", (ff, h)),
+        w("ffn_down_shexp.weight", (h, ff)),
+    ]
 
 
 HC_STREAMS = 4  # deepseek4's hyper-connection streams (both models)
@@ -394,7 +468,7 @@ def synth_tensors(g: SynthGeometry, qtype: Q) -> list[TensorSpec]:
                 TensorSpec("output_hc_scale.weight", (1,), Q.F32),
                 TensorSpec("output.weight", (g.vocab, h), qtype),
                 TensorSpec("output_norm.weight", (h,), Q.F32)]  # fmt: skip
-    if g.arch == "glm4moe":
+    if g.arch in ("glm4moe", "glm-dsa"):
         return [TensorSpec("token_embd.weight", (g.vocab, g.hidden), qtype),
                 *(s for i in range(g.layers) for s in _glm_layer(g, i, qtype)),
                 TensorSpec("output.weight", (g.vocab, g.hidden), qtype),
@@ -510,7 +584,7 @@ def check_geometry(g: SynthGeometry, t: Q) -> None:
                              f"({g.o_groups}) and --kv-heads 1")  # fmt: skip
         require_int("--experts-used", g.experts_used, 1, g.experts)
         return
-    if g.arch == "glm4moe":  # FFN rows of partial blocks are written as Q8_0
+    if g.arch in ("glm4moe", "glm-dsa"):  # FFN rows of partial blocks are written as Q8_0
         require_int("--layers", g.layers, g.dense_lead + 1, MAX_LAYERS)
         for option, n in (("--expert-ff", g.expert_ff), ("dense FFN", g.dense_ff)):
             require_int(option, n, 32, MAX_DIM)

@@ -133,6 +133,7 @@ def test_imatrix_collection_matches_llama_imatrix(
         )
 
 
+@pytest.mark.slow  # writes, runs and loads in llama.cpp a 70-100 MB file
 def test_synth_glm_geometry_runs_here_and_in_llamacpp(tmp_path: Path) -> None:
     """``forge synth --geometry glm-4.5-air`` (small: 3 layers, 16 experts, hidden 512): a glm4moe file with
     GLM-4.5-Air's expert FFN 1408 and dense FFN 10944 rows written as Q8_0 (not whole Q4_K blocks)."""
@@ -159,3 +160,30 @@ def test_synth_glm_geometry_runs_here_and_in_llamacpp(tmp_path: Path) -> None:
     llama_cpp = pytest.importorskip("llama_cpp")
     text_out = llama_cpp.Llama(str(out), n_ctx=64, verbose=False)("hello", max_tokens=4)["choices"][0]["text"]
     assert text_out
+
+
+@pytest.mark.slow  # writes, runs and loads in llama.cpp a 70-100 MB file
+def test_synth_glm5_geometry_runs_here_and_in_llamacpp(tmp_path: Path) -> None:
+    """``forge synth --geometry glm-5`` (small: 4 layers, 16 experts, hidden 512, 4 heads): a glm-dsa file, its
+    attn_k_b rows (qk_nope 192) written as Q8_0."""
+    from runtime.generate import Sampling, generate
+    from runtime.synth import GEOMETRIES, synthesize
+    from runtime.tokenizer import Tokenizer
+
+    g = GEOMETRIES["glm-5"]
+    assert (g.arch, g.layers, g.heads, g.experts, g.experts_used, g.dense_lead, g.q_lora, g.kv_lora, g.head_dim,
+            g.rope_dim, g.v_dim, g.index_heads, g.index_dim) == ("glm-dsa", 78, 64, 256, 8, 3, 2048, 512, 256, 64,
+                                                                 256, 32, 128)  # fmt: skip
+    out = tmp_path / "glm5.gguf"
+    synthesize(out, "glm-5", "q4_k", layers=4, vocab=4096, experts=16, hidden=512, heads=4)
+    types = {n: t.ggml_type.name for n, t in open_gguf(out).tensors.items()}
+    assert types["blk.3.attn_k_b.weight"] == "Q8_0" and types["blk.3.attn_v_b.weight"] == "Q4_K"
+    m = load_model(out)
+    assert m.routed_layers() == [3]
+    tok = Tokenizer.from_metadata(m.weights)
+    res = generate(
+        m, tok.encode("hello"), 6, Sampling(temperature=1.0, seed=3), tokenizer=tok, stop_ids=set()
+    )
+    assert len(set(res.tokens)) > 1
+    llama_cpp = pytest.importorskip("llama_cpp")
+    assert llama_cpp.Llama(str(out), n_ctx=64, verbose=False)("hello", max_tokens=4)["choices"][0]["text"]
