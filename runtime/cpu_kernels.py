@@ -22,7 +22,7 @@ from numba import config as numba_config
 from numba import get_num_threads, njit, prange, set_num_threads
 
 from forge.jit import enabled as numba_enabled
-from runtime.cpu_rows import dot_row, group_sums
+from runtime.cpu_rows import decode_row, dot_row, group_sums
 
 _FASTMATH = {"reassoc", "contract"}  # vectorized sums and FMA; no assumptions about NaN or infinity
 # weights (elements) from which a product is split across threads: below it, waking them costs more
@@ -80,6 +80,32 @@ def _norm_gemv(
         _gemv_parallel(xn, w, out, False, out)
     else:
         _gemv_serial(xn, w, out, False, out)
+
+
+_ROW_CHUNK = 64  # encoded rows per parallel work item (one scratch row each)
+
+
+@njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
+def _gemv_encoded(
+    x: np.ndarray, w: np.ndarray, qtype: int, res: np.ndarray, has_res: bool, out: np.ndarray
+) -> None:
+    """out[r] = (w's encoded row r of ``qtype``) . x (+ res[r]); w: (n_out, row bytes) uint8."""
+    x_sums = np.empty(x.shape[0] // 32, np.float32)
+    group_sums(x, x_sums)
+    n = w.shape[0]
+    for c in prange((n + _ROW_CHUNK - 1) // _ROW_CHUNK):
+        buf = np.empty(x.shape[0], np.float32)
+        for r in range(c * _ROW_CHUNK, min(n, (c + 1) * _ROW_CHUNK)):
+            s = dot_row(w[r], qtype, x, x_sums, buf)
+            out[r] = s + res[r] if has_res else s
+
+
+@njit(fastmath=_FASTMATH, nogil=True, cache=True)
+def _norm_gemv_encoded(
+    h: np.ndarray, norm: np.ndarray, eps: float, w: np.ndarray, qtype: int, xn: np.ndarray, out: np.ndarray
+) -> None:
+    _rms_norm(h, norm, eps, xn)
+    _gemv_encoded(xn, w, qtype, out, False, out)
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
@@ -329,6 +355,60 @@ def _shared_ffn(
         out[r] = h[r] + scale * _dot(w_down[r], act)
 
 
+# rows of one expert's matrix that one parallel work item of the batch kernel decodes (and multiplies)
+BATCH_ROWS = 16
+
+
+@njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
+def _swiglu(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
+    """SiLU(min(g, limit)) * clamp(u, -limit, limit) (DeepSeek V4's clamped SwiGLU; limit = inf: plain)."""
+    g = min(g, limit)
+    u = max(min(u, limit), -limit)
+    return _silu(g) * u
+
+
+@njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
+def _routed_ffn_batch(
+    xs: np.ndarray,
+    gate: np.ndarray,
+    up: np.ndarray,
+    down: np.ndarray,
+    meta: np.ndarray,
+    experts: np.ndarray,
+    starts: np.ndarray,
+    limit: np.float32,
+    act: np.ndarray,
+    ys: np.ndarray,
+) -> None:
+    """The routed experts of a batch over encoded experts (see ``_routed_ffn_encoded``), rows grouped by expert.
+
+    xs (R, n_embd): the routed (token, slot) rows; rows starts[g] : starts[g + 1] go to expert experts[g].
+    act (R, n_ff) receives the SwiGLU outputs, ys (R, n_embd) the down outputs (unweighted). Each weight row
+    is decoded once (``decode_row``) and multiplied with every row of its group; work items: (group, block
+    of ``BATCH_ROWS`` output rows).
+    """
+    n_groups, n_embd, n_ff = experts.shape[0], xs.shape[1], act.shape[1]
+    blocks = (n_ff + BATCH_ROWS - 1) // BATCH_ROWS
+    for item in prange(n_groups * blocks):
+        g = item // blocks
+        e, r0, r1 = experts[g], starts[g], starts[g + 1]
+        wg, wu = np.empty(n_embd, np.float32), np.empty(n_embd, np.float32)
+        for f in range((item - g * blocks) * BATCH_ROWS, min(n_ff, (item - g * blocks + 1) * BATCH_ROWS)):
+            decode_row(_encoded_row(gate, meta, 0, e, f), meta[0, 4], wg)
+            decode_row(_encoded_row(up, meta, 1, e, f), meta[1, 4], wu)
+            for r in range(r0, r1):
+                act[r, f] = _swiglu(_dot(wg, xs[r]), _dot(wu, xs[r]), limit)
+    blocks = (n_embd + BATCH_ROWS - 1) // BATCH_ROWS
+    for item in prange(n_groups * blocks):
+        g = item // blocks
+        e, r0, r1 = experts[g], starts[g], starts[g + 1]
+        wd = np.empty(n_ff, np.float32)
+        for d in range((item - g * blocks) * BATCH_ROWS, min(n_embd, (item - g * blocks + 1) * BATCH_ROWS)):
+            decode_row(_encoded_row(down, meta, 2, e, d), meta[2, 4], wd)
+            for r in range(r0, r1):
+                ys[r, d] = _dot(wd, act[r])
+
+
 class EncodedExperts:
     """A layer's routed experts as encoded rows: per part (gate, up, down) a flat uint8 buffer over its bytes
     and where expert e's row r starts in it (offset + e * expert stride + r * row stride); no bytes are copied.
@@ -372,6 +452,26 @@ def gemv(x: torch.Tensor, w: np.ndarray, residual: torch.Tensor | None = None) -
     return out
 
 
+def gemv_encoded(
+    x: torch.Tensor, w: np.ndarray, qtype: int, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``gemv`` with w's rows kept encoded: w (n_out, row bytes) uint8 of ggml type ``qtype`` (a type the row
+    kernels of ``runtime.cpu_rows`` read), each dot product taken from the bytes."""
+    out = torch.empty(1, w.shape[0])
+    o = out.numpy()[0]
+    _gemv_encoded(_vec(x), w, int(qtype), o if residual is None else _vec(residual), residual is not None, o)
+    return out
+
+
+def norm_gemv_encoded(
+    h: torch.Tensor, norm: np.ndarray, eps: float, w: np.ndarray, qtype: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``norm_gemv`` with w's rows kept encoded (see ``gemv_encoded``)."""
+    xn, out = torch.empty(1, h.shape[-1]), torch.empty(1, w.shape[0])
+    _norm_gemv_encoded(_vec(h), norm, eps, w, int(qtype), xn.numpy()[0], out.numpy()[0])
+    return xn, out
+
+
 def norm_gemv(
     h: torch.Tensor, norm: np.ndarray, eps: float, w: np.ndarray
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -398,6 +498,31 @@ def routed_ffn_encoded(
         out.numpy()[0],
     )
     return out, act
+
+
+def routed_ffn_batch(
+    xs: torch.Tensor,
+    experts: torch.Tensor,
+    starts: torch.Tensor,
+    records: EncodedExperts,
+    limit: float | None,
+    act: torch.Tensor,
+    ys: torch.Tensor,
+) -> None:
+    """A batch's routed rows over encoded experts, grouped by expert: rows ``starts[g] : starts[g + 1]`` of
+    xs (R, n_embd) go to expert ``experts[g]`` (an index along the records' first axis); fills those rows of
+    act (R, n_ff) with the SwiGLU outputs (clamped at ``limit`` if set) and of ys (R, n_embd) with the
+    experts' (unweighted) outputs. See ``_routed_ffn_batch``."""
+    _routed_ffn_batch(
+        xs.numpy(),
+        *records.buffers,
+        records.meta,
+        _ids(experts),
+        _ids(starts),
+        np.float32(np.inf if limit is None else limit),
+        act.numpy(),
+        ys.numpy(),
+    )
 
 
 def routed_ffn(
@@ -492,8 +617,11 @@ def cached_on_disk() -> bool:
         _gemv_serial,
         _gemv_parallel,
         _norm_gemv,
+        _gemv_encoded,
+        _norm_gemv_encoded,
         _routed_ffn,
         _routed_ffn_encoded,
+        _routed_ffn_batch,
         _attention_step,
         _deltanet_step,
         _shared_ffn,
@@ -526,4 +654,11 @@ def warm_up() -> None:
     )  # fmt: skip
     shared_ffn(one, np.ones((65, 64), np.float32), np.ones((64, 32), np.float32), one)
     experts = np.zeros((4, 64, 256), np.uint8)  # float32 rows (type 0) of 64 values
-    routed_ffn_encoded(one, ids, weights, EncodedExperts(experts, 0, experts, 0, experts, 0), one)
+    gemv_encoded(one, experts[0], 0, one)
+    norm_gemv_encoded(one, rows[0], 1e-6, experts[0], 0)
+    encoded = EncodedExperts(experts, 0, experts, 0, experts, 0)
+    routed_ffn_encoded(one, ids, weights, encoded, one)
+    batch = torch.ones(2, 64)
+    routed_ffn_batch(
+        batch, ids, torch.tensor([0, 1, 2]), encoded, None, torch.empty(2, 64), torch.empty(2, 64)
+    )

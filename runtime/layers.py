@@ -12,10 +12,13 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
+from forge import ggml_types
 from runtime import cpu_kernels
 from runtime.backends import cuda_kernels
 from runtime.observers import Observer, notify_matmul
-from runtime.weights import Weights
+from runtime.weights import Weights, dequantize
+
+_DECODE_CHUNK_ELEMS = 1 << 22  # weights decoded at once by a batch product on encoded CPU rows
 
 # ggml's CPU matmul first converts the activations to the weight type's "vec_dot" type; with
 # ``ggml_numerics`` the runtime rounds activations the same way, to reproduce llama.cpp's figures closely.
@@ -83,21 +86,45 @@ def _cuda_encoded(
     return weights.cuda_stack(names, order)
 
 
+def _cpu_encoded(weights: Weights, name: str) -> tuple[np.ndarray, Q] | None:
+    """A 2-D weight's file rows (mapped, not copied) and type, when the compiled CPU kernels read its type
+    from the bytes and no ggml numerics are asked for; else None."""
+    if not weights.cpu_kernels or weights.ggml_numerics or not hasattr(weights, "raw"):
+        return None
+    qtype = weights.qtype(name)
+    if len(weights.shape(name)) != 2 or qtype == Q.F32 or not ggml_types.supports("cpu_rows", qtype):
+        return None
+    return weights.raw(name).numpy(), qtype
+
+
 class Linear:
     """x @ W.T for a weight decoded at load (on CUDA, for the types the kernels decode: kept as the file
-    bytes, and decoded to float32 only if a caller asks for ``weight``), reporting its input to the observers."""
+    bytes, and decoded to float32 only if a caller asks for ``weight``), reporting its input to the observers.
 
-    def __init__(self, weights: Weights, name: str, observers: list[Observer]) -> None:
+    ``keep_encoded``: on the CPU too, keep the file rows when the compiled kernels read their type (one
+    token: dot products from the bytes; a batch: decoded in row chunks per call). For the LM head, whose
+    float32 copy would be 7x its Q4_K bytes and read whole at every token."""
+
+    def __init__(
+        self, weights: Weights, name: str, observers: list[Observer], keep_encoded: bool = False
+    ) -> None:
         self.name, self.observers = name, observers
         self.encoded = _cuda_encoded(weights, [name])  # (file bytes on the GPU, type) for the cuda kernels
+        self.cpu_encoded = _cpu_encoded(weights, name) if keep_encoded and self.encoded is None else None
         self._weights, self._weight_t = weights, None
-        if self.encoded is None:
+        if self.encoded is None and self.cpu_encoded is None:
             # held transposed ((n_in, n_out) contiguous; ``weight`` is the (n_out, n_in) view): faster for one
             # token on CPU. A one-output projection may be stored 1-D (ffn_gate_inp_shexp): one row.
             self.weight_t = weights.columns([name])
-        self.n_out = self.encoded[0].shape[0] if self.encoded is not None else self.weight.shape[0]
+        if self.encoded is not None:
+            self.n_out = self.encoded[0].shape[0]
+        elif self.cpu_encoded is not None:
+            self.n_out = self.cpu_encoded[0].shape[0]
+        else:
+            self.n_out = self.weight.shape[0]
         self.rounding = ggml_input_rounding(weights.qtype(name)) if weights.ggml_numerics else None
-        self.rows = self.weight.numpy() if weights.cpu_kernels else None  # for the compiled one-token path
+        # float32 rows for the compiled one-token path
+        self.rows = self.weight.numpy() if weights.cpu_kernels and self.cpu_encoded is None else None
 
     @property
     def weight_t(self) -> torch.Tensor:
@@ -124,7 +151,22 @@ class Linear:
             x = self.rounding(x)
         if self.encoded is not None:
             return cuda_kernels.linear(x, *self.encoded)
+        if self.cpu_encoded is not None:
+            return self._encoded_batch(x)
         return F.linear(x, self.weight)
+
+    def _encoded_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., n_in) @ W.T with W's rows decoded a chunk at a time (memory stays bounded)."""
+        raw, qtype = self.cpu_encoded  # type: ignore[misc]
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] == 1:
+            return cpu_kernels.gemv_encoded(x2, raw, qtype).view(*x.shape[:-1], -1)
+        out = x2.new_empty(x2.shape[0], raw.shape[0])
+        step = max(1, _DECODE_CHUNK_ELEMS // x2.shape[-1])
+        for r0 in range(0, raw.shape[0], step):
+            rows = dequantize(torch.from_numpy(raw[r0 : r0 + step]), qtype, x2.shape[-1])
+            torch.mm(x2, rows.T, out=out[:, r0 : r0 + rows.shape[0]])
+        return out.view(*x.shape[:-1], -1)
 
     def step(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """One token (no ggml numerics): x (1, n_in) -> (1, n_out), plus ``residual`` (1, n_out) if given."""
@@ -132,6 +174,8 @@ class Linear:
             notify_matmul(self.observers, self.name, x)
         if self.rows is not None:
             return cpu_kernels.gemv(x, self.rows, residual)
+        if self.cpu_encoded is not None:
+            return cpu_kernels.gemv_encoded(x, *self.cpu_encoded, residual)
         if self.encoded is not None:
             y = cuda_kernels.linear(x, *self.encoded)
             return y if residual is None else y.add_(residual)
@@ -145,6 +189,11 @@ class Linear:
         self, h: torch.Tensor, norm: torch.Tensor, eps: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``normed_step``, also returning its input rms_norm(h) * norm."""
+        if self.cpu_encoded is not None:
+            x, y = cpu_kernels.norm_gemv_encoded(h, norm.numpy(), float(eps), *self.cpu_encoded)
+            if self.observers:
+                notify_matmul(self.observers, self.name, x)
+            return x, y
         if self.rows is None:
             x = rms_norm_row(h, norm, eps)
             return x, self.step(x)
