@@ -91,6 +91,17 @@ def test_layers_dense_routed_and_mtp(glm) -> None:
     assert m.blocks[0].ffn.dense is not None and m.blocks[1].ffn.shared is not None
 
 
+def test_glm_dsa_default_indexer_types() -> None:
+    """llama.cpp's defaults without the KV (GLM_5_2_DEFAULT_INDEXER_TYPES past a 1M context)."""
+    from runtime.models.glm_dsa import default_indexer_types
+
+    assert default_indexer_types(202752, 78) == [True] * 78
+    glm52 = default_indexer_types(1048576, 78)
+    assert (
+        glm52[:10] == [True, True, True, False, False, False, True, False, False, False] and sum(glm52) == 21
+    )
+
+
 def test_glm_dsa_layers(glm) -> None:
     m = load_model(glm("dsa")[1])
     assert m.n_layer == 3 and m.routed_layers() == [1, 2]

@@ -14,6 +14,14 @@ from runtime.observers import Observer
 from runtime.weights import Weights
 
 
+def default_indexer_types(n_ctx_train: int, n_layer: int) -> list[bool]:
+    """llama.cpp's choice for a file without ``attention.indexer.types``: every layer runs its indexer (GLM-5,
+    5.1), unless the context is of a million tokens or more (GLM-5.2: two, then one layer in four)."""
+    if n_ctx_train < 1048576:
+        return [True] * n_layer
+    return [i < 2 or (i - 2) % 4 == 0 for i in range(n_layer)]
+
+
 class GlmDsaBlock:
     def __init__(
         self, weights: Weights, layer: int, eps: float, n_used: int, observers: list[Observer], selection: Selection,
@@ -39,7 +47,9 @@ class GlmDsaModel(MoeCausalLM):
         super().__init__(weights, observers)
         self.n_layer -= int(weights.hparam("nextn_predict_layers", 0))  # the MTP block is not run
         self.fast_decode = False
-        types = list(weights.hparam("attention.indexer.types", [True] * self.n_layer))
+        types = list(
+            weights.hparam("attention.indexer.types", default_indexer_types(self.n_ctx_train, self.n_layer))
+        )
         selection = Selection()
         self.blocks = [
             GlmDsaBlock(weights, i, self.eps, self.n_expert_used, self.observers, selection, bool(types[i]))
