@@ -281,3 +281,25 @@ def test_cli_dry_run_json_is_the_plan(tmp_path: Path) -> None:
     assert printed["blk.3.attn_output.weight"] == "Q5_K"
     assert printed["blk.0.ffn_down_exps.weight"] == printed["blk.0.ffn_down_shexp.weight"] == "Q4_K"
     assert printed["blk.0.ffn_gate_exps.weight"] == "Q3_K"
+
+
+def test_glm5_tensor_set_is_the_converters(tmp_path: Path) -> None:
+    """The glm-5 rows' file holds the tensors (names, shapes, types) llama.cpp's converter writes, checked at the
+    tiny GLM-5 fixture's widths with every layer running its indexer, through forge convert (byte-identical to
+    llama.cpp's converter on the shipped tiny-glm-dsa manifests)."""
+    from glm_fixture import write_glm_dsa
+
+    from forge.convert import convert_checkpoint
+    from forge.gguf_file import open_gguf
+
+    src = write_glm_dsa(tmp_path / "tiny-glm-dsa", indexer_types=["full"] * 3)
+    convert_checkpoint(src, tmp_path / "m.gguf", "bf16")
+    theirs = {n: (t.ggml_type.name, list(t.shape)) for n, t in open_gguf(tmp_path / "m.gguf").tensors.items()}
+    g = tpo.GlmDsaGeometry("tiny", "glm-dsa", 3, 4, 4, 16, 16, 4, mtp=1, dense_lead=1, dense_ff=512, expert_ff=256,
+                           q_lora=256, kv_lora=256, rope_dim=32, nope_dim=64, v_dim=64, index_heads=4, index_dim=64)  # fmt: skip
+    kvs, specs = tpo.model(g)
+    ours = {s.name: (s.ggml_type.name, list(s.shape)) for s in specs}
+    vocab = {"token_embd.weight", "output.weight"}  # the fixture's vocabulary is larger
+    assert {n: v for n, v in ours.items() if n not in vocab} == {
+        n: v for n, v in theirs.items() if n not in vocab
+    }
