@@ -61,7 +61,7 @@ from forge.imatrix.model import Imatrix  # noqa: E402
 from forge.quant.plan import is_quantizable, make_plan  # noqa: E402
 from forge.quant.recipe import available_recipes, load_recipe  # noqa: E402
 from forge.quant.source import GGUFQuantSource, SrcTensor, source_ref  # noqa: E402
-from runtime.synth import SynthGeometry, compress_ratios, synth_tensors, tokenizer_kvs  # noqa: E402
+from runtime.synth import SynthGeometry, compress_ratios, glm_block, synth_tensors, tokenizer_kvs  # noqa: E402
 from runtime.synth import _kvs as qwen3moe_kvs  # noqa: E402
 
 HIDDEN, EXPERT_FF, VOCAB = 256, 256, 512
@@ -248,13 +248,8 @@ def qwen35moe_model(g: Geometry) -> tuple[list[KV], list[TensorSpec]]:
                 TensorSpec(p + "attn_q_norm.weight", (hd,), f32),
                 TensorSpec(p + "attn_k_norm.weight", (hd,), f32),
             ]
-        if i >= g.layers:  # the MTP block (llama.cpp's NextN names)
-            layer += [
-                TensorSpec(p + "nextn.eh_proj.weight", (h, 2 * h), bf),
-                TensorSpec(p + "nextn.enorm.weight", (h,), f32),
-                TensorSpec(p + "nextn.hnorm.weight", (h,), f32),
-                TensorSpec(p + "nextn.shared_head_norm.weight", (h,), f32),
-            ]
+        if i >= g.layers:  # the MTP block
+            layer += _nextn(p, h)
         specs += sorted(layer, key=lambda s: s.name)
     if not g.tied:
         specs.append(TensorSpec("output.weight", (VOCAB, h), bf))
@@ -294,54 +289,44 @@ def qwen35moe_model(g: Geometry) -> tuple[list[KV], list[TensorSpec]]:
     return kvs + tokenizer_kvs(VOCAB), specs
 
 
+def _nextn(p: str, h: int) -> list[TensorSpec]:
+    """The MTP block's own tensors (llama.cpp's NextN names) as the converters write them."""
+    return [
+        TensorSpec(p + "nextn.eh_proj.weight", (h, 2 * h), Q.BF16),
+        TensorSpec(p + "nextn.enorm.weight", (h,), Q.F32),
+        TensorSpec(p + "nextn.hnorm.weight", (h,), Q.F32),
+        TensorSpec(p + "nextn.shared_head_norm.weight", (h,), Q.F32),
+    ]
+
+
+def _glm_specs(g: GlmGeometry) -> list[TensorSpec]:
+    """The converters' glm4moe / glm-dsa tensors in bf16: runtime.synth's blocks, the MTP block's NextN ones."""
+    if isinstance(g, GlmDsaGeometry):
+        head_dim = g.nope_dim + g.rope_dim
+        mla = {
+            k: getattr(g, k) for k in ("q_lora", "kv_lora", "rope_dim", "v_dim", "index_heads", "index_dim")
+        }
+    else:
+        head_dim, mla = _head_dim(g), {}
+    sg = SynthGeometry(g.block_count, g.experts, g.experts_used, g.hidden, g.expert_ff, g.heads, g.kv_heads,
+                       head_dim, VOCAB, arch=g.arch, dense_lead=g.dense_lead, dense_ff=g.dense_ff,
+                       qk_norm=g.qk_norm, **mla)  # fmt: skip
+    h = g.hidden
+    specs = [
+        TensorSpec("output.weight", (VOCAB, h), Q.BF16),
+        TensorSpec("token_embd.weight", (VOCAB, h), Q.BF16),
+    ]
+    for i in range(g.block_count):
+        block = glm_block(sg, i, Q.BF16)
+        specs += sorted(block + _nextn(f"blk.{i}.", h), key=lambda s: s.name) if i >= g.layers else block
+    specs.append(TensorSpec("output_norm.weight", (h,), Q.F32))
+    return specs
+
+
 def glm4moe_model(g: GlmGeometry) -> tuple[list[KV], list[TensorSpec]]:
     """llama.cpp's glm4moe tensor set (as forge convert and convert_hf_to_gguf.py write it)."""
-    h, hd, ff, bf, f32 = g.hidden, _head_dim(g), g.expert_ff, Q.BF16, Q.F32
-    specs = [TensorSpec("output.weight", (VOCAB, h), bf), TensorSpec("token_embd.weight", (VOCAB, h), bf)]
-    for i in range(g.block_count):
-        p = f"blk.{i}."
-        layer = [
-            TensorSpec(p + "attn_norm.weight", (h,), f32),
-            TensorSpec(p + "post_attention_norm.weight", (h,), f32),
-            TensorSpec(p + "attn_q.weight", (g.heads * hd, h), bf),
-            TensorSpec(p + "attn_k.weight", (g.kv_heads * hd, h), bf),
-            TensorSpec(p + "attn_v.weight", (g.kv_heads * hd, h), bf),
-            TensorSpec(p + "attn_q.bias", (g.heads * hd,), f32),
-            TensorSpec(p + "attn_k.bias", (g.kv_heads * hd,), f32),
-            TensorSpec(p + "attn_v.bias", (g.kv_heads * hd,), f32),
-            TensorSpec(p + "attn_output.weight", (h, g.heads * hd), bf),
-        ]
-        if g.qk_norm:
-            layer += [
-                TensorSpec(p + "attn_q_norm.weight", (hd,), f32),
-                TensorSpec(p + "attn_k_norm.weight", (hd,), f32),
-            ]
-        if i < g.dense_lead:
-            layer += [
-                TensorSpec(p + "ffn_gate.weight", (g.dense_ff, h), bf),
-                TensorSpec(p + "ffn_up.weight", (g.dense_ff, h), bf),
-                TensorSpec(p + "ffn_down.weight", (h, g.dense_ff), bf),
-            ]
-        else:
-            layer += [
-                TensorSpec(p + "ffn_gate_inp.weight", (g.experts, h), f32),
-                TensorSpec(p + "exp_probs_b.bias", (g.experts,), f32),
-                TensorSpec(p + "ffn_gate_exps.weight", (g.experts, ff, h), bf),
-                TensorSpec(p + "ffn_up_exps.weight", (g.experts, ff, h), bf),
-                TensorSpec(p + "ffn_down_exps.weight", (g.experts, h, ff), bf),
-                TensorSpec(p + "ffn_gate_shexp.weight", (ff, h), bf),
-                TensorSpec(p + "ffn_up_shexp.weight", (ff, h), bf),
-                TensorSpec(p + "ffn_down_shexp.weight", (h, ff), bf),
-            ]
-        if i >= g.layers:  # the NextN/MTP block
-            layer += [
-                TensorSpec(p + "nextn.eh_proj.weight", (h, 2 * h), bf),
-                TensorSpec(p + "nextn.enorm.weight", (h,), f32),
-                TensorSpec(p + "nextn.hnorm.weight", (h,), f32),
-                TensorSpec(p + "nextn.shared_head_norm.weight", (h,), f32),
-            ]
-        specs += sorted(layer, key=lambda s: s.name)
-    specs.append(TensorSpec("output_norm.weight", (h,), f32))
+    h, hd, ff = g.hidden, _head_dim(g), g.expert_ff
+    specs = _glm_specs(g)
     a, u, f = "glm4moe.", GGUFValueType.UINT32, GGUFValueType.FLOAT32
     kvs = [
         KV("general.architecture", "glm4moe", GGUFValueType.STRING),
@@ -497,51 +482,8 @@ GEOMETRIES["glm-5"] = GlmDsaGeometry(
 
 def glm_dsa_model(g: GlmDsaGeometry) -> tuple[list[KV], list[TensorSpec]]:
     """llama.cpp's glm-dsa tensor set (as forge convert and convert_hf_to_gguf.py write it)."""
-    h, ff, bf, f32, nh = g.hidden, g.expert_ff, Q.BF16, Q.F32, g.heads
-    specs = [TensorSpec("output.weight", (VOCAB, h), bf), TensorSpec("token_embd.weight", (VOCAB, h), bf)]
-    for i in range(g.block_count):
-        p = f"blk.{i}."
-        layer = [
-            TensorSpec(p + "attn_norm.weight", (h,), f32),
-            TensorSpec(p + "ffn_norm.weight", (h,), f32),
-            TensorSpec(p + "attn_q_a.weight", (g.q_lora, h), bf),
-            TensorSpec(p + "attn_q_a_norm.weight", (g.q_lora,), f32),
-            TensorSpec(p + "attn_q_b.weight", (nh * (g.nope_dim + g.rope_dim), g.q_lora), bf),
-            TensorSpec(p + "attn_kv_a_mqa.weight", (g.kv_lora + g.rope_dim, h), bf),
-            TensorSpec(p + "attn_kv_a_norm.weight", (g.kv_lora,), f32),
-            TensorSpec(p + "attn_k_b.weight", (nh, g.kv_lora, g.nope_dim), bf),
-            TensorSpec(p + "attn_v_b.weight", (nh, g.v_dim, g.kv_lora), bf),
-            TensorSpec(p + "attn_output.weight", (h, nh * g.v_dim), bf),
-            TensorSpec(p + "indexer.attn_q_b.weight", (g.index_heads * g.index_dim, g.q_lora), bf),
-            TensorSpec(p + "indexer.attn_k.weight", (g.index_dim, h), bf),
-            TensorSpec(p + "indexer.k_norm.weight", (g.index_dim,), f32),
-            TensorSpec(p + "indexer.k_norm.bias", (g.index_dim,), f32),
-            TensorSpec(p + "indexer.proj.weight", (g.index_heads, h), f32),
-        ]
-        if i < g.dense_lead:
-            layer += [TensorSpec(p + "ffn_gate.weight", (g.dense_ff, h), bf),
-                      TensorSpec(p + "ffn_up.weight", (g.dense_ff, h), bf),
-                      TensorSpec(p + "ffn_down.weight", (h, g.dense_ff), bf)]  # fmt: skip
-        else:
-            layer += [
-                TensorSpec(p + "ffn_gate_inp.weight", (g.experts, h), f32),
-                TensorSpec(p + "exp_probs_b.bias", (g.experts,), f32),
-                TensorSpec(p + "ffn_gate_exps.weight", (g.experts, ff, h), bf),
-                TensorSpec(p + "ffn_up_exps.weight", (g.experts, ff, h), bf),
-                TensorSpec(p + "ffn_down_exps.weight", (g.experts, h, ff), bf),
-                TensorSpec(p + "ffn_gate_shexp.weight", (ff, h), bf),
-                TensorSpec(p + "ffn_up_shexp.weight", (ff, h), bf),
-                TensorSpec(p + "ffn_down_shexp.weight", (h, ff), bf),
-            ]
-        if i >= g.layers:  # the NextN/MTP block
-            layer += [
-                TensorSpec(p + "nextn.eh_proj.weight", (h, 2 * h), bf),
-                TensorSpec(p + "nextn.enorm.weight", (h,), f32),
-                TensorSpec(p + "nextn.hnorm.weight", (h,), f32),
-                TensorSpec(p + "nextn.shared_head_norm.weight", (h,), f32),
-            ]
-        specs += sorted(layer, key=lambda s: s.name)
-    specs.append(TensorSpec("output_norm.weight", (h,), f32))
+    h, ff, nh = g.hidden, g.expert_ff, g.heads
+    specs = _glm_specs(g)
     a, u, f = "glm-dsa.", GGUFValueType.UINT32, GGUFValueType.FLOAT32
     kvs = [
         KV("general.architecture", "glm-dsa", GGUFValueType.STRING),

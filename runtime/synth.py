@@ -354,7 +354,9 @@ def _kvs(g: SynthGeometry, name: str) -> list[KV]:
     ]
 
 
-def _glm_layer(g: SynthGeometry, i: int, qtype: Q) -> list[TensorSpec]:
+def glm_block(g: SynthGeometry, i: int, qtype: Q) -> list[TensorSpec]:
+    """Block ``i`` of a glm4moe / glm-dsa model, sorted by name: matrices in ``qtype`` (Q8_0 where a row is
+    not a whole number of its blocks; a bf16 file's are all bf16), router, norms and biases in F32."""
     h, q_rows, kv_rows, p = g.hidden, g.heads * g.head_dim, g.kv_heads * g.head_dim, f"blk.{i}."
     whole = GGML_QUANT_SIZES[qtype][0]
 
@@ -470,7 +472,7 @@ def synth_tensors(g: SynthGeometry, qtype: Q) -> list[TensorSpec]:
                 TensorSpec("output_norm.weight", (h,), Q.F32)]  # fmt: skip
     if g.arch in ("glm4moe", "glm-dsa"):
         return [TensorSpec("token_embd.weight", (g.vocab, g.hidden), qtype),
-                *(s for i in range(g.layers) for s in _glm_layer(g, i, qtype)),
+                *(s for i in range(g.layers) for s in glm_block(g, i, qtype)),
                 TensorSpec("output.weight", (g.vocab, g.hidden), qtype),
                 TensorSpec("output_norm.weight", (g.hidden,), Q.F32)]  # fmt: skip
     h, q_rows, kv_rows = g.hidden, g.heads * g.head_dim, g.kv_heads * g.head_dim
