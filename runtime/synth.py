@@ -85,75 +85,19 @@ GEOMETRIES = {
     "qwen3.6-35b-a3b": SynthGeometry(40, 256, 8, 2048, 512, 16, 2, 256, 248320),
     "qwen3-30b-a3b": SynthGeometry(48, 128, 8, 2048, 768, 32, 4, 128, 151936),
     # zai-org's config.json: GLM-4.5-Air 106B-A12B; GLM-4.6 355B-A32B (= GLM-4.5, GLM-4.7)
-    "glm-4.5-air": SynthGeometry(
-        46, 128, 8, 4096, 1408, 96, 8, 128, 151552, 131072, "glm4moe", 1, 10944, False
-    ),
+    "glm-4.5-air": SynthGeometry(46, 128, 8, 4096, 1408, 96, 8, 128, 151552, 131072, "glm4moe", 1, 10944, False),
     "glm-4.6": SynthGeometry(92, 160, 8, 5120, 1536, 96, 8, 128, 151552, 202752, "glm4moe", 3, 12288, True),
     # zai-org's GLM-5 config.json (= GLM-5.1): MLA + DSA indexer, 744B-A40B
-    "glm-5": SynthGeometry(
-        78,
-        256,
-        8,
-        6144,
-        2048,
-        64,
-        1,
-        256,
-        154880,
-        202752,
-        "glm-dsa",
-        3,
-        12288,
-        False,
-        q_lora=2048,
-        index_heads=32,
-        index_dim=128,
-        kv_lora=512,
-        rope_dim=64,
-        v_dim=256,
-    ),  # fmt: skip
+    "glm-5": SynthGeometry(78, 256, 8, 6144, 2048, 64, 1, 256, 154880, 202752, "glm-dsa", 3, 12288, False,
+                           q_lora=2048, index_heads=32, index_dim=128, kv_lora=512, rope_dim=64, v_dim=256),
     # deepseek-ai's config.json: DeepSeek-V4-Flash 284B-A13B, DeepSeek-V4-Pro 1.6T-A49B
-    "deepseek-v4-flash": SynthGeometry(
-        43,
-        256,
-        6,
-        4096,
-        2048,
-        64,
-        1,
-        512,
-        129280,
-        1048576,
-        "deepseek4",
-        q_lora=1024,
-        o_groups=8,
-        o_lora=1024,
-        hash_layers=3,
-        index_heads=64,
-        index_dim=128,
-        ratios="flash",
-    ),
-    "deepseek-v4-pro": SynthGeometry(
-        61,
-        384,
-        6,
-        7168,
-        3072,
-        128,
-        1,
-        512,
-        129280,
-        1048576,
-        "deepseek4",
-        q_lora=1536,
-        o_groups=16,
-        o_lora=1024,
-        hash_layers=3,
-        index_heads=64,
-        index_dim=128,
-        ratios="pro",
-    ),
-}
+    "deepseek-v4-flash": SynthGeometry(43, 256, 6, 4096, 2048, 64, 1, 512, 129280, 1048576, "deepseek4",
+                                       q_lora=1024, o_groups=8, o_lora=1024, hash_layers=3, index_heads=64,
+                                       index_dim=128, ratios="flash"),
+    "deepseek-v4-pro": SynthGeometry(61, 384, 6, 7168, 3072, 128, 1, 512, 129280, 1048576, "deepseek4",
+                                     q_lora=1536, o_groups=16, o_lora=1024, hash_layers=3, index_heads=64,
+                                     index_dim=128, ratios="pro"),
+}  # fmt: skip
 
 
 def compress_ratios(schedule: str, layers: int) -> list[int]:
@@ -215,143 +159,144 @@ class _BlockPool:
         return write
 
 
-def _glm_dsa_kvs(g: SynthGeometry, name: str) -> list[KV]:
-    a, u, f = "glm-dsa.", GGUFValueType.UINT32, GGUFValueType.FLOAT32
+def _vtypes(value: Any) -> tuple[GGUFValueType, ...]:
+    """GGUF value type (and item type) of a KV value: bool, int (UINT32), float (FLOAT32), str, or a list of
+    floats (FLOAT32) or ints (INT32)."""
+    if isinstance(value, list):
+        return GGUFValueType.ARRAY, GGUFValueType.FLOAT32 if isinstance(
+            value[0], float
+        ) else GGUFValueType.INT32
+    if isinstance(value, bool):
+        return (GGUFValueType.BOOL,)
+    if isinstance(value, int):
+        return (GGUFValueType.UINT32,)
+    return (GGUFValueType.FLOAT32,) if isinstance(value, float) else (GGUFValueType.STRING,)
+
+
+def _arch_kvs(g: SynthGeometry, name: str, keys: dict[str, Any]) -> list[KV]:
+    """general.architecture and .name, then ``<arch>.<key>`` for block_count, context_length, embedding_length and
+    ``keys``, in that order."""
+    head = {"block_count": g.layers, "context_length": g.context, "embedding_length": g.hidden}
     return [
-        KV("general.architecture", "glm-dsa", GGUFValueType.STRING),
+        KV("general.architecture", g.arch, GGUFValueType.STRING),
         KV("general.name", f"synthetic {name} (random weights)", GGUFValueType.STRING),
-        KV(a + "block_count", g.layers, u),
-        KV(a + "context_length", g.context, u),
-        KV(a + "embedding_length", g.hidden, u),
-        KV(a + "feed_forward_length", g.dense_ff, u),
-        KV(a + "attention.head_count", g.heads, u),
-        KV(a + "attention.head_count_kv", 1, u),
-        KV(a + "rope.freq_base", 1e6, f),
-        KV(a + "attention.layer_norm_rms_epsilon", 1e-5, f),
-        KV(a + "expert_count", g.experts, u),
-        KV(a + "expert_used_count", g.experts_used, u),
-        KV(a + "expert_gating_func", 2, u),
-        KV(a + "attention.key_length", g.kv_lora + g.rope_dim, u),
-        KV(a + "attention.value_length", g.kv_lora, u),
-        KV(a + "leading_dense_block_count", g.dense_lead, u),
-        KV(a + "attention.q_lora_rank", g.q_lora, u),
-        KV(a + "attention.kv_lora_rank", g.kv_lora, u),
-        KV(a + "attention.key_length_mla", g.head_dim, u),
-        KV(a + "attention.value_length_mla", g.v_dim, u),
-        KV(a + "expert_feed_forward_length", g.expert_ff, u),
-        KV(a + "expert_shared_count", 1, u),
-        KV(a + "expert_weights_scale", 2.5, f),
-        KV(a + "expert_weights_norm", True, GGUFValueType.BOOL),
-        KV(a + "rope.dimension_count", g.rope_dim, u),
-        KV(a + "attention.indexer.head_count", g.index_heads, u),
-        KV(a + "attention.indexer.key_length", g.index_dim, u),
-        KV(a + "attention.indexer.top_k", 2048, u),
+        *(KV(f"{g.arch}.{key}", v, *_vtypes(v)) for key, v in {**head, **keys}.items()),
     ]
 
 
-def _glm_kvs(g: SynthGeometry, name: str) -> list[KV]:
-    if g.arch == "glm-dsa":
-        return _glm_dsa_kvs(g, name)
-    a, u, f = "glm4moe.", GGUFValueType.UINT32, GGUFValueType.FLOAT32
-    return [
-        KV("general.architecture", "glm4moe", GGUFValueType.STRING),
-        KV("general.name", f"synthetic {name} (random weights)", GGUFValueType.STRING),
-        KV(a + "block_count", g.layers, u),
-        KV(a + "context_length", g.context, u),
-        KV(a + "embedding_length", g.hidden, u),
-        KV(a + "feed_forward_length", g.dense_ff, u),
-        KV(a + "attention.head_count", g.heads, u),
-        KV(a + "attention.head_count_kv", g.kv_heads, u),
-        KV(a + "attention.key_length", g.head_dim, u),
-        KV(a + "attention.value_length", g.head_dim, u),
-        KV(a + "attention.layer_norm_rms_epsilon", 1e-5, f),
-        KV(a + "rope.freq_base", 1e6, f),
-        KV(a + "rope.dimension_count", g.head_dim // 2, u),
-        KV(a + "expert_count", g.experts, u),
-        KV(a + "expert_used_count", g.experts_used, u),
-        KV(a + "expert_feed_forward_length", g.expert_ff, u),
-        KV(a + "expert_shared_count", 1, u),
-        KV(a + "leading_dense_block_count", g.dense_lead, u),
-        KV(a + "expert_gating_func", 2, u),
-        KV(a + "expert_weights_scale", 1.0, f),
-        KV(a + "expert_weights_norm", True, GGUFValueType.BOOL),
-    ]
+def _glm_dsa_keys(g: SynthGeometry) -> dict[str, Any]:
+    return {
+        "feed_forward_length": g.dense_ff,
+        "attention.head_count": g.heads,
+        "attention.head_count_kv": 1,
+        "rope.freq_base": 1e6,
+        "attention.layer_norm_rms_epsilon": 1e-5,
+        "expert_count": g.experts,
+        "expert_used_count": g.experts_used,
+        "expert_gating_func": 2,
+        "attention.key_length": g.kv_lora + g.rope_dim,
+        "attention.value_length": g.kv_lora,
+        "leading_dense_block_count": g.dense_lead,
+        "attention.q_lora_rank": g.q_lora,
+        "attention.kv_lora_rank": g.kv_lora,
+        "attention.key_length_mla": g.head_dim,
+        "attention.value_length_mla": g.v_dim,
+        "expert_feed_forward_length": g.expert_ff,
+        "expert_shared_count": 1,
+        "expert_weights_scale": 2.5,
+        "expert_weights_norm": True,
+        "rope.dimension_count": g.rope_dim,
+        "attention.indexer.head_count": g.index_heads,
+        "attention.indexer.key_length": g.index_dim,
+        "attention.indexer.top_k": 2048,
+    }
 
 
-def _deepseek4_kvs(g: SynthGeometry, name: str) -> list[KV]:
-    a, u, f, hc = "deepseek4.", GGUFValueType.UINT32, GGUFValueType.FLOAT32, HC_STREAMS
-    return [
-        KV("general.architecture", "deepseek4", GGUFValueType.STRING),
-        KV("general.name", f"synthetic {name} (random weights)", GGUFValueType.STRING),
-        KV(a + "block_count", g.layers, u),
-        KV(a + "context_length", g.context, u),
-        KV(a + "embedding_length", g.hidden, u),
-        KV(a + "attention.head_count", g.heads, u),
-        KV(a + "attention.head_count_kv", 1, u),
-        KV(a + "rope.scaling.type", "yarn", GGUFValueType.STRING),
-        KV(a + "rope.scaling.factor", 16.0, f),
-        KV(a + "rope.scaling.original_context_length", 65536, u),
-        KV(a + "rope.scaling.yarn_beta_fast", 32.0, f),
-        KV(a + "rope.scaling.yarn_beta_slow", 1.0, f),
-        KV(a + "rope.freq_base", 10000.0, f),
-        KV(a + "attention.layer_norm_rms_epsilon", 1e-6, f),
-        KV(a + "expert_count", g.experts, u),
-        KV(a + "expert_used_count", g.experts_used, u),
-        KV(a + "expert_gating_func", 4, u),  # sqrtsoftplus
-        KV(a + "attention.key_length", g.head_dim, u),
-        KV(a + "attention.value_length", g.head_dim, u),
-        KV(a + "rope.dimension_count", min(64, g.head_dim), u),
-        KV(a + "attention.q_lora_rank", g.q_lora, u),
-        KV(a + "attention.sliding_window", 128, u),
-        KV(a + "expert_feed_forward_length", g.expert_ff, u),
-        KV(a + "expert_shared_count", 1, u),
-        KV(a + "expert_weights_scale", 1.5, f),
-        KV(a + "expert_weights_norm", True, GGUFValueType.BOOL),
-        KV(a + "swiglu_clamp_exp", [10.0] * g.layers, GGUFValueType.ARRAY, f),
-        KV(a + "swiglu_clamp_shexp", [10.0] * g.layers, GGUFValueType.ARRAY, f),
-        KV(a + "attention.indexer.head_count", g.index_heads, u),
-        KV(a + "attention.indexer.key_length", g.index_dim, u),
-        KV(a + "attention.indexer.top_k", 512, u),
-        KV(a + "attention.output_group_count", g.o_groups, u),
-        KV(a + "attention.output_lora_rank", g.o_lora, u),
-        KV(
-            a + "attention.compress_ratios",
-            compress_ratios(g.ratios, g.layers),
-            GGUFValueType.ARRAY,
-            GGUFValueType.INT32,
-        ),
-        KV(a + "attention.compress_rope_freq_base", 160000.0, f),
-        KV(a + "hyper_connection.count", hc, u),
-        KV(a + "hyper_connection.sinkhorn_iterations", 20, u),
-        KV(a + "hyper_connection.epsilon", 1e-6, f),
-        KV(a + "hash_layer_count", g.hash_layers, u),
-        KV(a + "embedding_length_out", hc * g.hidden, u),
-    ]
+def _gqa_keys(g: SynthGeometry) -> dict[str, Any]:
+    return {
+        "attention.head_count": g.heads,
+        "attention.head_count_kv": g.kv_heads,
+        "attention.key_length": g.head_dim,
+        "attention.value_length": g.head_dim,
+    }
+
+
+def _glm4moe_keys(g: SynthGeometry) -> dict[str, Any]:
+    return {
+        "feed_forward_length": g.dense_ff,
+        **_gqa_keys(g),
+        "attention.layer_norm_rms_epsilon": 1e-5,
+        "rope.freq_base": 1e6,
+        "rope.dimension_count": g.head_dim // 2,
+        "expert_count": g.experts,
+        "expert_used_count": g.experts_used,
+        "expert_feed_forward_length": g.expert_ff,
+        "expert_shared_count": 1,
+        "leading_dense_block_count": g.dense_lead,
+        "expert_gating_func": 2,
+        "expert_weights_scale": 1.0,
+        "expert_weights_norm": True,
+    }
+
+
+def _deepseek4_keys(g: SynthGeometry) -> dict[str, Any]:
+    return {
+        "attention.head_count": g.heads,
+        "attention.head_count_kv": 1,
+        "rope.scaling.type": "yarn",
+        "rope.scaling.factor": 16.0,
+        "rope.scaling.original_context_length": 65536,
+        "rope.scaling.yarn_beta_fast": 32.0,
+        "rope.scaling.yarn_beta_slow": 1.0,
+        "rope.freq_base": 10000.0,
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "expert_count": g.experts,
+        "expert_used_count": g.experts_used,
+        "expert_gating_func": 4,  # sqrtsoftplus
+        "attention.key_length": g.head_dim,
+        "attention.value_length": g.head_dim,
+        "rope.dimension_count": min(64, g.head_dim),
+        "attention.q_lora_rank": g.q_lora,
+        "attention.sliding_window": 128,
+        "expert_feed_forward_length": g.expert_ff,
+        "expert_shared_count": 1,
+        "expert_weights_scale": 1.5,
+        "expert_weights_norm": True,
+        "swiglu_clamp_exp": [10.0] * g.layers,
+        "swiglu_clamp_shexp": [10.0] * g.layers,
+        "attention.indexer.head_count": g.index_heads,
+        "attention.indexer.key_length": g.index_dim,
+        "attention.indexer.top_k": 512,
+        "attention.output_group_count": g.o_groups,
+        "attention.output_lora_rank": g.o_lora,
+        "attention.compress_ratios": compress_ratios(g.ratios, g.layers),
+        "attention.compress_rope_freq_base": 160000.0,
+        "hyper_connection.count": HC_STREAMS,
+        "hyper_connection.sinkhorn_iterations": 20,
+        "hyper_connection.epsilon": 1e-6,
+        "hash_layer_count": g.hash_layers,
+        "embedding_length_out": HC_STREAMS * g.hidden,
+    }
+
+
+def _qwen3moe_keys(g: SynthGeometry) -> dict[str, Any]:
+    return {
+        "feed_forward_length": g.expert_ff,
+        **_gqa_keys(g),
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "rope.freq_base": 1e7,
+        "expert_count": g.experts,
+        "expert_used_count": g.experts_used,
+        "expert_feed_forward_length": g.expert_ff,
+    }
+
+
+_ARCH_KEYS = {"qwen3moe": _qwen3moe_keys, "glm4moe": _glm4moe_keys, "glm-dsa": _glm_dsa_keys,
+              "deepseek4": _deepseek4_keys}  # fmt: skip
 
 
 def _kvs(g: SynthGeometry, name: str) -> list[KV]:
-    if g.arch in ("glm4moe", "glm-dsa"):
-        return _glm_kvs(g, name)
-    if g.arch == "deepseek4":
-        return _deepseek4_kvs(g, name)
-    a, u, f = "qwen3moe.", GGUFValueType.UINT32, GGUFValueType.FLOAT32
-    return [
-        KV("general.architecture", "qwen3moe", GGUFValueType.STRING),
-        KV("general.name", f"synthetic {name} (random weights)", GGUFValueType.STRING),
-        KV(a + "block_count", g.layers, u),
-        KV(a + "context_length", g.context, u),
-        KV(a + "embedding_length", g.hidden, u),
-        KV(a + "feed_forward_length", g.expert_ff, u),
-        KV(a + "attention.head_count", g.heads, u),
-        KV(a + "attention.head_count_kv", g.kv_heads, u),
-        KV(a + "attention.key_length", g.head_dim, u),
-        KV(a + "attention.value_length", g.head_dim, u),
-        KV(a + "attention.layer_norm_rms_epsilon", 1e-6, f),
-        KV(a + "rope.freq_base", 1e7, f),
-        KV(a + "expert_count", g.experts, u),
-        KV(a + "expert_used_count", g.experts_used, u),
-        KV(a + "expert_feed_forward_length", g.expert_ff, u),
-    ]
+    return _arch_kvs(g, name, _ARCH_KEYS[g.arch](g))
 
 
 def glm_block(g: SynthGeometry, i: int, qtype: Q) -> list[TensorSpec]:
