@@ -5,7 +5,9 @@ knows which one ran them."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,10 +92,45 @@ def run_job(job: EncodeJob, values: np.ndarray | None = None) -> EncodeResult:
     return EncodeResult(data.reshape(-1), rel, time.perf_counter() - start)
 
 
+def overlapped(jobs: list[EncodeJob], ahead: int = 2) -> Iterator[EncodeResult]:
+    """``run_job`` over ``jobs``, in order, in three stages at once: one thread reads (and converts to
+    float32) the tensors up to ``ahead`` jobs ahead, another encodes them one at a time (on the device),
+    and the caller consumes (writes) the results. Threads suffice: the reading, the device's kernels and
+    the writing all release the GIL."""
+    reader = ThreadPoolExecutor(1, thread_name_prefix="forge-read")
+    encoder = ThreadPoolExecutor(1, thread_name_prefix="forge-encode")
+    pending: deque[Future] = deque()
+    todo = iter(jobs)
+
+    def submit(job: EncodeJob) -> None:
+        values = reader.submit(lambda: open_source(job.source).float32(job.name))
+        pending.append(encoder.submit(lambda: run_job(job, values.result())))
+
+    try:
+        for job in todo:
+            submit(job)
+            if len(pending) >= ahead:
+                break
+        while pending:
+            done = pending.popleft()
+            job = next(todo, None)
+            if job is not None:
+                submit(job)
+            yield done.result()
+    finally:
+        for pool in (reader, encoder):
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
 class Executor:
-    """Runs encode jobs and yields results in submission order."""
+    """Runs encode jobs and yields results in submission order. In this process: one after the other,
+    or, when the jobs encode on a device (``--device cuda``), with reading and writing overlapping the
+    device's encoding (:func:`overlapped`)."""
 
     def map(self, jobs: list[EncodeJob]) -> Iterator[EncodeResult]:
+        if any(j.device != "cpu" for j in jobs):
+            self._running = overlapped(jobs)
+            return self._running
         return (run_job(j) for j in jobs)
 
     def status(self) -> str:
@@ -101,7 +138,9 @@ class Executor:
         return ""
 
     def close(self) -> None:
-        pass
+        running = getattr(self, "_running", None)
+        if running is not None:
+            running.close()  # its threads finish the job at hand and drop the rest
 
     def abort(self) -> None:
         """Stop now: the build failed or was interrupted."""

@@ -84,7 +84,7 @@ def _pack_nibbles(levels: torch.Tensor) -> torch.Tensor:
     return (levels[:16] | (levels[16:] << 4)).t().to(torch.uint8)
 
 
-@device_encoder(T.IQ4_NL, bytes_per_elem=64)
+@device_encoder(T.IQ4_NL, bytes_per_elem=128)
 def encode_iq4_nl(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
     n_rows = rows.shape[0]
     x = ops.to_t(rows.reshape(-1, 32))
@@ -93,7 +93,7 @@ def encode_iq4_nl(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.
     return torch.cat([ops.fp16_bytes(d), _pack_nibbles(levels)], dim=1).reshape(n_rows, -1)
 
 
-@device_encoder(T.IQ4_XS, bytes_per_elem=64)
+@device_encoder(T.IQ4_XS, bytes_per_elem=128)
 def encode_iq4_xs(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
     n_rows = rows.shape[0]
     xs = ops.to_t(rows.reshape(-1, 256))  # (256, S)

@@ -1,0 +1,104 @@
+"""``forge quantize --device``: every type of the presets encodes on the device, reading and writing
+overlap the encoding (forge.quant.jobs.overlapped), and the file is the CPU's, byte for byte."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from forge.errors import ForgeError
+from forge.quant import jobs as jobs_mod
+from forge.quant.jobs import EncodeJob, EncodeResult, Executor, overlapped
+from forge.quant.torch_codecs import supported_on_device
+from tests import oracle
+
+WAIT_S = 20.0
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # torch's thread pool spins on a loaded box
+
+
+class _Source:
+    def __init__(self, log: list[str]):
+        self.log = log
+
+    def float32(self, name: str) -> np.ndarray:
+        self.log.append(f"read {name}")
+        return np.zeros((1, 1), np.float32)
+
+
+def _jobs(names: str) -> list[EncodeJob]:
+    return [EncodeJob(None, n, "Q8_0", None, (), "cuda") for n in names]  # type: ignore[arg-type]
+
+
+def test_reading_and_writing_overlap_the_encoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Job b is read while job a encodes, and a's result is consumed while b encodes: each stage waits
+    for the other to happen at the same time, so a sequential run would time out."""
+    log: list[str] = []
+    b_read = threading.Event()
+    b_encoding = threading.Event()
+    monkeypatch.setattr(jobs_mod, "open_source", lambda ref: _Source(log))
+
+    def run_job(job: EncodeJob, values: np.ndarray) -> EncodeResult:
+        log.append(f"encode {job.name}")
+        if job.name == "a":
+            assert b_read.wait(WAIT_S) or "read b" in log, "job b was not read while job a encoded"
+        if job.name == "b":
+            b_encoding.set()
+        return EncodeResult(np.frombuffer(job.name.encode(), np.uint8), 0.0, 0.0)
+
+    real_float32 = _Source.float32
+
+    def float32(self: _Source, name: str) -> np.ndarray:
+        out = real_float32(self, name)
+        if name == "b":
+            b_read.set()
+        return out
+
+    monkeypatch.setattr(_Source, "float32", float32)
+    monkeypatch.setattr(jobs_mod, "run_job", run_job)
+    got = []
+    for res in overlapped(_jobs("abcde")):
+        if not got:
+            assert b_encoding.wait(WAIT_S), "job b did not encode while job a's result was written"
+        got.append(res.data.tobytes().decode())
+    assert got == list("abcde")
+    assert log.index("read b") < log.index("encode b")
+
+
+def test_a_failed_encode_stops_the_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[str] = []
+    monkeypatch.setattr(jobs_mod, "open_source", lambda ref: _Source(log))
+
+    def run_job(job: EncodeJob, values: np.ndarray) -> EncodeResult:
+        if job.name == "b":
+            raise ForgeError("b is broken")
+        return EncodeResult(np.zeros(1, np.uint8), 0.0, 0.0)
+
+    monkeypatch.setattr(jobs_mod, "run_job", run_job)
+    ex = Executor()
+    results = ex.map(_jobs("abcdefgh"))
+    next(results)
+    with pytest.raises(ForgeError, match="b is broken"):
+        next(results)
+    ex.abort()
+    assert "read h" not in log  # at most `ahead` jobs were read past the one consumed
+
+
+PRESETS = [("q4_k_m", False), ("q5_k_m", False), ("q6_k", False), ("iq4_xs", True), ("iq2_xxs", True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("recipe", "imat"), PRESETS, ids=[r for r, _ in PRESETS])
+def test_every_type_of_the_preset_encodes_on_the_device(
+    recipe: str, imat: bool, example_bf16, tmp_path
+) -> None:
+    """The torch encoders on the CPU device: the whole file equals the CPU codecs' file."""
+    from forge.quant.quantize import quantize
+
+    imatrix = oracle.fixture("llamacpp", "tiny-qwen3moe", "tiny-qwen3moe-imatrix.gguf") if imat else None
+    _, cpu = quantize(example_bf16, tmp_path / "cpu.gguf", recipe, imatrix=imatrix)
+    _, dev = quantize(example_bf16, tmp_path / "dev.gguf", recipe, imatrix=imatrix, device="cpu:0")
+    encoded = {r["to"] for r in dev.tensors if r["action"] == "encoded"}
+    assert encoded and all(supported_on_device(t) for t in encoded), encoded
+    assert (tmp_path / "cpu.gguf").read_bytes() == (tmp_path / "dev.gguf").read_bytes()
