@@ -45,6 +45,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
@@ -61,7 +62,14 @@ from forge.imatrix.model import Imatrix  # noqa: E402
 from forge.quant.plan import is_quantizable, make_plan  # noqa: E402
 from forge.quant.recipe import available_recipes, load_recipe  # noqa: E402
 from forge.quant.source import GGUFQuantSource, SrcTensor, source_ref  # noqa: E402
-from runtime.synth import SynthGeometry, compress_ratios, glm_block, synth_tensors, tokenizer_kvs  # noqa: E402
+from runtime.synth import (  # noqa: E402
+    SynthGeometry,
+    compress_ratios,
+    glm_block,
+    synth_tensors,
+    tokenizer_kvs,
+    typed_kvs,
+)
 from runtime.synth import _kvs as qwen3moe_kvs  # noqa: E402
 
 HIDDEN, EXPERT_FF, VOCAB = 256, 256, 512
@@ -197,6 +205,13 @@ def _head_dim(g: Geometry) -> int:
     return 64
 
 
+def _kvs(arch: str, g: Geometry, entries: dict[str, Any]) -> list[KV]:
+    """general.architecture, .type and .name, ``entries`` (runtime.synth.typed_kvs), the tokenizer's."""
+    head = {"general.architecture": arch, "general.type": "model",
+            "general.name": f"type-plan oracle {g.name} (small widths)"}  # fmt: skip
+    return typed_kvs(arch, {**head, **entries}) + tokenizer_kvs(VOCAB)
+
+
 def qwen3moe_model(g: Geometry) -> tuple[list[KV], list[TensorSpec]]:
     sg = SynthGeometry(g.layers, g.experts, g.experts_used, g.hidden, EXPERT_FF, g.heads, g.kv_heads,
                        _head_dim(g), VOCAB)  # fmt: skip
@@ -255,38 +270,33 @@ def qwen35moe_model(g: Geometry) -> tuple[list[KV], list[TensorSpec]]:
         specs.append(TensorSpec("output.weight", (VOCAB, h), bf))
     specs.append(TensorSpec("output_norm.weight", (h,), f32))
 
-    a, u, f = "qwen35moe.", GGUFValueType.UINT32, GGUFValueType.FLOAT32
-    kvs = [
-        KV("general.architecture", "qwen35moe", GGUFValueType.STRING),
-        KV("general.type", "model", GGUFValueType.STRING),
-        KV("general.name", f"type-plan oracle {g.name} (small widths)", GGUFValueType.STRING),
-        KV(a + "block_count", g.block_count, u),
-        KV(a + "context_length", 262144, u),
-        KV(a + "embedding_length", h, u),
-        KV(a + "attention.head_count", g.heads, u),
-        KV(a + "attention.head_count_kv", g.kv_heads, u),
-        KV(a + "rope.freq_base", 1e7, f),
-        KV(a + "attention.layer_norm_rms_epsilon", 1e-6, f),
-        KV(a + "expert_count", g.experts, u),
-        KV(a + "expert_used_count", g.experts_used, u),
-        KV(a + "attention.key_length", hd, u),
-        KV(a + "attention.value_length", hd, u),
-        KV("general.file_type", 32, u),
-        KV(a + "expert_feed_forward_length", ff, u),
-        KV(a + "expert_shared_feed_forward_length", ff, u),
-        KV(a + "ssm.conv_kernel", 4, u),
-        KV(a + "ssm.state_size", dh, u),
-        KV(a + "ssm.group_count", nk, u),
-        KV(a + "ssm.time_step_rank", nv, u),
-        KV(a + "ssm.inner_size", nv * dh, u),
-        KV(a + "full_attention_interval", g.full_attention_interval, u),
-        KV(a + "rope.dimension_count", hd // 4, u),
-        KV(a + "rope.dimension_sections", [11, 11, 10, 0], GGUFValueType.ARRAY, GGUFValueType.INT32),
-        KV("general.quantization_version", 2, u),
-    ]
-    if g.mtp:
-        kvs.append(KV(a + "nextn_predict_layers", g.mtp, u))
-    return kvs + tokenizer_kvs(VOCAB), specs
+    keys = {
+        "block_count": g.block_count,
+        "context_length": 262144,
+        "embedding_length": h,
+        "attention.head_count": g.heads,
+        "attention.head_count_kv": g.kv_heads,
+        "rope.freq_base": 1e7,
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "expert_count": g.experts,
+        "expert_used_count": g.experts_used,
+        "attention.key_length": hd,
+        "attention.value_length": hd,
+        "general.file_type": 32,
+        "expert_feed_forward_length": ff,
+        "expert_shared_feed_forward_length": ff,
+        "ssm.conv_kernel": 4,
+        "ssm.state_size": dh,
+        "ssm.group_count": nk,
+        "ssm.time_step_rank": nv,
+        "ssm.inner_size": nv * dh,
+        "full_attention_interval": g.full_attention_interval,
+        "rope.dimension_count": hd // 4,
+        "rope.dimension_sections": [11, 11, 10, 0],
+        "general.quantization_version": 2,
+        **({"nextn_predict_layers": g.mtp} if g.mtp else {}),
+    }
+    return _kvs("qwen35moe", g, keys), specs
 
 
 def _nextn(p: str, h: int) -> list[TensorSpec]:
@@ -327,38 +337,33 @@ def glm4moe_model(g: GlmGeometry) -> tuple[list[KV], list[TensorSpec]]:
     """llama.cpp's glm4moe tensor set (as forge convert and convert_hf_to_gguf.py write it)."""
     h, hd, ff = g.hidden, _head_dim(g), g.expert_ff
     specs = _glm_specs(g)
-    a, u, f = "glm4moe.", GGUFValueType.UINT32, GGUFValueType.FLOAT32
-    kvs = [
-        KV("general.architecture", "glm4moe", GGUFValueType.STRING),
-        KV("general.type", "model", GGUFValueType.STRING),
-        KV("general.name", f"type-plan oracle {g.name} (small widths)", GGUFValueType.STRING),
-        KV(a + "block_count", g.block_count, u),
-        KV(a + "context_length", 131072, u),
-        KV(a + "embedding_length", h, u),
-        KV(a + "feed_forward_length", g.dense_ff, u),
-        KV(a + "attention.head_count", g.heads, u),
-        KV(a + "attention.head_count_kv", g.kv_heads, u),
-        KV(a + "rope.freq_base", 1e6, f),
-        KV(a + "attention.layer_norm_rms_epsilon", 1e-5, f),
-        KV(a + "expert_count", g.experts, u),
-        KV(a + "expert_used_count", g.experts_used, u),
-        KV(a + "expert_group_count", 1, u),
-        KV(a + "expert_group_used_count", 1, u),
-        KV(a + "attention.key_length", hd, u),
-        KV(a + "attention.value_length", hd, u),
-        KV("general.file_type", 32, u),
-        KV(a + "rope.dimension_count", hd // 2, u),
-        KV(a + "expert_feed_forward_length", ff, u),
-        KV(a + "expert_shared_count", 1, u),
-        KV(a + "leading_dense_block_count", g.dense_lead, u),
-        KV(a + "expert_gating_func", 2, u),
-        KV(a + "expert_weights_scale", 2.5, f),
-        KV(a + "expert_weights_norm", True, GGUFValueType.BOOL),
-        KV("general.quantization_version", 2, u),
-    ]
-    if g.mtp:
-        kvs.insert(-1, KV(a + "nextn_predict_layers", g.mtp, u))
-    return kvs + tokenizer_kvs(VOCAB), specs
+    keys = {
+        "block_count": g.block_count,
+        "context_length": 131072,
+        "embedding_length": h,
+        "feed_forward_length": g.dense_ff,
+        "attention.head_count": g.heads,
+        "attention.head_count_kv": g.kv_heads,
+        "rope.freq_base": 1e6,
+        "attention.layer_norm_rms_epsilon": 1e-5,
+        "expert_count": g.experts,
+        "expert_used_count": g.experts_used,
+        "expert_group_count": 1,
+        "expert_group_used_count": 1,
+        "attention.key_length": hd,
+        "attention.value_length": hd,
+        "general.file_type": 32,
+        "rope.dimension_count": hd // 2,
+        "expert_feed_forward_length": ff,
+        "expert_shared_count": 1,
+        "leading_dense_block_count": g.dense_lead,
+        "expert_gating_func": 2,
+        "expert_weights_scale": 2.5,
+        "expert_weights_norm": True,
+        **({"nextn_predict_layers": g.mtp} if g.mtp else {}),
+        "general.quantization_version": 2,
+    }
+    return _kvs("glm4moe", g, keys), specs
 
 
 def deepseek4_model(g: Deepseek4Geometry) -> tuple[list[KV], list[TensorSpec]]:
@@ -413,50 +418,44 @@ def deepseek4_model(g: Deepseek4Geometry) -> tuple[list[KV], list[TensorSpec]]:
     specs += [TensorSpec("output_hc_base.weight", (hc,), f32), TensorSpec("output_hc_fn.weight", (hc, hc * h), f32),
               TensorSpec("output_hc_scale.weight", (1,), f32), TensorSpec("output.weight", (VOCAB, h), bf),
               TensorSpec("output_norm.weight", (h,), f32)]  # fmt: skip
-    a, u, f = "deepseek4.", GGUFValueType.UINT32, GGUFValueType.FLOAT32
-    kvs = [
-        KV("general.architecture", "deepseek4", GGUFValueType.STRING),
-        KV("general.type", "model", GGUFValueType.STRING),
-        KV("general.name", f"type-plan oracle {g.name} (small widths)", GGUFValueType.STRING),
-        KV(a + "block_count", g.layers, u),
-        KV(a + "context_length", 1048576, u),
-        KV(a + "embedding_length", h, u),
-        KV(a + "attention.head_count", g.heads, u),
-        KV(a + "attention.head_count_kv", g.kv_heads, u),
-        KV(a + "rope.freq_base", 10000.0, f),
-        KV(a + "attention.layer_norm_rms_epsilon", 1e-6, f),
-        KV(a + "expert_count", e, u),
-        KV(a + "expert_used_count", g.experts_used, u),
-        KV(a + "expert_gating_func", 4, u),
-        KV(a + "attention.key_length", hd, u),
-        KV(a + "attention.value_length", hd, u),
-        KV("general.file_type", 38, u),
-        KV(a + "rope.dimension_count", 64, u),
-        KV(a + "attention.q_lora_rank", g.q_lora, u),
-        KV(a + "attention.sliding_window", 128, u),
-        KV(a + "expert_feed_forward_length", ff, u),
-        KV(a + "expert_shared_count", 1, u),
-        KV(a + "expert_weights_scale", 1.5, f),
-        KV(a + "expert_weights_norm", True, GGUFValueType.BOOL),
-        KV(a + "swiglu_clamp_exp", [10.0] * g.layers, GGUFValueType.ARRAY, f),
-        KV(a + "swiglu_clamp_shexp", [10.0] * g.layers, GGUFValueType.ARRAY, f),
-        KV(a + "attention.indexer.head_count", g.index_heads, u),
-        KV(a + "attention.indexer.key_length", g.index_dim, u),
-        KV(a + "attention.indexer.top_k", 512, u),
-        KV(a + "attention.output_group_count", g.o_groups, u),
-        KV(a + "attention.output_lora_rank", g.o_lora, u),
-        KV(
-            a + "attention.compress_ratios", list(g.compress_ratios), GGUFValueType.ARRAY, GGUFValueType.INT32
-        ),
-        KV(a + "attention.compress_rope_freq_base", 160000.0, f),
-        KV(a + "hyper_connection.count", hc, u),
-        KV(a + "hyper_connection.sinkhorn_iterations", 20, u),
-        KV(a + "hyper_connection.epsilon", 1e-6, f),
-        KV(a + "hash_layer_count", g.hash_layers, u),
-        KV(a + "embedding_length_out", hc * h, u),
-        KV("general.quantization_version", 2, u),
-    ]
-    return kvs + tokenizer_kvs(VOCAB), specs
+    keys = {
+        "block_count": g.layers,
+        "context_length": 1048576,
+        "embedding_length": h,
+        "attention.head_count": g.heads,
+        "attention.head_count_kv": g.kv_heads,
+        "rope.freq_base": 10000.0,
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "expert_count": e,
+        "expert_used_count": g.experts_used,
+        "expert_gating_func": 4,
+        "attention.key_length": hd,
+        "attention.value_length": hd,
+        "general.file_type": 38,
+        "rope.dimension_count": 64,
+        "attention.q_lora_rank": g.q_lora,
+        "attention.sliding_window": 128,
+        "expert_feed_forward_length": ff,
+        "expert_shared_count": 1,
+        "expert_weights_scale": 1.5,
+        "expert_weights_norm": True,
+        "swiglu_clamp_exp": [10.0] * g.layers,
+        "swiglu_clamp_shexp": [10.0] * g.layers,
+        "attention.indexer.head_count": g.index_heads,
+        "attention.indexer.key_length": g.index_dim,
+        "attention.indexer.top_k": 512,
+        "attention.output_group_count": g.o_groups,
+        "attention.output_lora_rank": g.o_lora,
+        "attention.compress_ratios": list(g.compress_ratios),
+        "attention.compress_rope_freq_base": 160000.0,
+        "hyper_connection.count": hc,
+        "hyper_connection.sinkhorn_iterations": 20,
+        "hyper_connection.epsilon": 1e-6,
+        "hash_layer_count": g.hash_layers,
+        "embedding_length_out": hc * h,
+        "general.quantization_version": 2,
+    }
+    return _kvs("deepseek4", g, keys), specs
 
 
 @dataclass(frozen=True)
@@ -484,46 +483,41 @@ def glm_dsa_model(g: GlmDsaGeometry) -> tuple[list[KV], list[TensorSpec]]:
     """llama.cpp's glm-dsa tensor set (as forge convert and convert_hf_to_gguf.py write it)."""
     h, ff, nh = g.hidden, g.expert_ff, g.heads
     specs = _glm_specs(g)
-    a, u, f = "glm-dsa.", GGUFValueType.UINT32, GGUFValueType.FLOAT32
-    kvs = [
-        KV("general.architecture", "glm-dsa", GGUFValueType.STRING),
-        KV("general.type", "model", GGUFValueType.STRING),
-        KV("general.name", f"type-plan oracle {g.name} (small widths)", GGUFValueType.STRING),
-        KV(a + "block_count", g.block_count, u),
-        KV(a + "context_length", 202752, u),
-        KV(a + "embedding_length", h, u),
-        KV(a + "feed_forward_length", g.dense_ff, u),
-        KV(a + "attention.head_count", nh, u),
-        KV(a + "attention.head_count_kv", 1, u),
-        KV(a + "rope.freq_base", 1e6, f),
-        KV(a + "attention.layer_norm_rms_epsilon", 1e-5, f),
-        KV(a + "expert_count", g.experts, u),
-        KV(a + "expert_used_count", g.experts_used, u),
-        KV(a + "expert_group_count", 1, u),
-        KV(a + "expert_group_used_count", 1, u),
-        KV(a + "expert_gating_func", 2, u),
-        KV(a + "attention.key_length", g.kv_lora + g.rope_dim, u),
-        KV(a + "attention.value_length", g.kv_lora, u),
-        KV("general.file_type", 32, u),
-        KV(a + "leading_dense_block_count", g.dense_lead, u),
-        KV(a + "vocab_size", VOCAB, u),
-        KV(a + "attention.q_lora_rank", g.q_lora, u),
-        KV(a + "attention.kv_lora_rank", g.kv_lora, u),
-        KV(a + "attention.key_length_mla", g.nope_dim + g.rope_dim, u),
-        KV(a + "attention.value_length_mla", g.v_dim, u),
-        KV(a + "expert_feed_forward_length", ff, u),
-        KV(a + "expert_shared_count", 1, u),
-        KV(a + "expert_weights_scale", 2.5, f),
-        KV(a + "expert_weights_norm", True, GGUFValueType.BOOL),
-        KV(a + "rope.dimension_count", g.rope_dim, u),
-        KV(a + "attention.indexer.head_count", g.index_heads, u),
-        KV(a + "attention.indexer.key_length", g.index_dim, u),
-        KV(a + "attention.indexer.top_k", 2048, u),
-        KV("general.quantization_version", 2, u),
-    ]
-    if g.mtp:
-        kvs.insert(-5, KV(a + "nextn_predict_layers", g.mtp, u))
-    return kvs + tokenizer_kvs(VOCAB), specs
+    keys = {
+        "block_count": g.block_count,
+        "context_length": 202752,
+        "embedding_length": h,
+        "feed_forward_length": g.dense_ff,
+        "attention.head_count": nh,
+        "attention.head_count_kv": 1,
+        "rope.freq_base": 1e6,
+        "attention.layer_norm_rms_epsilon": 1e-5,
+        "expert_count": g.experts,
+        "expert_used_count": g.experts_used,
+        "expert_group_count": 1,
+        "expert_group_used_count": 1,
+        "expert_gating_func": 2,
+        "attention.key_length": g.kv_lora + g.rope_dim,
+        "attention.value_length": g.kv_lora,
+        "general.file_type": 32,
+        "leading_dense_block_count": g.dense_lead,
+        "vocab_size": VOCAB,
+        "attention.q_lora_rank": g.q_lora,
+        "attention.kv_lora_rank": g.kv_lora,
+        "attention.key_length_mla": g.nope_dim + g.rope_dim,
+        "attention.value_length_mla": g.v_dim,
+        "expert_feed_forward_length": ff,
+        "expert_shared_count": 1,
+        "expert_weights_scale": 2.5,
+        "expert_weights_norm": True,
+        **({"nextn_predict_layers": g.mtp} if g.mtp else {}),
+        "rope.dimension_count": g.rope_dim,
+        "attention.indexer.head_count": g.index_heads,
+        "attention.indexer.key_length": g.index_dim,
+        "attention.indexer.top_k": 2048,
+        "general.quantization_version": 2,
+    }
+    return _kvs("glm-dsa", g, keys), specs
 
 
 def model(g: Geometry) -> tuple[list[KV], list[TensorSpec]]:

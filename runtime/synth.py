@@ -159,13 +159,19 @@ class _BlockPool:
         return write
 
 
+def typed_kvs(arch: str, entries: dict[str, Any]) -> list[KV]:
+    """A KV per entry, in order: ``<arch>.<key>``, a ``general.`` key as it is. The value type comes from the
+    value: bool, int (UINT32), float (FLOAT32), str, or a list of floats (FLOAT32) or ints (INT32)."""
+    return [
+        KV(key if key.startswith("general.") else f"{arch}.{key}", v, *_vtypes(v))
+        for key, v in entries.items()
+    ]
+
+
 def _vtypes(value: Any) -> tuple[GGUFValueType, ...]:
-    """GGUF value type (and item type) of a KV value: bool, int (UINT32), float (FLOAT32), str, or a list of
-    floats (FLOAT32) or ints (INT32)."""
     if isinstance(value, list):
-        return GGUFValueType.ARRAY, GGUFValueType.FLOAT32 if isinstance(
-            value[0], float
-        ) else GGUFValueType.INT32
+        item = GGUFValueType.FLOAT32 if isinstance(value[0], float) else GGUFValueType.INT32
+        return GGUFValueType.ARRAY, item
     if isinstance(value, bool):
         return (GGUFValueType.BOOL,)
     if isinstance(value, int):
@@ -176,12 +182,10 @@ def _vtypes(value: Any) -> tuple[GGUFValueType, ...]:
 def _arch_kvs(g: SynthGeometry, name: str, keys: dict[str, Any]) -> list[KV]:
     """general.architecture and .name, then ``<arch>.<key>`` for block_count, context_length, embedding_length and
     ``keys``, in that order."""
-    head = {"block_count": g.layers, "context_length": g.context, "embedding_length": g.hidden}
-    return [
-        KV("general.architecture", g.arch, GGUFValueType.STRING),
-        KV("general.name", f"synthetic {name} (random weights)", GGUFValueType.STRING),
-        *(KV(f"{g.arch}.{key}", v, *_vtypes(v)) for key, v in {**head, **keys}.items()),
-    ]
+    return typed_kvs(g.arch, {
+        "general.architecture": g.arch, "general.name": f"synthetic {name} (random weights)",
+        "block_count": g.layers, "context_length": g.context, "embedding_length": g.hidden, **keys,
+    })  # fmt: skip
 
 
 def _glm_dsa_keys(g: SynthGeometry) -> dict[str, Any]:
