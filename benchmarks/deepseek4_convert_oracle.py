@@ -33,14 +33,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from deepseek4_fixture import CARD_FOLDER, with_model_card, write_deepseek4  # noqa: E402
+from llamacpp_tools import converter, run  # noqa: E402
 
 NAME = "tiny-deepseek4"
 FIXTURES = ROOT / "tests" / "fixtures" / "llamacpp"
@@ -50,22 +50,6 @@ PRESETS = ("Q8_0", "Q4_K_M", "Q2_K")
 IQ2_XXS_OVERRIDES = ("attn_=q8_0", "shexp=q8_0", "indexer=q8_0", "hc_=q8_0", "compressor=q8_0")
 #: the checkpoints: folder variant -> write_deepseek4 arguments
 VARIANTS = {"bf16": {"weights": "bf16"}, "fp8": {"weights": "fp8", "scales": "e8m0"}}
-_CONVERT = """
-import runpy, sys
-lcb = sys.argv.pop(1)
-sys.path[:0] = [lcb, lcb + "/gguf-py"]
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
-sys.argv[0] = lcb + "/convert_hf_to_gguf.py"
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def run(cmd: list[str]) -> str:
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return r.stdout + r.stderr
 
 
 def sources(folder: Path) -> dict[str, str]:
@@ -87,7 +71,7 @@ def main() -> None:
         run([sys.executable, str(a.tool), str(gguf), str(dest / "manifests" / f"{label}.json")])
 
     def convert(model: Path, out: Path, *extra: str) -> Path:
-        run([sys.executable, "-c", _CONVERT, str(a.llama_cpp), str(model), "--outfile", str(out), *extra])
+        run([*converter(a.llama_cpp, "qwen2"), str(model), "--outfile", str(out), *extra])
         return out
 
     hashes = {}

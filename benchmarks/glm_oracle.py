@@ -18,49 +18,20 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from glm_fixture import write_glm4moe, write_glm_dsa  # noqa: E402
+from llamacpp_tools import converter, run  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "llamacpp"
-_CONVERT = """
-import runpy, sys
-lcb = sys.argv.pop(1)
-sys.path[:0] = [lcb, lcb + "/gguf-py"]
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "glm4"
-sys.argv[0] = lcb + "/convert_hf_to_gguf.py"
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def run(cmd: list[str]) -> str:
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return r.stdout + r.stderr
 
 
 def convert(lcb: Path, model: Path, out: Path, outtype: str, *extra: str) -> Path:
-    run(
-        [
-            sys.executable,
-            "-c",
-            _CONVERT,
-            str(lcb),
-            str(model),
-            "--outtype",
-            outtype,
-            "--outfile",
-            str(out),
-            *extra,
-        ]
-    )
+    run([*converter(lcb, "glm4"), str(model), "--outtype", outtype, "--outfile", str(out), *extra])
     return out
 
 
