@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from fixture_values import Values, bf16
 from safetensors.torch import save_file
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3moe"
@@ -165,25 +166,6 @@ def fp8_block_quantize(w: np.ndarray, scales: str) -> tuple[np.ndarray, np.ndarr
     return code, stored
 
 
-class _Values:
-    """Deterministic values: numpy PCG64, drawn in a fixed order."""
-
-    def __init__(self, seed: int) -> None:
-        self.rng = np.random.Generator(np.random.PCG64(seed))
-
-    def normal(self, shape: tuple[int, ...], std: float, mean: float = 0.0) -> np.ndarray:
-        return (
-            self.rng.standard_normal(shape, dtype=np.float32) * np.float32(std) + np.float32(mean)
-        ).astype(np.float32)
-
-    def integers(self, low: int, high: int, shape: tuple[int, ...]) -> np.ndarray:
-        return self.rng.integers(low, high, shape, dtype=np.int64)
-
-
-def _bf16(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(a).to(torch.bfloat16)
-
-
 def _u8(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.uint8)).view(dtype)
 
@@ -191,13 +173,13 @@ def _u8(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 class _Writer:
     """Collects the published tensors of one checkpoint."""
 
-    def __init__(self, cfg: dict, v: _Values, weights: str, scales: str) -> None:
+    def __init__(self, cfg: dict, v: Values, weights: str, scales: str) -> None:
         self.cfg, self.v, self.weights, self.scales = cfg, v, weights, scales
         self.std = float(cfg["initializer_range"])
         self.out: dict[str, torch.Tensor] = {}
 
     def bf16(self, name: str, shape: tuple[int, ...], std: float | None = None, mean: float = 0.0) -> None:
-        self.out[name] = _bf16(self.v.normal(shape, self.std if std is None else std, mean))
+        self.out[name] = bf16(self.v.normal(shape, self.std if std is None else std, mean))
 
     def f32(self, name: str, shape: tuple[int, ...], std: float, mean: float = 0.0) -> None:
         self.out[name] = torch.from_numpy(self.v.normal(shape, std, mean))
@@ -209,7 +191,7 @@ class _Writer:
         """A projection deepseek-ai ships in FP8 (``prefix.weight`` + ``prefix.scale``)."""
         w = self.v.normal((rows, cols), self.std)
         if self.weights == "bf16":
-            self.out[prefix + ".weight"] = _bf16(w)
+            self.out[prefix + ".weight"] = bf16(w)
             return
         codes, scale = fp8_block_quantize(w, self.scales)
         self.out[prefix + ".weight"] = _u8(codes, torch.float8_e4m3fn)
@@ -315,7 +297,7 @@ def write_deepseek4(
             **FP8_QUANTIZATION,
             "scale_fmt": "ue8m0" if scales == "e8m0" else "float",
         }
-    w = _Writer(cfg, _Values(seed), weights, scales)
+    w = _Writer(cfg, Values(seed), weights, scales)
     h, vocab, n, hc = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"], cfg["hc_mult"]
     ratios = cfg["compress_ratios"]
     w.bf16("embed.weight", (vocab, h), 1.0)

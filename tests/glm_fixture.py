@@ -19,8 +19,8 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
+from fixture_values import Values, bf16
 from safetensors.torch import save_file
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3moe"
@@ -74,68 +74,52 @@ GLM4MOE_CONFIG = {
 WEIGHT_STD, HEAD_STD = 0.05, 0.1
 
 
-class _Values:
-    """Deterministic tensor values: numpy PCG64 normals, drawn in a fixed order."""
-
-    def __init__(self, seed: int) -> None:
-        self.rng = np.random.Generator(np.random.PCG64(seed))
-
-    def normal(self, shape: tuple[int, ...], std: float, mean: float = 0.0) -> np.ndarray:
-        return (
-            self.rng.standard_normal(shape, dtype=np.float32) * np.float32(std) + np.float32(mean)
-        ).astype(np.float32)
-
-
-def _bf16(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(a).to(torch.bfloat16)
-
-
-def _layer(v: _Values, cfg: dict, i: int, moe: bool, nextn: bool) -> dict[str, torch.Tensor]:
+def _layer(v: Values, cfg: dict, i: int, moe: bool, nextn: bool) -> dict[str, torch.Tensor]:
     h, d = cfg["hidden_size"], cfg.get("head_dim", 0)
     nh, nkv, std = cfg["num_attention_heads"], cfg["num_key_value_heads"], WEIGHT_STD
     p = f"model.layers.{i}."
     out: dict[str, torch.Tensor] = {}
     if nextn:
-        out[p + "eh_proj.weight"] = _bf16(v.normal((h, 2 * h), std))
-        out[p + "enorm.weight"] = _bf16(v.normal((h,), 0.1, 1.0))
-        out[p + "hnorm.weight"] = _bf16(v.normal((h,), 0.1, 1.0))
-        out[p + "shared_head.norm.weight"] = _bf16(v.normal((h,), 0.1, 1.0))
-    out[p + "input_layernorm.weight"] = _bf16(v.normal((h,), 0.1, 1.0))
-    out[p + "post_attention_layernorm.weight"] = _bf16(v.normal((h,), 0.1, 1.0))
+        out[p + "eh_proj.weight"] = bf16(v.normal((h, 2 * h), std))
+        out[p + "enorm.weight"] = bf16(v.normal((h,), 0.1, 1.0))
+        out[p + "hnorm.weight"] = bf16(v.normal((h,), 0.1, 1.0))
+        out[p + "shared_head.norm.weight"] = bf16(v.normal((h,), 0.1, 1.0))
+    out[p + "input_layernorm.weight"] = bf16(v.normal((h,), 0.1, 1.0))
+    out[p + "post_attention_layernorm.weight"] = bf16(v.normal((h,), 0.1, 1.0))
     if "q_lora_rank" in cfg:
         out |= _dsa_attention(v, cfg, p)
         return out | _ffn(v, cfg, p, moe)
     for name, rows in (("q", nh * d), ("k", nkv * d), ("v", nkv * d)):
-        out[p + f"self_attn.{name}_proj.weight"] = _bf16(v.normal((rows, h), std))
+        out[p + f"self_attn.{name}_proj.weight"] = bf16(v.normal((rows, h), std))
         if cfg["attention_bias"]:
-            out[p + f"self_attn.{name}_proj.bias"] = _bf16(v.normal((rows,), 0.5))
-    out[p + "self_attn.o_proj.weight"] = _bf16(v.normal((h, nh * d), std))
+            out[p + f"self_attn.{name}_proj.bias"] = bf16(v.normal((rows,), 0.5))
+    out[p + "self_attn.o_proj.weight"] = bf16(v.normal((h, nh * d), std))
     if cfg["use_qk_norm"]:
-        out[p + "self_attn.q_norm.weight"] = _bf16(v.normal((d,), 0.1, 1.0))
-        out[p + "self_attn.k_norm.weight"] = _bf16(v.normal((d,), 0.1, 1.0))
+        out[p + "self_attn.q_norm.weight"] = bf16(v.normal((d,), 0.1, 1.0))
+        out[p + "self_attn.k_norm.weight"] = bf16(v.normal((d,), 0.1, 1.0))
     return out | _ffn(v, cfg, p, moe)
 
 
-def _ffn(v: _Values, cfg: dict, p: str, moe: bool) -> dict[str, torch.Tensor]:
+def _ffn(v: Values, cfg: dict, p: str, moe: bool) -> dict[str, torch.Tensor]:
     h, ff, e, std = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"], WEIGHT_STD
     out: dict[str, torch.Tensor] = {}
     if not moe:
         dff = cfg["intermediate_size"]
-        out[p + "mlp.gate_proj.weight"] = _bf16(v.normal((dff, h), std))
-        out[p + "mlp.up_proj.weight"] = _bf16(v.normal((dff, h), std))
-        out[p + "mlp.down_proj.weight"] = _bf16(v.normal((h, dff), std))
+        out[p + "mlp.gate_proj.weight"] = bf16(v.normal((dff, h), std))
+        out[p + "mlp.up_proj.weight"] = bf16(v.normal((dff, h), std))
+        out[p + "mlp.down_proj.weight"] = bf16(v.normal((h, dff), std))
         return out
     # a router far from uniform, so the top-k choice (and the correction bias) matter
-    out[p + "mlp.gate.weight"] = _bf16(v.normal((e, h), 0.1))
+    out[p + "mlp.gate.weight"] = bf16(v.normal((e, h), 0.1))
     out[p + "mlp.gate.e_score_correction_bias"] = torch.from_numpy(v.normal((e,), 0.05))
     for x in range(e):
-        out[p + f"mlp.experts.{x}.gate_proj.weight"] = _bf16(v.normal((ff, h), std))
-        out[p + f"mlp.experts.{x}.up_proj.weight"] = _bf16(v.normal((ff, h), std))
-        out[p + f"mlp.experts.{x}.down_proj.weight"] = _bf16(v.normal((h, ff), std))
+        out[p + f"mlp.experts.{x}.gate_proj.weight"] = bf16(v.normal((ff, h), std))
+        out[p + f"mlp.experts.{x}.up_proj.weight"] = bf16(v.normal((ff, h), std))
+        out[p + f"mlp.experts.{x}.down_proj.weight"] = bf16(v.normal((h, ff), std))
     sff = ff * cfg["n_shared_experts"]
-    out[p + "mlp.shared_experts.gate_proj.weight"] = _bf16(v.normal((sff, h), std))
-    out[p + "mlp.shared_experts.up_proj.weight"] = _bf16(v.normal((sff, h), std))
-    out[p + "mlp.shared_experts.down_proj.weight"] = _bf16(v.normal((h, sff), std))
+    out[p + "mlp.shared_experts.gate_proj.weight"] = bf16(v.normal((sff, h), std))
+    out[p + "mlp.shared_experts.up_proj.weight"] = bf16(v.normal((sff, h), std))
+    out[p + "mlp.shared_experts.down_proj.weight"] = bf16(v.normal((h, sff), std))
     return out
 
 
@@ -162,29 +146,29 @@ GLM_DSA_CONFIG = {
 }  # fmt: skip
 
 
-def _dsa_attention(v: _Values, cfg: dict, p: str) -> dict[str, torch.Tensor]:
+def _dsa_attention(v: Values, cfg: dict, p: str) -> dict[str, torch.Tensor]:
     h, nh, std = cfg["hidden_size"], cfg["num_attention_heads"], WEIGHT_STD
     ql, kvl, rope, nope, vd = (cfg[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                                                 "v_head_dim"))  # fmt: skip
     a = p + "self_attn."
     out = {
-        a + "q_a_proj.weight": _bf16(v.normal((ql, h), std)),
-        a + "q_a_layernorm.weight": _bf16(v.normal((ql,), 0.1, 1.0)),
-        a + "q_b_proj.weight": _bf16(v.normal((nh * (nope + rope), ql), std)),
-        a + "kv_a_proj_with_mqa.weight": _bf16(v.normal((kvl + rope, h), std)),
-        a + "kv_a_layernorm.weight": _bf16(v.normal((kvl,), 0.1, 1.0)),
-        a + "kv_b_proj.weight": _bf16(v.normal((nh * (nope + vd), kvl), std)),
-        a + "o_proj.weight": _bf16(v.normal((h, nh * vd), std)),
+        a + "q_a_proj.weight": bf16(v.normal((ql, h), std)),
+        a + "q_a_layernorm.weight": bf16(v.normal((ql,), 0.1, 1.0)),
+        a + "q_b_proj.weight": bf16(v.normal((nh * (nope + rope), ql), std)),
+        a + "kv_a_proj_with_mqa.weight": bf16(v.normal((kvl + rope, h), std)),
+        a + "kv_a_layernorm.weight": bf16(v.normal((kvl,), 0.1, 1.0)),
+        a + "kv_b_proj.weight": bf16(v.normal((nh * (nope + vd), kvl), std)),
+        a + "o_proj.weight": bf16(v.normal((h, nh * vd), std)),
     }
     layer = int(p.split(".")[2])
     if layer >= len(cfg["indexer_types"]) or cfg["indexer_types"][layer] == "full":
         ih, idim = cfg["index_n_heads"], cfg["index_head_dim"]
         out |= {
-            a + "indexer.wq_b.weight": _bf16(v.normal((ih * idim, ql), std)),
-            a + "indexer.wk.weight": _bf16(v.normal((idim, h), std)),
-            a + "indexer.k_norm.weight": _bf16(v.normal((idim,), 0.1, 1.0)),
-            a + "indexer.k_norm.bias": _bf16(v.normal((idim,), 0.1)),
-            a + "indexer.weights_proj.weight": _bf16(v.normal((ih, h), std)),
+            a + "indexer.wq_b.weight": bf16(v.normal((ih * idim, ql), std)),
+            a + "indexer.wk.weight": bf16(v.normal((idim, h), std)),
+            a + "indexer.k_norm.weight": bf16(v.normal((idim,), 0.1, 1.0)),
+            a + "indexer.k_norm.bias": bf16(v.normal((idim,), 0.1)),
+            a + "indexer.weights_proj.weight": bf16(v.normal((ih, h), std)),
         }
     return out
 
@@ -217,13 +201,13 @@ def write_glm_dsa(out: str | Path, seed: int = 0, **overrides: object) -> Path:
 
 def _write(out: Path, cfg: dict, seed: int) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    v = _Values(seed)
+    v = Values(seed)
     h, vocab, n = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
-    tensors = {"model.embed_tokens.weight": _bf16(v.normal((vocab, h), 1.0))}
+    tensors = {"model.embed_tokens.weight": bf16(v.normal((vocab, h), 1.0))}
     for i in range(n + cfg["num_nextn_predict_layers"]):
         tensors.update(_layer(v, cfg, i, moe=i >= cfg["first_k_dense_replace"], nextn=i >= n))
-    tensors["model.norm.weight"] = _bf16(v.normal((h,), 0.1, 1.0))
-    tensors["lm_head.weight"] = _bf16(v.normal((vocab, h), HEAD_STD))
+    tensors["model.norm.weight"] = bf16(v.normal((h,), 0.1, 1.0))
+    tensors["lm_head.weight"] = bf16(v.normal((vocab, h), HEAD_STD))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     _tokenizer(out, vocab)
