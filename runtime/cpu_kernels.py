@@ -355,7 +355,7 @@ def _shared_ffn(
         out[r] = h[r] + scale * _dot(w_down[r], act)
 
 
-# rows of one expert's matrix that one parallel work item of the batch kernel decodes (and multiplies)
+# rows of one expert's matrix that one parallel work item of the batch kernel decodes (then multiplies)
 BATCH_ROWS = 16
 
 
@@ -365,6 +365,31 @@ def _swiglu(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
     g = min(g, limit)
     u = max(min(u, limit), -limit)
     return _silu(g) * u
+
+
+@njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
+def _rows_dot(w: np.ndarray, n: int, x: np.ndarray, out: np.ndarray) -> None:
+    """out[i] = w[i] . x for the first n rows of w, four rows per pass over x (they share each load of x)."""
+    for i in range(0, n - 3, 4):
+        s0 = s1 = s2 = s3 = np.float32(0)
+        for j in range(x.shape[0]):
+            v = x[j]
+            s0 += w[i, j] * v
+            s1 += w[i + 1, j] * v
+            s2 += w[i + 2, j] * v
+            s3 += w[i + 3, j] * v
+        out[i], out[i + 1], out[i + 2], out[i + 3] = s0, s1, s2, s3
+    for i in range(n - n % 4, n):
+        out[i] = _dot(w[i], x)
+
+
+@njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
+def _decode_rows(
+    buf: np.ndarray, meta: np.ndarray, part: int, expert: int, first: int, n: int, out: np.ndarray
+) -> None:
+    """Rows first .. first + n - 1 of an expert's part (see ``_encoded_row``) decoded into out[:n]."""
+    for i in range(n):
+        decode_row(_encoded_row(buf, meta, part, expert, first + i), meta[part, 4], out[i])
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
@@ -383,30 +408,36 @@ def _routed_ffn_batch(
     """The routed experts of a batch over encoded experts (see ``_routed_ffn_encoded``), rows grouped by expert.
 
     xs (R, n_embd): the routed (token, slot) rows; rows starts[g] : starts[g + 1] go to expert experts[g].
-    act (R, n_ff) receives the SwiGLU outputs, ys (R, n_embd) the down outputs (unweighted). Each weight row
-    is decoded once (``decode_row``) and multiplied with every row of its group; work items: (group, block
-    of ``BATCH_ROWS`` output rows).
+    act (R, n_ff) receives the SwiGLU outputs, ys (R, n_embd) the down outputs (unweighted). Work items:
+    (group, block of ``BATCH_ROWS`` output rows); a block's weight rows are decoded once (``decode_row``)
+    and multiplied with every row of its group.
     """
     n_groups, n_embd, n_ff = experts.shape[0], xs.shape[1], act.shape[1]
     blocks = (n_ff + BATCH_ROWS - 1) // BATCH_ROWS
     for item in prange(n_groups * blocks):
         g = item // blocks
         e, r0, r1 = experts[g], starts[g], starts[g + 1]
-        wg, wu = np.empty(n_embd, np.float32), np.empty(n_embd, np.float32)
-        for f in range((item - g * blocks) * BATCH_ROWS, min(n_ff, (item - g * blocks + 1) * BATCH_ROWS)):
-            decode_row(_encoded_row(gate, meta, 0, e, f), meta[0, 4], wg)
-            decode_row(_encoded_row(up, meta, 1, e, f), meta[1, 4], wu)
-            for r in range(r0, r1):
-                act[r, f] = _swiglu(_dot(wg, xs[r]), _dot(wu, xs[r]), limit)
+        f0 = (item - g * blocks) * BATCH_ROWS
+        n = min(BATCH_ROWS, n_ff - f0)
+        wg, wu = np.empty((BATCH_ROWS, n_embd), np.float32), np.empty((BATCH_ROWS, n_embd), np.float32)
+        _decode_rows(gate, meta, 0, e, f0, n, wg)
+        _decode_rows(up, meta, 1, e, f0, n, wu)
+        gs, us = np.empty(BATCH_ROWS, np.float32), np.empty(BATCH_ROWS, np.float32)
+        for r in range(r0, r1):
+            _rows_dot(wg, n, xs[r], gs)
+            _rows_dot(wu, n, xs[r], us)
+            for i in range(n):
+                act[r, f0 + i] = _swiglu(gs[i], us[i], limit)
     blocks = (n_embd + BATCH_ROWS - 1) // BATCH_ROWS
     for item in prange(n_groups * blocks):
         g = item // blocks
         e, r0, r1 = experts[g], starts[g], starts[g + 1]
-        wd = np.empty(n_ff, np.float32)
-        for d in range((item - g * blocks) * BATCH_ROWS, min(n_embd, (item - g * blocks + 1) * BATCH_ROWS)):
-            decode_row(_encoded_row(down, meta, 2, e, d), meta[2, 4], wd)
-            for r in range(r0, r1):
-                ys[r, d] = _dot(wd, act[r])
+        d0 = (item - g * blocks) * BATCH_ROWS
+        n = min(BATCH_ROWS, n_embd - d0)
+        wd = np.empty((BATCH_ROWS, n_ff), np.float32)
+        _decode_rows(down, meta, 2, e, d0, n, wd)
+        for r in range(r0, r1):
+            _rows_dot(wd, n, act[r], ys[r, d0 : d0 + n])
 
 
 class EncodedExperts:
