@@ -130,6 +130,33 @@ def test_same_bytes_as_numpy_across_chunks(device: str, qtype: str, with_importa
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q6_K", "IQ4_XS", "IQ2_XXS"])
+def test_one_importance_vector_per_matrix(device: str, qtype: str) -> None:
+    """A 3-D tensor's experts in one device pass, each with its own importance vector, chunks cutting
+    across experts: the bytes of the CPU encoding each expert alone (jobs.encode_rows)."""
+    from forge.quant.jobs import encode_rows
+
+    rng = np.random.default_rng(4)
+    n_mat, rows_per_mat, n = 3, 4, 512
+    rows = (
+        rng.standard_normal((n_mat * rows_per_mat, n)) * rng.uniform(0.01, 3, (n_mat * rows_per_mat, 1))
+    ).astype(np.float32)
+    importance = np.stack([_importance(n, seed) for seed in range(n_mat)])
+    want = np.concatenate(
+        [
+            get_type(qtype).encode(m, w)
+            for m, w in zip(rows.reshape(n_mat, rows_per_mat, n), importance, strict=True)
+        ]
+    )
+    assert np.array_equal(encode_rows(qtype, rows, importance), want)
+    got = encode_on_device(qtype, rows, importance, device, chunk_elems=3 * n)
+    assert np.array_equal(got, want)
+    assert np.array_equal(encode_rows(qtype, rows, importance, device), want)
+    with pytest.raises(ForgeError, match="importance groups"):
+        encode_on_device(qtype, rows[:-1], importance, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_same_bytes_as_numpy_on_gaussian_matrix(device: str, qtype: str) -> None:
     """Enough blocks (1024 super-blocks) that a rare one-ulp difference would show."""

@@ -56,12 +56,16 @@ def encode_rows(
     qtype: str, rows: np.ndarray, importance: np.ndarray | None, device: str = "cpu"
 ) -> np.ndarray:
     """Encode (n_rows, n_per_row) float32 rows in bounded chunks, on ``device`` where the type has a
-    torch encoder (the bytes are the same), else with the CPU codec."""
+    torch encoder (the bytes are the same), else with the CPU codec. ``importance``: one vector for all
+    rows, or one per group of consecutive rows (n_mat, n_per_row), a 3-D tensor's matrices."""
     qt = get_type(qtype)
     if not np.isfinite(rows).all():
         raise ForgeError("non-finite values (NaN or inf) in the source weights")
     if device != "cpu" and supported_on_device(qt.name()):
         return encode_on_device(qt.name(), rows, importance, device)
+    if importance is not None and importance.ndim == 2:
+        mats = rows.reshape(len(importance), -1, rows.shape[1])
+        return np.concatenate([encode_rows(qtype, m, w) for m, w in zip(mats, importance, strict=True)])
     step = max(1, CHUNK_ELEMENTS // rows.shape[1])
     parts = [
         qt.encode(np.ascontiguousarray(rows[i : i + step]), importance) for i in range(0, rows.shape[0], step)
@@ -76,15 +80,10 @@ def run_job(job: EncodeJob, values: np.ndarray | None = None) -> EncodeResult:
         values = open_source(job.source).float32(job.name)
     n_per_row = values.shape[-1]
     mats = values.reshape(-1, *values.shape[-2:]) if values.ndim >= 2 else values.reshape(1, 1, -1)
-    if job.importance is not None and job.importance.shape[0] == mats.shape[0]:
-        # routed experts: each expert's matrix with its own importance row
-        encoded = [
-            encode_rows(job.out_type, m, w, job.device) for m, w in zip(mats, job.importance, strict=True)
-        ]
-        data = np.concatenate(encoded)
-    else:
-        w = None if job.importance is None else job.importance[0]
-        data = encode_rows(job.out_type, values.reshape(-1, n_per_row), w, job.device)
+    w = job.importance
+    if w is not None and w.shape[0] != mats.shape[0]:
+        w = w[0]  # one vector for every matrix; else routed experts, each matrix with its own
+    data = encode_rows(job.out_type, values.reshape(-1, n_per_row), w, job.device)
     sample = values.reshape(-1, n_per_row)[:ERROR_SAMPLE_ROWS]
     decoded = get_type(job.out_type).decode(data[: len(sample)], n_per_row)
     denom = float(np.sqrt(np.mean(sample.astype(np.float64) ** 2))) or 1.0

@@ -2,7 +2,9 @@
 
 ``encode_on_device("q4_k", rows, importance, "cuda")`` quantizes float32 rows (n_rows, n_per_row)
 on the device in chunks of whole rows and returns uint8 (n_rows, row_bytes), byte for byte what
-``get_type("q4_k").encode(rows, importance)`` returns. Types without a torch encoder are refused
+``get_type("q4_k").encode(rows, importance)`` returns. ``importance`` may also hold one vector per
+group of consecutive rows (n_mat, n_per_row), a 3-D tensor's experts, each encoded with its own
+vector as the CPU encodes them one matrix at a time, in one device pass. Types without a torch encoder are refused
 (``supported_on_device`` says which ones have one); the caller falls back to the CPU path. An encoder
 registers itself in the type table (``forge.ggml_types``, kind ``gpu_encode``) with ``@device_encoder``;
 ``encoders.py`` imports them all.
@@ -91,7 +93,16 @@ def encode_on_device(
         have = ", ".join(t.name for t in ggml_types.types_with("gpu_encode"))
         raise ForgeError(f"{name} has no device encoder; device encoders exist for {have}")
     dev = _device(device)
-    rows, importance = check_rows(name, rows, qt.block_size, importance)
+    per_matrix = importance is not None and np.ndim(importance) == 2
+    if per_matrix:
+        rows, _ = check_rows(name, rows, qt.block_size)
+        if not len(importance) or rows.shape[0] % len(importance):
+            raise ForgeError(
+                f"{name}: {rows.shape[0]} rows do not split into {len(importance)} importance groups"
+            )
+        importance = np.stack([check_rows(name, rows[:0], qt.block_size, w)[1] for w in importance])
+    else:
+        rows, importance = check_rows(name, rows, qt.block_size, importance)
     if importance is None and getattr(qt, "requires_importance", False):
         raise ForgeError(f"{name} needs importance weights (an imatrix); none were given")
     n_rows, n_per_row = rows.shape
@@ -105,7 +116,11 @@ def encode_on_device(
     with torch.inference_mode():
         for s in range(0, n_rows, step):
             chunk = torch.from_numpy(rows[s : s + step]).to(dev, non_blocking=True)
-            out[s : s + step] = encode(chunk, imp).cpu().numpy()
+            w = imp
+            if per_matrix:  # each row's own group's vector
+                group = torch.arange(s, s + chunk.shape[0], device=dev) // (n_rows // len(importance))
+                w = imp.index_select(0, group)
+            out[s : s + step] = encode(chunk, w).cpu().numpy()
     return out
 
 

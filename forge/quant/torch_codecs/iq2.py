@@ -228,7 +228,7 @@ def encode_iq2_xxs(rows: torch.Tensor, importance: torch.Tensor) -> torch.Tensor
     sigma2 = ops.div(seq_sum_first(x_sb * x_sb), float(QK_K))
     del x_sb
     xb = ops.to_t(rows.reshape(-1, SUB))  # (32, M), M = N*8
-    qw = ops.to_t(importance.reshape(-1, SUB)).repeat(1, n_rows)
+    qw = ops.importance_t(importance, n_rows, SUB)
     weight = qw * ops.sqrt(torch.repeat_interleave(sigma2, QK_K // SUB)[None, :] + xb * xb)
     del qw
     xval, signs = _signs(xb, weight)

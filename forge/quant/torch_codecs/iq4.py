@@ -71,7 +71,7 @@ def _weights(x: torch.Tensor, importance: torch.Tensor | None, n_rows: int, bloc
     if importance is None:
         return x * x
     sigma2 = ops.seq_sum(x * x) * ops.scalar(2.0 / block, x)
-    qw = ops.to_t(importance.reshape(-1, block)).repeat(1, n_rows)
+    qw = ops.importance_t(importance, n_rows, block)
     return qw * ops.sqrt(sigma2 + x * x)
 
 

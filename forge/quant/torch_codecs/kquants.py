@@ -66,7 +66,7 @@ def encode_q45k_blocks(
         sigma2 = ops.div(2.0 * ops.seq_sum(x_sb * x_sb), float(QK))
         del x_sb
         sig_t = torch.repeat_interleave(sigma2, 8)[None, :]
-        imp_t = ops.to_t(importance.reshape(-1, 32)).repeat(1, n_rows)
+        imp_t = ops.importance_t(importance, n_rows, 32)
         w_t = imp_t * ops.sqrt(sig_t + x_t * x_t)
         del imp_t
         sw = ops.seq_sum(w_t)
@@ -113,11 +113,6 @@ def _sub_t(rows: torch.Tensor, n: int) -> torch.Tensor:
     return ops.to_t(rows.reshape(-1, n))
 
 
-def _weights_t(importance: torch.Tensor, n_rows: int, n: int) -> torch.Tensor:
-    """The imatrix column weights of every sub-block of n_rows rows, position-major."""
-    return ops.to_t(importance.reshape(-1, n)).repeat(1, n_rows)
-
-
 def _imatrix_weights_t(rows: torch.Tensor, x_t: torch.Tensor, importance: torch.Tensor, sigma_mul: float):
     """``qw * sqrt(sigma2 + x²)`` per element of the 16-sub-blocks, sigma2 = sigma_mul·Σx²/256 per super-block."""
     x_sb = ops.to_t(rows.reshape(-1, QK))
@@ -126,7 +121,7 @@ def _imatrix_weights_t(rows: torch.Tensor, x_t: torch.Tensor, importance: torch.
     if sigma_mul != 1.0:
         sumsq = ops.scalar(sigma_mul, sumsq) * sumsq
     sig_t = torch.repeat_interleave(ops.div(sumsq, float(QK)), 16)[None, :]
-    return _weights_t(importance, rows.shape[0], 16) * ops.sqrt(sig_t + x_t * x_t)
+    return ops.importance_t(importance, rows.shape[0], 16) * ops.sqrt(sig_t + x_t * x_t)
 
 
 def _signed_max(scales: torch.Tensor) -> torch.Tensor:
@@ -157,7 +152,7 @@ def encode_q6_k(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Te
     n_rows = rows.shape[0]
     x_t = _sub_t(rows, 16)  # (16, NS), NS = NB*16
     nb = x_t.shape[1] // 16
-    w_t = None if importance is None else _weights_t(importance, n_rows, 16)
+    w_t = None if importance is None else ops.importance_t(importance, n_rows, 16)
     scale, levels = ops.make_qx_quants_t(x_t, 32, w_t)
     del w_t
     scales = scale.reshape(nb, 16)

@@ -102,6 +102,13 @@ def to_t(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.t().contiguous()
 
 
+def importance_t(importance: torch.Tensor, n_rows: int, n: int) -> torch.Tensor:
+    """The importance weight of every element of the rows' n-blocks, position-major (n, n_rows*n_per_row/n),
+    from one vector (n_per_row,) that every row shares or one per row (n_rows, n_per_row)."""
+    blocks = to_t(importance.reshape(-1, n))
+    return blocks if importance.dim() == 2 else blocks.repeat(1, n_rows)
+
+
 # --------------------------------------------------------------------------------------------------
 # make_qkx2_quants / make_qkx3_quants (numerics._make_qkx_t)
 
