@@ -1,6 +1,7 @@
 """Compiled (numba) one-token kernels for the CPU decode path: one call per block and token (attention,
 Gated DeltaNet, shared expert, routed experts (routed outside, by ``runtime.moe.Router``), matrix-vector products with RMSNorm
-folded in) over row-major float32 weights, and routed experts kept encoded (``runtime.cpu_rows``).
+folded in) over row-major float32 weights, and routed experts kept encoded (``runtime.cpu_rows``); plus the
+routed experts of a batch (prefill) over encoded rows, grouped by expert (``routed_ffn_batch``).
 
 For one input row, torch's CPU matmul runs these shapes on one core well below memory speed (a 256 x 512
 product took 56 us inside the model, i.e. 9 GB/s); these kernels read each weight row once as a
@@ -384,6 +385,28 @@ def _rows_dot(w: np.ndarray, n: int, x: np.ndarray, out: np.ndarray) -> None:
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
+def _rows_dot2(w: np.ndarray, n: int, x: np.ndarray, y: np.ndarray, ox: np.ndarray, oy: np.ndarray) -> None:
+    """``_rows_dot`` of two inputs at once: ox[i] = w[i] . x, oy[i] = w[i] . y (each load of w serves both)."""
+    for i in range(0, n - 3, 4):
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0)
+        for j in range(x.shape[0]):
+            v, u = x[j], y[j]
+            w0, w1, w2, w3 = w[i, j], w[i + 1, j], w[i + 2, j], w[i + 3, j]
+            a0 += w0 * v
+            a1 += w1 * v
+            a2 += w2 * v
+            a3 += w3 * v
+            b0 += w0 * u
+            b1 += w1 * u
+            b2 += w2 * u
+            b3 += w3 * u
+        ox[i], ox[i + 1], ox[i + 2], ox[i + 3] = a0, a1, a2, a3
+        oy[i], oy[i + 1], oy[i + 2], oy[i + 3] = b0, b1, b2, b3
+    for i in range(n - n % 4, n):
+        ox[i], oy[i] = _dot(w[i], x), _dot(w[i], y)
+
+
+@njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
 def _decode_rows(
     buf: np.ndarray, meta: np.ndarray, part: int, expert: int, first: int, n: int, out: np.ndarray
 ) -> None:
@@ -422,12 +445,17 @@ def _routed_ffn_batch(
         wg, wu = np.empty((BATCH_ROWS, n_embd), np.float32), np.empty((BATCH_ROWS, n_embd), np.float32)
         _decode_rows(gate, meta, 0, e, f0, n, wg)
         _decode_rows(up, meta, 1, e, f0, n, wu)
-        gs, us = np.empty(BATCH_ROWS, np.float32), np.empty(BATCH_ROWS, np.float32)
-        for r in range(r0, r1):
-            _rows_dot(wg, n, xs[r], gs)
-            _rows_dot(wu, n, xs[r], us)
-            for i in range(n):
-                act[r, f0 + i] = _swiglu(gs[i], us[i], limit)
+        gs, us = np.empty((2, BATCH_ROWS), np.float32), np.empty((2, BATCH_ROWS), np.float32)
+        for r in range(r0, r1, 2):
+            if r + 1 < r1:
+                _rows_dot2(wg, n, xs[r], xs[r + 1], gs[0], gs[1])
+                _rows_dot2(wu, n, xs[r], xs[r + 1], us[0], us[1])
+            else:
+                _rows_dot(wg, n, xs[r], gs[0])
+                _rows_dot(wu, n, xs[r], us[0])
+            for t in range(min(2, r1 - r)):
+                for i in range(n):
+                    act[r + t, f0 + i] = _swiglu(gs[t, i], us[t, i], limit)
     blocks = (n_embd + BATCH_ROWS - 1) // BATCH_ROWS
     for item in prange(n_groups * blocks):
         g = item // blocks
@@ -436,8 +464,11 @@ def _routed_ffn_batch(
         n = min(BATCH_ROWS, n_embd - d0)
         wd = np.empty((BATCH_ROWS, n_ff), np.float32)
         _decode_rows(down, meta, 2, e, d0, n, wd)
-        for r in range(r0, r1):
-            _rows_dot(wd, n, act[r], ys[r, d0 : d0 + n])
+        for r in range(r0, r1, 2):
+            if r + 1 < r1:
+                _rows_dot2(wd, n, act[r], act[r + 1], ys[r, d0 : d0 + n], ys[r + 1, d0 : d0 + n])
+            else:
+                _rows_dot(wd, n, act[r], ys[r, d0 : d0 + n])
 
 
 class EncodedExperts:
