@@ -26,6 +26,24 @@ class State:
         self.graphs: Any = None  # its captured decode steps (runtime.backends.cuda_graph), on CUDA
 
 
+class PreNormBlock:
+    """A decoder block ``h + attn(norm(h))``, then ``+ ffn(norm(h))`` (qwen3moe, glm4moe, glm-dsa): the norms are
+    ``attn_norm`` and ``ffn_norm`` (the file's name of the second one); a subclass sets ``attn`` and ``ffn``."""
+
+    attn: Any
+    ffn: Any
+
+    def __init__(self, weights: Weights, layer: int, eps: float, ffn_norm: str = "ffn_norm") -> None:
+        p = f"blk.{layer}."
+        self.eps = eps
+        self.attn_norm = weights.dense(p + "attn_norm.weight")
+        self.ffn_norm = weights.dense(p + ffn_norm + ".weight")
+
+    def __call__(self, h: torch.Tensor, cache: Any, pos0: int) -> torch.Tensor:
+        h = h + self.attn(rms_norm(h, self.attn_norm, self.eps), cache, pos0)
+        return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
+
+
 class MoeCausalLM:
     """Shared driver: embedding, a stack of blocks, final norm and LM head; per-sequence State."""
 
@@ -113,14 +131,20 @@ class MoeCausalLM:
             h = block.step(h, cache, pos, eps)
         return self.output.normed_step(h, self.output_norm, eps)
 
-    @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, state: State, last_only: bool = False) -> torch.Tensor:
-        """tokens (T,) int64 continuing ``state`` -> logits (T, vocab) float32 (or (1, vocab))."""
+    @staticmethod
+    def _token_count(tokens: torch.Tensor, state: State) -> int:
+        """How many tokens a forward call evaluates; a ForgeError for none or for more than ``state`` holds."""
         t = int(tokens.shape[0])
         if t == 0:
             raise ForgeError("no tokens to evaluate")
         if state.pos + t > state.max_tokens:
             raise ForgeError(f"{state.pos + t} tokens exceed the context of {state.max_tokens}")
+        return t
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, state: State, last_only: bool = False) -> torch.Tensor:
+        """tokens (T,) int64 continuing ``state`` -> logits (T, vocab) float32 (or (1, vocab))."""
+        t = self._token_count(tokens, state)
         if t == 1 and self.fast_decode:
             return self._decode_step(tokens, state)
         h = self.weights.rows("token_embd.weight", tokens.to(self.weights.device))

@@ -106,11 +106,7 @@ class Deepseek4Model(MoeCausalLM):
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, state: State, last_only: bool = False) -> torch.Tensor:
         """tokens (T,) int64 continuing ``state`` -> logits (T, vocab) float32 (or (1, vocab))."""
-        t = int(tokens.shape[0])
-        if t == 0:
-            raise ForgeError("no tokens to evaluate")
-        if state.pos + t > state.max_tokens:
-            raise ForgeError(f"{state.pos + t} tokens exceed the context of {state.max_tokens}")
+        t = self._token_count(tokens, state)
         tokens = tokens.to(self.weights.device)
         h = self.weights.rows("token_embd.weight", tokens)
         streams = h[:, None, :].expand(t, self.hc, h.shape[-1])

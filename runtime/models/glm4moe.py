@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.layers import AttentionConfig, GQAttention, KVCache, rms_norm
-from runtime.models.base import MoeCausalLM
+from runtime.layers import AttentionConfig, GQAttention, KVCache
+from runtime.models.base import MoeCausalLM, PreNormBlock
 from runtime.moe import GroupedScoredTopK, RoutedExperts, SharedSwiGLU
 from runtime.observers import Observer
 from runtime.weights import Weights
@@ -51,21 +51,14 @@ class GlmFfn:
         return y if self.shared is None else y + self.shared(x)
 
 
-class Glm4MoeBlock:
+class Glm4MoeBlock(PreNormBlock):
     def __init__(
         self, weights: Weights, layer: int, attn_cfg: AttentionConfig, n_used: int, observers: list[Observer]
     ) -> None:
-        p = f"blk.{layer}."
-        self.eps = attn_cfg.eps
-        self.attn_norm = weights.dense(p + "attn_norm.weight")
-        self.post_norm = weights.dense(p + "post_attention_norm.weight")
+        super().__init__(weights, layer, attn_cfg.eps, "post_attention_norm")
         self.attn = GQAttention(weights, layer, attn_cfg, observers)
         self.ffn = GlmFfn(weights, layer, n_used, observers)
         self.moe = self.ffn.moe  # the routed experts (None on a dense layer), as the driver finds them
-
-    def __call__(self, h: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
-        h = h + self.attn(rms_norm(h, self.attn_norm, self.eps), cache, pos0)
-        return h + self.ffn(rms_norm(h, self.post_norm, self.eps))
 
 
 class Glm4MoeModel(MoeCausalLM):

@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 
 from runtime.attention_mla import MlaAttention, MlaState, Selection
-from runtime.layers import rms_norm
-from runtime.models.base import MoeCausalLM
+from runtime.models.base import MoeCausalLM, PreNormBlock
 from runtime.models.glm4moe import GlmFfn
 from runtime.observers import Observer
 from runtime.weights import Weights
@@ -22,22 +21,15 @@ def default_indexer_types(n_ctx_train: int, n_layer: int) -> list[bool]:
     return [i < 2 or (i - 2) % 4 == 0 for i in range(n_layer)]
 
 
-class GlmDsaBlock:
+class GlmDsaBlock(PreNormBlock):
     def __init__(
         self, weights: Weights, layer: int, eps: float, n_used: int, observers: list[Observer], selection: Selection,
         indexer: bool,
     ) -> None:  # fmt: skip
-        p = f"blk.{layer}."
-        self.eps = eps
-        self.attn_norm = weights.dense(p + "attn_norm.weight")
-        self.ffn_norm = weights.dense(p + "ffn_norm.weight")
+        super().__init__(weights, layer, eps)
         self.attn = MlaAttention(weights, layer, eps, observers, selection, indexer)
         self.ffn = GlmFfn(weights, layer, n_used, observers)
         self.moe = self.ffn.moe
-
-    def __call__(self, h: torch.Tensor, cache: MlaState, pos0: int) -> torch.Tensor:
-        h = h + self.attn(rms_norm(h, self.attn_norm, self.eps), cache, pos0)
-        return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
 
 
 class GlmDsaModel(MoeCausalLM):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from runtime.layers import AttentionConfig, GQAttention, KVCache, rms_norm
-from runtime.models.base import MoeCausalLM, State
+from runtime.models.base import MoeCausalLM, PreNormBlock, State
 from runtime.moe import RoutedExperts
 from runtime.observers import Observer
 from runtime.weights import Weights
@@ -13,20 +13,13 @@ from runtime.weights import Weights
 __all__ = ["MoeCausalLM", "Qwen3MoeBlock", "Qwen3MoeModel", "State", "rms_norm"]
 
 
-class Qwen3MoeBlock:
+class Qwen3MoeBlock(PreNormBlock):
     def __init__(
         self, weights: Weights, layer: int, attn_cfg: AttentionConfig, n_used: int, observers: list[Observer]
     ) -> None:
-        p = f"blk.{layer}."
-        self.eps = attn_cfg.eps
-        self.attn_norm = weights.dense(p + "attn_norm.weight")
-        self.ffn_norm = weights.dense(p + "ffn_norm.weight")
+        super().__init__(weights, layer, attn_cfg.eps)
         self.attn = GQAttention(weights, layer, attn_cfg, observers)
-        self.moe = RoutedExperts(weights, layer, n_used, observers)
-
-    def __call__(self, h: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
-        h = h + self.attn(rms_norm(h, self.attn_norm, self.eps), cache, pos0)
-        return h + self.moe(rms_norm(h, self.ffn_norm, self.eps))
+        self.moe = self.ffn = RoutedExperts(weights, layer, n_used, observers)
 
     def step(self, h: torch.Tensor, cache: KVCache, pos: int, eps: torch.Tensor) -> torch.Tensor:
         h = self.attn.step(h, self.attn_norm, eps, cache, pos)
