@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +25,22 @@ N_EXPERT, N_FF, N_EMBD = 16, 256, 512
 TYPES = [t.name for t in ggml_types.types_with("cpu_rows")]
 
 
+@functools.cache
+def _experts(name: str) -> tuple[list[np.ndarray], list[torch.Tensor]]:
+    """Random encoded (gate, up, down) experts of one type (built once per type) and their float32 decode."""
+    from gguf import GGMLQuantizationType as Q
+
+    qtype = Q[name]
+    shapes = ((N_FF, N_EMBD), (N_FF, N_EMBD), (N_EMBD, N_FF))
+    raw = [
+        _encoded_rows(qtype, N_EXPERT * rows, cols, seed).reshape(N_EXPERT, rows, -1)
+        for seed, (rows, cols) in enumerate(shapes, 50)
+    ]
+    return raw, [
+        dequantize(torch.from_numpy(a), qtype, cols) for a, (_, cols) in zip(raw, shapes, strict=True)
+    ]
+
+
 class _Source:
     """An ``ExpertSource`` as the backends see it, over random encoded experts of one type: per use (the
     records are the arrays) or streamed (each request's experts copied into shuffled slots of a small slab,
@@ -33,15 +50,7 @@ class _Source:
         from gguf import GGMLQuantizationType as Q
 
         self.qtype = Q[name]
-        shapes = ((N_FF, N_EMBD), (N_FF, N_EMBD), (N_EMBD, N_FF))
-        self.raw = [
-            _encoded_rows(self.qtype, N_EXPERT * rows, cols, seed).reshape(N_EXPERT, rows, -1)
-            for seed, (rows, cols) in enumerate(shapes, 50)
-        ]
-        self.dec = [
-            dequantize(torch.from_numpy(a), self.qtype, cols)
-            for a, (_, cols) in zip(self.raw, shapes, strict=True)
-        ]
+        self.raw, self.dec = _experts(name)
         self.kind, self.n_ff, self.swiglu_limit = kind, N_FF, limit
         self.cache = SimpleNamespace(group_size=group)
         self.requests: list[int] = []
