@@ -18,6 +18,15 @@ from forge.checkpoint import Checkpoint, HFTensor, bf16_bits_to_f32
 from forge.errors import ForgeError
 from forge.gguf_file import KV, T
 
+#: HF name -> (GGUF name, kept in F32 whatever the output type): the tables of ``Architecture.tabled``
+Table = dict[str, tuple[str, bool]]
+#: the tensors outside the layers of the llama-style checkpoints (Qwen MoEs, GLM)
+GLOBAL_TENSORS: Table = {
+    "lm_head.weight": ("output.weight", False),
+    "embed_tokens.weight": ("token_embd.weight", False),
+    "norm.weight": ("output_norm.weight", True),
+}
+
 
 @dataclass(frozen=True)
 class SourceArray:
@@ -231,6 +240,19 @@ class Architecture:
             )
             g.clear()
         return out
+
+    @staticmethod
+    def tabled(name: str, t: HFTensor, layer_tensors: Table, global_tensors: Table) -> list[OutTensor] | None:
+        """``t`` written as it is under the name a table gives it: ``global_tensors`` by its whole name,
+        ``layer_tensors`` by its name within ``layers.N.`` (as ``blk.N.``); None where neither has it."""
+        if name in global_tensors:
+            gname, f32 = global_tensors[name]
+            return [OutTensor(gname, t.shape, lambda: raw(t), (t,), f32, verbatim=True)]
+        m = LAYER_RE.match(name)
+        if not m or m["rest"] not in layer_tensors:
+            return None
+        gname, f32 = layer_tensors[m["rest"]]
+        return [OutTensor(f"blk.{m['layer']}.{gname}", t.shape, lambda: raw(t), (t,), f32, verbatim=True)]
 
     def fused_experts(self, layer: int, name: str, t: HFTensor) -> list[OutTensor]:
         """Fused expert tensors (``experts.gate_up_proj`` (E, 2I, H), ``experts.down_proj`` (E, H, I))."""

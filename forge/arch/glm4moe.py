@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from forge.arch.base import LAYER_RE, Architecture, OutTensor, raw
+from forge.arch.base import GLOBAL_TENSORS, LAYER_RE, Architecture, OutTensor
 from forge.checkpoint import HFTensor
 from forge.gguf_file import KV, T
 
@@ -43,11 +43,6 @@ LAYER_TENSORS = {
     "embed_tokens.weight": ("nextn.embed_tokens.weight", False),
     "shared_head.head.weight": ("nextn.shared_head_head.weight", False),
     "shared_head.norm.weight": ("nextn.shared_head_norm.weight", True),
-}
-GLOBAL_TENSORS = {
-    "lm_head.weight": ("output.weight", False),
-    "embed_tokens.weight": ("token_embd.weight", False),
-    "norm.weight": ("output_norm.weight", True),
 }
 SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
@@ -129,11 +124,4 @@ class Glm4Moe(Architecture):
         return kvs
 
     def map_tensor(self, name: str, t: HFTensor) -> list[OutTensor] | None:
-        if name in GLOBAL_TENSORS:
-            gname, f32 = GLOBAL_TENSORS[name]
-            return [OutTensor(gname, t.shape, lambda: raw(t), (t,), f32, verbatim=True)]
-        m = LAYER_RE.match(name)
-        if not m or m["rest"] not in LAYER_TENSORS:
-            return None
-        gname, f32 = LAYER_TENSORS[m["rest"]]
-        return [OutTensor(f"blk.{m['layer']}.{gname}", t.shape, lambda: raw(t), (t,), f32, verbatim=True)]
+        return self.tabled(name, t, LAYER_TENSORS, GLOBAL_TENSORS)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from forge.arch.base import LAYER_RE, OutTensor, raw, transformed
-from forge.arch.glm4moe import GLOBAL_TENSORS, LAYER_TENSORS, SIGMOID, Glm4Moe
+from forge.arch.base import GLOBAL_TENSORS, LAYER_RE, OutTensor, transformed
+from forge.arch.glm4moe import LAYER_TENSORS, SIGMOID, Glm4Moe
 from forge.checkpoint import HFTensor
 from forge.gguf_file import KV, T
 
@@ -105,19 +105,10 @@ class GlmDsa(Glm4Moe):
         return kvs
 
     def map_tensor(self, name: str, t: HFTensor) -> list[OutTensor] | None:
-        if name in GLOBAL_TENSORS:
-            gname, f32 = GLOBAL_TENSORS[name]
-            return [OutTensor(gname, t.shape, lambda: raw(t), (t,), f32, verbatim=True)]
         m = LAYER_RE.match(name)
-        if not m:
-            return None
-        p = f"blk.{m['layer']}."
-        if m["rest"] == "self_attn.kv_b_proj.weight":
-            return self._kv_b(p, t)
-        if m["rest"] not in DSA_LAYER_TENSORS:
-            return None
-        gname, f32 = DSA_LAYER_TENSORS[m["rest"]]
-        return [OutTensor(p + gname, t.shape, lambda: raw(t), (t,), f32, verbatim=True)]
+        if m and m["rest"] == "self_attn.kv_b_proj.weight":
+            return self._kv_b(f"blk.{m['layer']}.", t)
+        return self.tabled(name, t, DSA_LAYER_TENSORS, GLOBAL_TENSORS)
 
     def _kv_b(self, p: str, t: HFTensor) -> list[OutTensor]:
         """kv_b_proj (heads x (nope + v), kv_lora) -> per head k_b (kv_lora, nope) and v_b (v, kv_lora)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from forge.arch.base import LAYER_RE, Architecture, OutTensor, raw
+from forge.arch.base import GLOBAL_TENSORS, LAYER_RE, Architecture, OutTensor
 from forge.checkpoint import HFTensor
 from forge.gguf_file import KV
 
@@ -21,11 +21,6 @@ LAYER_TENSORS = {
     "self_attn.q_norm.weight": ("attn_q_norm.weight", True),
     "self_attn.k_norm.weight": ("attn_k_norm.weight", True),
 }
-GLOBAL_TENSORS = {
-    "lm_head.weight": ("output.weight", False),
-    "embed_tokens.weight": ("token_embd.weight", False),
-    "norm.weight": ("output_norm.weight", True),
-}
 
 
 class Qwen3Moe(Architecture):
@@ -36,16 +31,7 @@ class Qwen3Moe(Architecture):
         return self.moe_kvs(file_type, self.n_layers, dense_ffn=True)
 
     def map_tensor(self, name: str, t: HFTensor) -> list[OutTensor] | None:
-        if name in GLOBAL_TENSORS:
-            gname, f32 = GLOBAL_TENSORS[name]
-            return [OutTensor(gname, t.shape, lambda: raw(t), (t,), f32, verbatim=True)]
         m = LAYER_RE.match(name)
-        if not m:
-            return None
-        layer, rest = int(m["layer"]), m["rest"]
-        if rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
-            return self.fused_experts(layer, rest, t)
-        if rest not in LAYER_TENSORS:
-            return None
-        gname, f32 = LAYER_TENSORS[rest]
-        return [OutTensor(f"blk.{layer}.{gname}", t.shape, lambda: raw(t), (t,), f32, verbatim=True)]
+        if m and m["rest"] in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+            return self.fused_experts(int(m["layer"]), m["rest"], t)
+        return self.tabled(name, t, LAYER_TENSORS, GLOBAL_TENSORS)
