@@ -10,7 +10,7 @@ import pytest
 
 from forge.errors import ForgeError
 from forge.quant import jobs as jobs_mod
-from forge.quant.jobs import EncodeJob, EncodeResult, Executor, overlapped
+from forge.quant.jobs import EncodeJob, EncodeResult, Executor, ProcessExecutor, overlapped
 from forge.quant.torch_codecs import supported_on_device
 from tests import oracle
 
@@ -83,6 +83,22 @@ def test_a_failed_encode_stops_the_pipeline(monkeypatch: pytest.MonkeyPatch) -> 
         next(results)
     ex.abort()
     assert "read h" not in log  # at most `ahead` jobs were read past the one consumed
+
+
+def test_worker_processes_leave_device_jobs_to_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--jobs N --device cuda``: the device's jobs run in the overlapped pipeline here (the stubs below
+    exist in this process only), not in N processes sharing one GPU."""
+    log: list[str] = []
+    monkeypatch.setattr(jobs_mod, "open_source", lambda ref: _Source(log))
+    monkeypatch.setattr(
+        jobs_mod, "run_job", lambda job, values: EncodeResult(np.zeros(1, np.uint8), 0.0, 0.0)
+    )
+    ex = ProcessExecutor(2)
+    try:
+        assert len(list(ex.map(_jobs("abc")))) == 3
+        assert log == ["read a", "read b", "read c"]
+    finally:
+        ex.close()
 
 
 PRESETS = [("q4_k_m", False), ("q5_k_m", False), ("q6_k", False), ("iq4_xs", True), ("iq2_xxs", True)]

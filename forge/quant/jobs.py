@@ -154,6 +154,11 @@ class ProcessExecutor(Executor):
         self.pool = worker_pool(workers)
 
     def map(self, jobs: list[EncodeJob]) -> Iterator[EncodeResult]:
+        if any(j.device != "cpu" for j in jobs):
+            return super().map(jobs)  # one device for every worker: its jobs overlap in this process instead
+        return self._in_workers(jobs)
+
+    def _in_workers(self, jobs: list[EncodeJob]) -> Iterator[EncodeResult]:
         pending = []
         it = iter(jobs)
         for job in it:
@@ -168,9 +173,11 @@ class ProcessExecutor(Executor):
             yield fut.result()
 
     def close(self) -> None:
+        super().close()
         self.pool.shutdown(cancel_futures=True)
 
     def abort(self) -> None:
+        super().close()
         stop_pool(self.pool)
 
 
