@@ -2,7 +2,7 @@
 llama-quantize, with every tensor's bytes compared.
 
     PYTHONPATH=. python benchmarks/quantize_model.py WORK [--runners forge-cpu forge-cuda llama]
-        [--presets q4_k_m q6_k iq4_xs iq2_xxs+imat] [--threads 16] [--llama-quantize PATH]
+        [--presets q4_k_m q6_k iq4_xs iq2_xxs+imat] [--threads 16] [--device cuda] [--llama-quantize PATH]
         [--layers 8 --experts 128 --hidden 2048 --moe-ff 768 --heads 16 --kv-heads 4 --vocab 32768]
 
 The model (default: the issue's 8-layer Qwen3-30B-A3B-shaped random bf16 checkpoint, 4.9 B parameters
