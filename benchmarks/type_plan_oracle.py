@@ -63,8 +63,10 @@ from forge.quant.plan import is_quantizable, make_plan  # noqa: E402
 from forge.quant.recipe import available_recipes, load_recipe  # noqa: E402
 from forge.quant.source import GGUFQuantSource, SrcTensor, source_ref  # noqa: E402
 from runtime.synth import (  # noqa: E402
+    HC_STREAMS,
     SynthGeometry,
     compress_ratios,
+    deepseek4_block,
     glm_block,
     synth_tensors,
     tokenizer_kvs,
@@ -366,58 +368,29 @@ def glm4moe_model(g: GlmGeometry) -> tuple[list[KV], list[TensorSpec]]:
     return _kvs("glm4moe", g, keys), specs
 
 
+#: the types llama.cpp's converter gives a published (FP8 + FP4) checkpoint's deepseek4 tensors, by role
+_CONVERTED = {"expert": Q.MXFP4, "fp8": Q.Q8_0, "bf16": Q.BF16, "router": Q.BF16, "f32_matrix": Q.F32, "f32": Q.F32,
+              "i32": Q.I32}  # fmt: skip
+
+
+def _converted(role: str, shape: tuple[int, ...]) -> Q:
+    return _CONVERTED[role]
+
+
 def deepseek4_model(g: Deepseek4Geometry) -> tuple[list[KV], list[TensorSpec]]:
     """llama.cpp's deepseek4 tensor set and types (as forge convert and convert_hf_to_gguf.py write it)."""
-    h, hd, ff, e = g.hidden, g.attn_head_dim, g.expert_ff, g.experts
-    bf, f32, q8, mx = Q.BF16, Q.F32, Q.Q8_0, Q.MXFP4
-    hc, mix = 4, 24  # hyper-connection streams; (2 + hc) * hc mixing weights
-    specs = [TensorSpec(f"blk.{i}.ffn_gate_tid2eid.weight", (VOCAB, g.experts_used), Q.I32)
-             for i in range(g.hash_layers)]  # fmt: skip
-    for i in range(g.layers):
-        specs += [TensorSpec(f"blk.{i}.ffn_gate_exps.weight", (e, ff, h), mx),
-                  TensorSpec(f"blk.{i}.ffn_down_exps.weight", (e, h, ff), mx),
-                  TensorSpec(f"blk.{i}.ffn_up_exps.weight", (e, ff, h), mx)]  # fmt: skip
-    specs.append(TensorSpec("token_embd.weight", (VOCAB, h), bf))
-    for i in range(g.layers):
-        p, ratio = f"blk.{i}.", g.compress_ratios[i]
-        layer = [
-            TensorSpec(p + "attn_sinks.weight", (g.heads,), f32),
-            TensorSpec(p + "attn_kv_a_norm.weight", (hd,), f32),
-            TensorSpec(p + "attn_q_a_norm.weight", (g.q_lora,), f32),
-            TensorSpec(p + "attn_kv.weight", (hd, h), q8),
-            TensorSpec(p + "attn_output_a.weight", (g.o_groups * g.o_lora, g.heads * hd // g.o_groups), q8),
-            TensorSpec(p + "attn_output_b.weight", (h, g.o_groups * g.o_lora), q8),
-            TensorSpec(p + "attn_q_a.weight", (g.q_lora, h), q8),
-            TensorSpec(p + "attn_q_b.weight", (g.heads * hd, g.q_lora), q8),
-            TensorSpec(p + "attn_norm.weight", (h,), f32),
-            TensorSpec(p + "ffn_gate_inp.weight", (e, h), bf),
-            TensorSpec(p + "ffn_gate_shexp.weight", (ff, h), q8),
-            TensorSpec(p + "ffn_down_shexp.weight", (h, ff), q8),
-            TensorSpec(p + "ffn_up_shexp.weight", (ff, h), q8),
-            TensorSpec(p + "ffn_norm.weight", (h,), f32),
-            *(TensorSpec(p + f"hc_{s}_{k}.weight", shape, f32) for s in ("attn", "ffn")
-              for k, shape in (("base", (mix,)), ("fn", (mix, hc * h)), ("scale", (3,)))),
-        ]  # fmt: skip
-        if i >= g.hash_layers:
-            layer.append(TensorSpec(p + "exp_probs_b.bias", (e,), f32))
-        if ratio:
-            coff = 2 if ratio == 4 else 1
-            layer += [TensorSpec(p + "attn_compressor_ape.weight", (ratio, coff * hd), f32),
-                      TensorSpec(p + "attn_compressor_norm.weight", (hd,), f32),
-                      TensorSpec(p + "attn_compressor_gate.weight", (coff * hd, h), bf),
-                      TensorSpec(p + "attn_compressor_kv.weight", (coff * hd, h), bf)]  # fmt: skip
-        if ratio == 4:
-            di = g.index_dim
-            layer += [TensorSpec(p + "indexer_compressor_ape.weight", (ratio, 2 * di), f32),
-                      TensorSpec(p + "indexer_compressor_norm.weight", (di,), f32),
-                      TensorSpec(p + "indexer_compressor_gate.weight", (2 * di, h), bf),
-                      TensorSpec(p + "indexer_compressor_kv.weight", (2 * di, h), bf),
-                      TensorSpec(p + "indexer.proj.weight", (g.index_heads, h), bf),
-                      TensorSpec(p + "indexer.attn_q_b.weight", (g.index_heads * di, g.q_lora), q8)]  # fmt: skip
-        specs += layer
-    specs += [TensorSpec("output_hc_base.weight", (hc,), f32), TensorSpec("output_hc_fn.weight", (hc, hc * h), f32),
-              TensorSpec("output_hc_scale.weight", (1,), f32), TensorSpec("output.weight", (VOCAB, h), bf),
-              TensorSpec("output_norm.weight", (h,), f32)]  # fmt: skip
+    h, hd, ff, e, hc = g.hidden, g.attn_head_dim, g.expert_ff, g.experts, HC_STREAMS
+    sg = SynthGeometry(g.layers, e, g.experts_used, h, ff, g.heads, g.kv_heads, hd, VOCAB, arch="deepseek4",
+                       q_lora=g.q_lora, o_groups=g.o_groups, o_lora=g.o_lora, hash_layers=g.hash_layers,
+                       index_heads=g.index_heads, index_dim=g.index_dim)  # fmt: skip
+    blocks = [s for i, r in enumerate(g.compress_ratios) for s in deepseek4_block(sg, i, r, _converted)]
+    # the converter writes the hash tables, then the routed experts, then the embedding and the rest by layer
+    hoisted = [s for kind in ("tid2eid.weight", "_exps.weight") for s in blocks if s.name.endswith(kind)]
+    rest = [s for s in blocks if not s.name.endswith(("tid2eid.weight", "_exps.weight"))]
+    specs = [*hoisted, TensorSpec("token_embd.weight", (VOCAB, h), Q.BF16), *rest,
+             TensorSpec("output_hc_base.weight", (hc,), Q.F32), TensorSpec("output_hc_fn.weight", (hc, hc * h), Q.F32),
+             TensorSpec("output_hc_scale.weight", (1,), Q.F32), TensorSpec("output.weight", (VOCAB, h), Q.BF16),
+             TensorSpec("output_norm.weight", (h,), Q.F32)]  # fmt: skip
     keys = {
         "block_count": g.layers,
         "context_length": 1048576,

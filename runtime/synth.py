@@ -31,12 +31,12 @@ random logits decode to random words rather than nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from itertools import count, islice, product
 from pathlib import Path
 from string import ascii_lowercase
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import typer
@@ -364,47 +364,67 @@ def _glm_ffn(g: SynthGeometry, i: int, w: Any, p: str) -> list[TensorSpec]:
 HC_STREAMS = 4  # deepseek4's hyper-connection streams (both models)
 
 
-def _deepseek4_layer(g: SynthGeometry, i: int, ratio: int, qtype: Q) -> list[TensorSpec]:
-    """A deepseek4 block as llama-quantize leaves it: matrices in ``qtype`` (Q8_0 where a row is not a whole
-    number of its blocks), the router, norms, biases, sinks in F32, the hash table in I32."""
-    h, hd, ff, e, p, f32 = g.hidden, g.head_dim, g.expert_ff, g.experts, f"blk.{i}.", Q.F32
-    whole = GGML_QUANT_SIZES[qtype][0]
+#: what a deepseek4 tensor is, for its type: routed experts, the FP8 projections of a published checkpoint
+#: (attention, shared expert, indexer query), its BF16 ones (compressors, indexer head weights), the router, the
+#: F32 matrices (hyper-connection mixing, compressor position biases), vectors (norms, sinks, biases), the hash table
+Deepseek4Role = Literal["expert", "fp8", "bf16", "router", "f32_matrix", "f32", "i32"]
+
+
+def deepseek4_block(
+    g: SynthGeometry, i: int, ratio: int, type_of: Callable[[Deepseek4Role, tuple[int, ...]], Q]
+) -> list[TensorSpec]:
+    """Block ``i`` (compress ratio ``ratio``) of a deepseek4 model in llama.cpp's converter order, each tensor
+    typed by ``type_of(role, shape)``."""
+    h, hd, ff, e, p = g.hidden, g.head_dim, g.expert_ff, g.experts, f"blk.{i}."
     mix = (2 + HC_STREAMS) * HC_STREAMS
 
-    def w(name: str, shape: tuple[int, ...]) -> TensorSpec:
-        return TensorSpec(p + name, shape, qtype if shape[-1] % whole == 0 else Q.Q8_0)
+    def t(role: Deepseek4Role, name: str, shape: tuple[int, ...]) -> TensorSpec:
+        return TensorSpec(p + name, shape, type_of(role, shape))
 
-    layer = [
-        TensorSpec(p + "attn_norm.weight", (h,), f32), TensorSpec(p + "ffn_norm.weight", (h,), f32),
-        TensorSpec(p + "attn_sinks.weight", (g.heads,), f32), TensorSpec(p + "attn_q_a_norm.weight", (g.q_lora,), f32),
-        TensorSpec(p + "attn_kv_a_norm.weight", (hd,), f32),
-        w("attn_q_a.weight", (g.q_lora, h)), w("attn_q_b.weight", (g.heads * hd, g.q_lora)),
-        w("attn_kv.weight", (hd, h)),
-        w("attn_output_a.weight", (g.o_groups * g.o_lora, g.heads * hd // g.o_groups)),
-        w("attn_output_b.weight", (h, g.o_groups * g.o_lora)),
-        *(x for s in ("attn", "ffn") for x in (w(f"hc_{s}_fn.weight", (mix, HC_STREAMS * h)),
-          TensorSpec(p + f"hc_{s}_base.weight", (mix,), f32), TensorSpec(p + f"hc_{s}_scale.weight", (3,), f32))),
-        TensorSpec(p + "ffn_gate_inp.weight", (e, h), f32),
-        w("ffn_gate_exps.weight", (e, ff, h)), w("ffn_up_exps.weight", (e, ff, h)),
-        w("ffn_down_exps.weight", (e, h, ff)),
-        w("ffn_gate_shexp.weight", (ff, h)), w("ffn_up_shexp.weight", (ff, h)), w("ffn_down_shexp.weight", (h, ff)),
+    out = [t("i32", "ffn_gate_tid2eid.weight", (g.vocab, g.experts_used))] if i < g.hash_layers else []
+    out += [
+        t("expert", "ffn_gate_exps.weight", (e, ff, h)), t("expert", "ffn_down_exps.weight", (e, h, ff)),
+        t("expert", "ffn_up_exps.weight", (e, ff, h)),
+        t("f32", "attn_sinks.weight", (g.heads,)), t("f32", "attn_kv_a_norm.weight", (hd,)),
+        t("f32", "attn_q_a_norm.weight", (g.q_lora,)), t("fp8", "attn_kv.weight", (hd, h)),
+        t("fp8", "attn_output_a.weight", (g.o_groups * g.o_lora, g.heads * hd // g.o_groups)),
+        t("fp8", "attn_output_b.weight", (h, g.o_groups * g.o_lora)), t("fp8", "attn_q_a.weight", (g.q_lora, h)),
+        t("fp8", "attn_q_b.weight", (g.heads * hd, g.q_lora)), t("f32", "attn_norm.weight", (h,)),
+        t("router", "ffn_gate_inp.weight", (e, h)), t("fp8", "ffn_gate_shexp.weight", (ff, h)),
+        t("fp8", "ffn_down_shexp.weight", (h, ff)), t("fp8", "ffn_up_shexp.weight", (ff, h)),
+        t("f32", "ffn_norm.weight", (h,)),
+        *(x for s in ("attn", "ffn") for x in (t("f32", f"hc_{s}_base.weight", (mix,)),
+          t("f32_matrix", f"hc_{s}_fn.weight", (mix, HC_STREAMS * h)), t("f32", f"hc_{s}_scale.weight", (3,)))),
     ]  # fmt: skip
-    if i < g.hash_layers:
-        layer.append(TensorSpec(p + "ffn_gate_tid2eid.weight", (g.vocab, g.experts_used), Q.I32))
-    else:
-        layer.append(TensorSpec(p + "exp_probs_b.bias", (e,), f32))
+    if i >= g.hash_layers:
+        out.append(t("f32", "exp_probs_b.bias", (e,)))
     if ratio:
         coff = 2 if ratio == 4 else 1
-        layer += [w("attn_compressor_kv.weight", (coff * hd, h)), w("attn_compressor_gate.weight", (coff * hd, h)),
-                  w("attn_compressor_ape.weight", (ratio, coff * hd)),
-                  TensorSpec(p + "attn_compressor_norm.weight", (hd,), f32)]  # fmt: skip
+        out += [t("f32_matrix", "attn_compressor_ape.weight", (ratio, coff * hd)),
+                t("f32", "attn_compressor_norm.weight", (hd,)), t("bf16", "attn_compressor_gate.weight", (coff * hd, h)),
+                t("bf16", "attn_compressor_kv.weight", (coff * hd, h))]  # fmt: skip
     if ratio == 4:
         di = g.index_dim
-        layer += [w("indexer.proj.weight", (g.index_heads, h)), w("indexer.attn_q_b.weight", (g.index_heads * di, g.q_lora)),
-                  w("indexer_compressor_kv.weight", (2 * di, h)), w("indexer_compressor_gate.weight", (2 * di, h)),
-                  w("indexer_compressor_ape.weight", (ratio, 2 * di)),
-                  TensorSpec(p + "indexer_compressor_norm.weight", (di,), f32)]  # fmt: skip
-    return sorted(layer, key=lambda s: s.name)
+        out += [t("f32_matrix", "indexer_compressor_ape.weight", (ratio, 2 * di)),
+                t("f32", "indexer_compressor_norm.weight", (di,)), t("bf16", "indexer_compressor_gate.weight", (2 * di, h)),
+                t("bf16", "indexer_compressor_kv.weight", (2 * di, h)), t("bf16", "indexer.proj.weight", (g.index_heads, h)),
+                t("fp8", "indexer.attn_q_b.weight", (g.index_heads * di, g.q_lora))]  # fmt: skip
+    return out
+
+
+def _deepseek4_layer(g: SynthGeometry, i: int, ratio: int, qtype: Q) -> list[TensorSpec]:
+    """A deepseek4 block as llama-quantize leaves it, sorted by name: matrices in ``qtype`` (Q8_0 where a row is
+    not a whole number of its blocks), the router, norms, biases, sinks in F32, the hash table in I32."""
+    whole = GGML_QUANT_SIZES[qtype][0]
+
+    def type_of(role: Deepseek4Role, shape: tuple[int, ...]) -> Q:
+        if role in ("f32", "router"):
+            return Q.F32
+        if role == "i32":
+            return Q.I32
+        return qtype if shape[-1] % whole == 0 else Q.Q8_0
+
+    return sorted(deepseek4_block(g, i, ratio, type_of), key=lambda s: s.name)
 
 
 def synth_tensors(g: SynthGeometry, qtype: Q) -> list[TensorSpec]:
