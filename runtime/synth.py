@@ -243,15 +243,25 @@ def _glm4moe_keys(g: SynthGeometry) -> dict[str, Any]:
     }
 
 
-def _deepseek4_keys(g: SynthGeometry) -> dict[str, Any]:
+_YARN = {
+    "rope.scaling.type": "yarn",
+    "rope.scaling.factor": 16.0,
+    "rope.scaling.original_context_length": 65536,
+    "rope.scaling.yarn_beta_fast": 32.0,
+    "rope.scaling.yarn_beta_slow": 1.0,
+}
+
+
+def deepseek4_keys(
+    g: SynthGeometry, ratios: list[int], yarn: bool = True, file_type: int | None = None
+) -> dict[str, Any]:
+    """deepseek4's keys after embedding_length, in llama.cpp's converter order (``typed_kvs``): ``ratios`` the
+    per-layer compress ratios; ``yarn``: with the published models' YaRN rope scaling; ``file_type``: the
+    converter's general.file_type, in its place."""
     return {
         "attention.head_count": g.heads,
         "attention.head_count_kv": 1,
-        "rope.scaling.type": "yarn",
-        "rope.scaling.factor": 16.0,
-        "rope.scaling.original_context_length": 65536,
-        "rope.scaling.yarn_beta_fast": 32.0,
-        "rope.scaling.yarn_beta_slow": 1.0,
+        **(_YARN if yarn else {}),
         "rope.freq_base": 10000.0,
         "attention.layer_norm_rms_epsilon": 1e-6,
         "expert_count": g.experts,
@@ -259,6 +269,7 @@ def _deepseek4_keys(g: SynthGeometry) -> dict[str, Any]:
         "expert_gating_func": 4,  # sqrtsoftplus
         "attention.key_length": g.head_dim,
         "attention.value_length": g.head_dim,
+        **({} if file_type is None else {"general.file_type": file_type}),
         "rope.dimension_count": min(64, g.head_dim),
         "attention.q_lora_rank": g.q_lora,
         "attention.sliding_window": 128,
@@ -273,7 +284,7 @@ def _deepseek4_keys(g: SynthGeometry) -> dict[str, Any]:
         "attention.indexer.top_k": 512,
         "attention.output_group_count": g.o_groups,
         "attention.output_lora_rank": g.o_lora,
-        "attention.compress_ratios": compress_ratios(g.ratios, g.layers),
+        "attention.compress_ratios": ratios,
         "attention.compress_rope_freq_base": 160000.0,
         "hyper_connection.count": HC_STREAMS,
         "hyper_connection.sinkhorn_iterations": 20,
@@ -296,7 +307,7 @@ def _qwen3moe_keys(g: SynthGeometry) -> dict[str, Any]:
 
 
 _ARCH_KEYS = {"qwen3moe": _qwen3moe_keys, "glm4moe": _glm4moe_keys, "glm-dsa": _glm_dsa_keys,
-              "deepseek4": _deepseek4_keys}  # fmt: skip
+              "deepseek4": lambda g: deepseek4_keys(g, compress_ratios(g.ratios, g.layers))}  # fmt: skip
 
 
 def _kvs(g: SynthGeometry, name: str) -> list[KV]:
