@@ -41,11 +41,15 @@ TEXTS = [
 ]
 
 
+def _synthesized(tmp_path_factory: pytest.TempPathFactory, geometry: SynthGeometry) -> Path:
+    path = tmp_path_factory.mktemp("synth") / "model.gguf"
+    synthesize(path, geometry, "q4_k")
+    return path
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("synth") / "tiny.gguf"
-    synthesize(path, TINY, "q4_k")
-    return path
+    return _synthesized(tmp_path_factory, TINY)
 
 
 def test_tokenizer_is_what_llamacpp_loads(tiny: Path) -> None:
@@ -202,9 +206,7 @@ DSV4 = replace(GEOMETRIES["deepseek-v4-flash"], layers=4, experts=8, experts_use
 
 @pytest.fixture(scope="module")
 def dsv4(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("synth") / "dsv4.gguf"
-    synthesize(path, DSV4, "q4_k")
-    return path
+    return _synthesized(tmp_path_factory, DSV4)
 
 
 def test_deepseek4_geometry_runs(dsv4: Path) -> None:
