@@ -68,7 +68,9 @@ from runtime.synth import (  # noqa: E402
     compress_ratios,
     deepseek4_block,
     deepseek4_keys,
+    dsa_indexer_keys,
     glm_block,
+    mla_keys,
     synth_tensors,
     tokenizer_kvs,
     typed_kvs,
@@ -312,8 +314,8 @@ def _nextn(p: str, h: int) -> list[TensorSpec]:
     ]
 
 
-def _glm_specs(g: GlmGeometry) -> list[TensorSpec]:
-    """The converters' glm4moe / glm-dsa tensors in bf16: runtime.synth's blocks, the MTP block's NextN ones."""
+def _glm_synth(g: GlmGeometry) -> SynthGeometry:
+    """``g`` as runtime.synth's geometry (the MTP block one more layer)."""
     if isinstance(g, GlmDsaGeometry):
         head_dim = g.nope_dim + g.rope_dim
         mla = {
@@ -321,9 +323,14 @@ def _glm_specs(g: GlmGeometry) -> list[TensorSpec]:
         }
     else:
         head_dim, mla = _head_dim(g), {}
-    sg = SynthGeometry(g.block_count, g.experts, g.experts_used, g.hidden, g.expert_ff, g.heads, g.kv_heads,
-                       head_dim, VOCAB, arch=g.arch, dense_lead=g.dense_lead, dense_ff=g.dense_ff,
-                       qk_norm=g.qk_norm, **mla)  # fmt: skip
+    return SynthGeometry(g.block_count, g.experts, g.experts_used, g.hidden, g.expert_ff, g.heads, g.kv_heads,
+                           head_dim, VOCAB, arch=g.arch, dense_lead=g.dense_lead, dense_ff=g.dense_ff,
+                           qk_norm=g.qk_norm, **mla)  # fmt: skip
+
+
+def _glm_specs(g: GlmGeometry) -> list[TensorSpec]:
+    """The converters' glm4moe / glm-dsa tensors in bf16: runtime.synth's blocks, the MTP block's NextN ones."""
+    sg = _glm_synth(g)
     h = g.hidden
     specs = [
         TensorSpec("output.weight", (VOCAB, h), Q.BF16),
@@ -336,23 +343,30 @@ def _glm_specs(g: GlmGeometry) -> list[TensorSpec]:
     return specs
 
 
-def glm4moe_model(g: GlmGeometry) -> tuple[list[KV], list[TensorSpec]]:
-    """llama.cpp's glm4moe tensor set (as forge convert and convert_hf_to_gguf.py write it)."""
-    h, hd, ff = g.hidden, _head_dim(g), g.expert_ff
-    specs = _glm_specs(g)
-    keys = {
+def _glm_head_keys(g: GlmGeometry, context: int, kv_heads: int) -> dict[str, Any]:
+    """The glm4moe / glm-dsa converters' first keys, as far as expert_group_used_count."""
+    return {
         "block_count": g.block_count,
-        "context_length": 131072,
-        "embedding_length": h,
+        "context_length": context,
+        "embedding_length": g.hidden,
         "feed_forward_length": g.dense_ff,
         "attention.head_count": g.heads,
-        "attention.head_count_kv": g.kv_heads,
+        "attention.head_count_kv": kv_heads,
         "rope.freq_base": 1e6,
         "attention.layer_norm_rms_epsilon": 1e-5,
         "expert_count": g.experts,
         "expert_used_count": g.experts_used,
         "expert_group_count": 1,
         "expert_group_used_count": 1,
+    }
+
+
+def glm4moe_model(g: GlmGeometry) -> tuple[list[KV], list[TensorSpec]]:
+    """llama.cpp's glm4moe tensor set (as forge convert and convert_hf_to_gguf.py write it)."""
+    hd, ff = _head_dim(g), g.expert_ff
+    specs = _glm_specs(g)
+    keys = {
+        **_glm_head_keys(g, 131072, g.kv_heads),
         "attention.key_length": hd,
         "attention.value_length": hd,
         "general.file_type": 32,
@@ -425,40 +439,24 @@ GEOMETRIES["glm-5"] = GlmDsaGeometry(
 
 def glm_dsa_model(g: GlmDsaGeometry) -> tuple[list[KV], list[TensorSpec]]:
     """llama.cpp's glm-dsa tensor set (as forge convert and convert_hf_to_gguf.py write it)."""
-    h, ff, nh = g.hidden, g.expert_ff, g.heads
+    ff, sg = g.expert_ff, _glm_synth(g)
     specs = _glm_specs(g)
     keys = {
-        "block_count": g.block_count,
-        "context_length": 202752,
-        "embedding_length": h,
-        "feed_forward_length": g.dense_ff,
-        "attention.head_count": nh,
-        "attention.head_count_kv": 1,
-        "rope.freq_base": 1e6,
-        "attention.layer_norm_rms_epsilon": 1e-5,
-        "expert_count": g.experts,
-        "expert_used_count": g.experts_used,
-        "expert_group_count": 1,
-        "expert_group_used_count": 1,
+        **_glm_head_keys(g, 202752, 1),
         "expert_gating_func": 2,
         "attention.key_length": g.kv_lora + g.rope_dim,
         "attention.value_length": g.kv_lora,
         "general.file_type": 32,
         "leading_dense_block_count": g.dense_lead,
         "vocab_size": VOCAB,
-        "attention.q_lora_rank": g.q_lora,
-        "attention.kv_lora_rank": g.kv_lora,
-        "attention.key_length_mla": g.nope_dim + g.rope_dim,
-        "attention.value_length_mla": g.v_dim,
+        **mla_keys(sg),
         "expert_feed_forward_length": ff,
         "expert_shared_count": 1,
         "expert_weights_scale": 2.5,
         "expert_weights_norm": True,
         **({"nextn_predict_layers": g.mtp} if g.mtp else {}),
         "rope.dimension_count": g.rope_dim,
-        "attention.indexer.head_count": g.index_heads,
-        "attention.indexer.key_length": g.index_dim,
-        "attention.indexer.top_k": 2048,
+        **dsa_indexer_keys(sg),
         "general.quantization_version": 2,
     }
     return _kvs("glm-dsa", g, keys), specs

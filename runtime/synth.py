@@ -201,15 +201,29 @@ def _glm_dsa_keys(g: SynthGeometry) -> dict[str, Any]:
         "attention.key_length": g.kv_lora + g.rope_dim,
         "attention.value_length": g.kv_lora,
         "leading_dense_block_count": g.dense_lead,
-        "attention.q_lora_rank": g.q_lora,
-        "attention.kv_lora_rank": g.kv_lora,
-        "attention.key_length_mla": g.head_dim,
-        "attention.value_length_mla": g.v_dim,
+        **mla_keys(g),
         "expert_feed_forward_length": g.expert_ff,
         "expert_shared_count": 1,
         "expert_weights_scale": 2.5,
         "expert_weights_norm": True,
         "rope.dimension_count": g.rope_dim,
+        **dsa_indexer_keys(g),
+    }
+
+
+def mla_keys(g: SynthGeometry) -> dict[str, Any]:
+    """glm-dsa's MLA widths (``typed_kvs``); ``head_dim`` is a query head's nope + rope dims."""
+    return {
+        "attention.q_lora_rank": g.q_lora,
+        "attention.kv_lora_rank": g.kv_lora,
+        "attention.key_length_mla": g.head_dim,
+        "attention.value_length_mla": g.v_dim,
+    }
+
+
+def dsa_indexer_keys(g: SynthGeometry) -> dict[str, Any]:
+    """glm-dsa's lightning indexer (``typed_kvs``)."""
+    return {
         "attention.indexer.head_count": g.index_heads,
         "attention.indexer.key_length": g.index_dim,
         "attention.indexer.top_k": 2048,
