@@ -100,7 +100,9 @@ def test_wheel_holds_the_package_data(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"forge/recipes/{r}.toml" for r in available_recipes()} <= names
     assert {f"forge/example/{p.name}" for p in EXAMPLE_FILES.iterdir()} <= names
-    assert {f"forge/arch/templates/{p.name}" for p in (ROOT / "forge" / "arch" / "templates").iterdir()} <= names
+    assert {
+        f"forge/arch/templates/{p.name}" for p in (ROOT / "forge" / "arch" / "templates").iterdir()
+    } <= names
     assert not [n for n in names if n.startswith(("tests/", "examples/", "benchmarks/"))]
 
 
