@@ -18,6 +18,7 @@ from runtime.backends import cuda_kernels
 from runtime.observers import Observer, notify_matmul
 from runtime.weights import Weights, dequantize
 
+_FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 _DECODE_CHUNK_ELEMS = 1 << 22  # weights decoded at once by a batch product on encoded CPU rows
 
 # ggml's CPU matmul first converts the activations to the weight type's "vec_dot" type; with
@@ -87,12 +88,13 @@ def _cuda_encoded(
 
 
 def _cpu_encoded(weights: Weights, name: str) -> tuple[np.ndarray, Q] | None:
-    """A 2-D weight's file rows (mapped, not copied) and type, when the compiled CPU kernels read its type
-    from the bytes and no ggml numerics are asked for; else None."""
+    """A quantized 2-D weight's file rows (mapped, not copied) and type, when the compiled CPU kernels read
+    its type from the bytes and no ggml numerics are asked for; else None."""
     if not weights.cpu_kernels or weights.ggml_numerics or not hasattr(weights, "raw"):
         return None
     qtype = weights.qtype(name)
-    if len(weights.shape(name)) != 2 or qtype == Q.F32 or not ggml_types.supports("cpu_rows", qtype):
+    # float types stay float32 (at most 2x their bytes, and a float32 row's dot product is the fastest)
+    if len(weights.shape(name)) != 2 or qtype in _FLOAT_TYPES or not ggml_types.supports("cpu_rows", qtype):
         return None
     return weights.raw(name).numpy(), qtype
 

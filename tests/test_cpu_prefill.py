@@ -226,3 +226,29 @@ def test_prefill_logits_on_the_kernel_equal_the_torch_path(
     want, plain = _prefill(q4_k_m, expert_budget=0)
     assert all(b.moe.backend is torch_backend for b in plain.blocks)  # type: ignore[attr-defined]
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_the_lm_head_stays_encoded_and_computes_the_torch_paths_logits(
+    q4_k_m: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU a quantized LM head is held as its file rows (no float32 copy): a prefill's logits (rows
+    decoded in chunks) and each decode step's (dot products from the bytes) are the torch path's."""
+    from runtime.models import load_model
+
+    ids = torch.randint(0, 4096, (20,), generator=torch.Generator().manual_seed(11))
+
+    def run(model: object) -> torch.Tensor:
+        st = model.new_state()  # type: ignore[attr-defined]
+        out = [model.forward(ids[:12], st)]  # type: ignore[attr-defined]
+        out += [model.forward(ids[i : i + 1], st) for i in range(12, len(ids))]  # type: ignore[attr-defined]
+        return torch.cat(out)
+
+    model = load_model(q4_k_m)
+    assert model.output.cpu_encoded is not None and model.output._weight_t is None
+    got = run(model)
+    assert model.output._weight_t is None  # nothing decoded it whole
+    monkeypatch.setenv("FORGE_NO_NUMBA", "1")
+    plain = load_model(q4_k_m)
+    assert plain.output.cpu_encoded is None
+    want = run(plain)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
