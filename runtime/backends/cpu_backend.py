@@ -54,12 +54,7 @@ def _batch(
 ) -> torch.Tensor:
     """``torch_backend._batch`` on the batch kernel: the rows in the same order (sorted by expert), the same
     weighted combine."""
-    n_used = ids.shape[1]
-    ids, w = ids.reshape(-1), w.reshape(-1)
-    order = torch.argsort(ids, stable=True)
-    sorted_ids = ids[order]
-    token = order // n_used
-    hit, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    order, sorted_ids, token, hit, counts = torch_backend.group_by_expert(ids)
     starts = F.pad(counts.cumsum(0), (1, 0))
     xs = x[token]
     act = torch.empty(xs.shape[0], source.n_ff)
@@ -74,5 +69,4 @@ def _batch(
             )
     if taps.observers:
         taps.inputs(xs, act, sorted_ids)
-    ys *= w[order, None]
-    return torch.zeros_like(x).index_add_(0, token, ys)
+    return torch_backend.combine(x, ys, w, order, token)

@@ -81,12 +81,7 @@ def _one_token(
 def _batch(
     x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, source: ExpertSource, taps: Taps
 ) -> torch.Tensor:
-    n_used = ids.shape[1]
-    ids, w = ids.reshape(-1), w.reshape(-1)
-    order = torch.argsort(ids, stable=True)
-    sorted_ids = ids[order]
-    token = order // n_used
-    hit, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    order, sorted_ids, token, hit, counts = group_by_expert(ids)
     hit_list, counts_list = hit.tolist(), counts.tolist()
     gate_up, down = source.gate_up_matrices(hit_list), source.down_matrices(hit_list)
     xs = x[token]
@@ -106,6 +101,26 @@ def _batch(
         ys[start : start + n] = F.linear(act[start : start + n], down[i])
         start += n
     if taps.observers and taps.watchers():
-        taps.outputs(sorted_ids, ys, w[order])
-    ys *= w[order, None]
+        taps.outputs(sorted_ids, ys, w.reshape(-1)[order])
+    return combine(x, ys, w, order, token)
+
+
+def group_by_expert(
+    ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids (T, k) -> the routed (token, slot) pairs sorted by expert (stable): their order in ids.reshape(-1),
+    their expert ids, their tokens, and the experts hit with their pair counts."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    sorted_ids = flat[order]
+    hit, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    return order, sorted_ids, order // ids.shape[1], hit, counts
+
+
+def combine(
+    x: torch.Tensor, ys: torch.Tensor, w: torch.Tensor, order: torch.Tensor, token: torch.Tensor
+) -> torch.Tensor:
+    """The rows' outputs ys (in ``group_by_expert`` order) weighted by the router's w (T, k) and summed
+    per token -> (T, n_embd)."""
+    ys *= w.reshape(-1)[order, None]
     return torch.zeros_like(x).index_add_(0, token, ys)
