@@ -6,6 +6,7 @@ the Gated DeltaNet token mixer. Each has a batch ``__call__`` and a one-token ``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 
 import numpy as np
 import torch
@@ -82,9 +83,12 @@ def _cuda_encoded(
     """Quantized 2-D weights' file rows on the GPU, stacked (rows permuted by ``order``), and their type,
     when the cuda kernels compute their products (device cuda, no ggml numerics, one type they decode);
     else None (torch path)."""
-    if weights.device.type != "cuda" or weights.ggml_numerics or not hasattr(weights, "cuda_stack"):
-        return None
-    return weights.cuda_stack(names, order)
+    return weights.cuda_stack(names, order) if _cuda_computes_stacks(weights) else None
+
+
+def _cuda_computes_stacks(weights: Weights) -> bool:
+    """The cuda kernels take this model's products (device cuda, no ggml numerics, a GGUF source)."""
+    return weights.device.type == "cuda" and not weights.ggml_numerics and hasattr(weights, "cuda_stack")
 
 
 def _cpu_encoded(weights: Weights, name: str) -> tuple[np.ndarray, Q] | None:
@@ -223,24 +227,21 @@ class RowStack:
 def _cuda_segments(weights: Weights, names: list[str]) -> list[RowStack] | None:
     """``names``' rows as runs of one type each (file bytes where the cuda kernels compute the type,
     float32 otherwise); None when the kernels compute none of them (the float32 path)."""
-    if weights.device.type != "cuda" or weights.ggml_numerics or not hasattr(weights, "cuda_stack"):
+    if not _cuda_computes_stacks(weights):
         return None
-    runs: list[list[str]] = []
-    kinds: list[object] = []
-    for n in names:
-        q = weights.qtype(n)
-        kind = q if len(weights.shape(n)) == 2 and weights.cuda_computes(q) else None
-        if not runs or kinds[-1] != kind or kind is None:
-            runs.append([])
-            kinds.append(kind)
-        runs[-1].append(n)
-    if all(k is None for k in kinds):
+
+    def kind(name: str) -> Q | None:
+        q = weights.qtype(name)
+        return q if len(weights.shape(name)) == 2 and weights.cuda_computes(q) else None
+
+    runs = [(k, list(run)) for k, run in groupby(names, key=kind)]
+    if all(k is None for k, _ in runs):
         return None
     return [
         RowStack(encoded=weights.cuda_stack(run))
-        if kind is not None
+        if k is not None
         else RowStack(weight=weights.columns(run).T)
-        for run, kind in zip(runs, kinds, strict=True)
+        for k, run in runs
     ]
 
 
