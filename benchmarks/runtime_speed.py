@@ -125,85 +125,6 @@ def bench_transformers(hf_dir: Path, device: str, pp: int, tg: int, reps: int) -
 # files to measure ----------------------------------------------------------------------------------------
 
 
-def _random_blocks(qtype, rows: int, n_per_row: int, rng: np.random.Generator) -> np.ndarray:
-    """Random but valid encoded rows of a Q8_0 / Q4_K tensor (finite, small fp16 scales)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    block, size = GGML_QUANT_SIZES[qtype]
-    data = rng.integers(0, 256, size=(rows, n_per_row // block, size), dtype=np.uint8)
-    n_scales = {GGMLQuantizationType.Q8_0: 1, GGMLQuantizationType.Q4_K: 2}[qtype]
-    scale = {GGMLQuantizationType.Q8_0: 0.02 / 64, GGMLQuantizationType.Q4_K: 0.02 / 400}[qtype]
-    fp16 = np.full((rows, n_per_row // block, n_scales), scale, dtype=np.float16)
-    data[..., : 2 * n_scales] = fp16.view(np.uint8)
-    return data.reshape(rows, -1)
-
-
-def synth_qwen3moe(
-    out: Path,
-    n_layer: int = 8,
-    n_embd: int = 2048,
-    n_expert: int = 128,
-    n_used: int = 8,
-    n_ff: int = 768,
-    vocab: int = 151936,
-    n_head: int = 32,
-    n_kv: int = 4,
-    head_dim: int = 128,
-) -> Path:
-    """A randomly initialized qwen3moe GGUF (Qwen3-30B-A3B's shapes, fewer layers): Q4_K weights, F32 norms."""
-    from gguf import GGMLQuantizationType, GGUFWriter
-
-    from runtime.synth import tokenizer_kvs
-
-    q4k = GGMLQuantizationType.Q4_K
-    rng = np.random.default_rng(0)
-    w = GGUFWriter(out, "qwen3moe")
-    for kv in tokenizer_kvs(vocab):  # so llama.cpp (--llama-bench) loads the file
-        w.add_key_value(kv.key, kv.value, kv.vtype, sub_type=kv.item_type)
-    for key, value in {"block_count": n_layer, "context_length": 40960, "embedding_length": n_embd,
-                       "attention.head_count": n_head, "attention.head_count_kv": n_kv, "rope.freq_base": 1e6,
-                       "attention.layer_norm_rms_epsilon": 1e-6, "expert_count": n_expert,
-                       "expert_used_count": n_used, "attention.key_length": head_dim,
-                       "attention.value_length": head_dim, "expert_feed_forward_length": n_ff}.items():  # fmt: skip
-        if isinstance(value, float):
-            w.add_float32(f"qwen3moe.{key}", value)
-        else:
-            w.add_uint32(f"qwen3moe.{key}", value)
-
-    def quant(name: str, *shape: int) -> None:
-        rows = int(np.prod(shape[:-1]))
-        data = _random_blocks(q4k, rows, shape[-1], rng)
-        w.add_tensor(name, data.reshape(*shape[:-1], -1), raw_dtype=q4k)
-
-    def ones(name: str, n: int) -> None:
-        w.add_tensor(name, np.ones(n, dtype=np.float32))
-
-    quant("token_embd.weight", vocab, n_embd)
-    quant("output.weight", vocab, n_embd)
-    ones("output_norm.weight", n_embd)
-    for i in range(n_layer):
-        b = f"blk.{i}."
-        ones(b + "attn_norm.weight", n_embd)
-        ones(b + "ffn_norm.weight", n_embd)
-        ones(b + "attn_q_norm.weight", head_dim)
-        ones(b + "attn_k_norm.weight", head_dim)
-        quant(b + "attn_q.weight", n_head * head_dim, n_embd)
-        quant(b + "attn_k.weight", n_kv * head_dim, n_embd)
-        quant(b + "attn_v.weight", n_kv * head_dim, n_embd)
-        quant(b + "attn_output.weight", n_embd, n_head * head_dim)
-        w.add_tensor(
-            b + "ffn_gate_inp.weight", (rng.standard_normal((n_expert, n_embd)) * 0.02).astype(np.float32)
-        )
-        quant(b + "ffn_gate_exps.weight", n_expert, n_ff, n_embd)
-        quant(b + "ffn_up_exps.weight", n_expert, n_ff, n_embd)
-        quant(b + "ffn_down_exps.weight", n_expert, n_embd, n_ff)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
-
-
 def q8_0_copy(src: Path, out: Path) -> Path:
     """``src`` with every quantizable weight (2-D+, not norms or the router) re-encoded as Q8_0."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
@@ -362,7 +283,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         files = [*args.files, *args.model] or default_files(Path(tmp))
         if args.synth:
-            files.append(synth_qwen3moe(Path(tmp) / "synth-qwen3moe-8L-Q4_K.gguf"))
+            from runtime.synth import synthesize
+
+            synth = Path(tmp) / "synth-qwen3moe-8L-Q4_K.gguf"
+            synthesize(synth, "qwen3-30b-a3b", "q4_k", layers=8)
+            files.append(synth)
         for f in files:
             llama = None
             if args.llama_bench is not None:
