@@ -119,6 +119,8 @@ class Weights:
         # one-token steps run compiled kernels over row-major weights
         self.cpu_kernels = available(torch.device(device))
         self.expert_cache: ExpertCache | None = None
+        # routed experts stay the file's bytes in host memory whatever the device (runtime.hybrid computes them)
+        self.host_experts = False
         self._experts_fit: bool | None = None  # all routed experts fit decoded in the budget (decided once)
         self._dense: dict[str, torch.Tensor] = {}
         arch = self.get("general.architecture", None)
@@ -199,6 +201,8 @@ class Weights:
             layer, role = _routed_parts(name)
             if layer in cache.layers:
                 return cache.tensor(layer, role)
+        if self.host_experts:
+            return self._host_experts(name)
         t = self._experts(name)
         if self.cuda_computes(t.qtype):  # the cuda kernels read the file bytes: no float32 copy
             return t
@@ -212,6 +216,9 @@ class Weights:
 
     def _experts(self, name: str) -> ExpertTensor:
         raise NotImplementedError
+
+    def _host_experts(self, name: str) -> ExpertTensor:
+        raise ForgeError(f"{self.source}: routed experts held in host memory need a GGUF file")
 
     def _routed_decoded_nbytes(self) -> int:
         """Bytes of every routed-expert tensor decoded to float32."""
@@ -335,17 +342,20 @@ class GGUFWeights(Weights):
         On expert-major files a routed tensor is a strided view: each expert's slice is one record.
         """
         if name not in self._raw:
-            self._require(name)
-            shape = self.shape(name)
-            if name in self._routed:
-                arr = self._routed_array(name)
-            else:
-                arr = self.file.raw(name).reshape(*shape[:-1], -1)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the mmap is read-only; we never write through it
-                raw = torch.from_numpy(arr)
+            raw = self.host_raw(name)
             self._raw[name] = raw.to(self.device) if self.device.type != "cpu" else raw
         return self._raw[name]
+
+    def host_raw(self, name: str) -> torch.Tensor:
+        """``raw`` in host memory: the zero-copy view of the mapped file, whatever the device."""
+        self._require(name)
+        shape = self.shape(name)
+        arr = (
+            self._routed_array(name) if name in self._routed else self.file.raw(name).reshape(*shape[:-1], -1)
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the mmap is read-only; we never write through it
+            return torch.from_numpy(arr)
 
     def _load_dense(self, name: str) -> torch.Tensor:
         raw = self.raw(name)
@@ -383,6 +393,9 @@ class GGUFWeights(Weights):
 
     def _experts(self, name: str) -> ExpertTensor:
         return ExpertTensor(self.raw(name), self.qtype(name), self.shape(name)[-1])
+
+    def _host_experts(self, name: str) -> ExpertTensor:
+        return ExpertTensor(self.host_raw(name), self.qtype(name), self.shape(name)[-1])
 
     def _table(self, name: str) -> torch.Tensor:
         if self.qtype(name) != GGMLQuantizationType.I32:
