@@ -1,0 +1,638 @@
+"""Hybrid routed experts: the hot experts computed on the GPU from a pool of slots, the others on the CPU
+from the host's copy of the file, both at once.
+
+The routed experts stay the file's encoded bytes in host memory (``Weights.host_experts``: the mapped file,
+canonical or expert-major). A fixed pool of slots on the fast device holds the encoded records (gate, up and
+down rows as the file stores them) of the hot experts; layers whose experts share one geometry share one
+pool, so the hot set is chosen across layers. Per routed layer, after routing (``runtime.moe.Router``), the
+expert ids come to the host once; then
+
+- the (token, expert) pairs whose expert is in the pool are computed by the fast device's backend on the
+  pool (the cuda kernels: one ``moe_linear`` launch per projection over slot ids),
+- in a prefill batch, a missed expert routed to enough tokens that its copy costs less than computing it on
+  the CPU (``Rates``, measured at load) is copied for this batch and computed there too,
+- the remaining pairs are computed by the CPU backend (numba kernels on the encoded records, which release
+  the GIL) in a worker thread at the same time,
+
+and the partial sums (each pair weighted by its router weight, as every backend does) are added. The pool's
+policy is least-frequently-used with decay over the measured routing (``Frequency``), seeded from a
+``forge prune profile`` JSON when given; a missed expert whose count beats the coldest slot's is copied into
+that slot on a side stream after the layer's kernels are queued (the step never waits for it: the slot
+serves from the first lookup after the copy has finished).
+
+Observers see what they see on the resident path: each side's matmul inputs are recorded with their expert
+ids and reported from the calling thread (``runtime.moe.Taps``).
+
+The fast device is a parameter: on a CPU the "GPU" side is the torch reference over a host pool, which is
+how the tests run the whole executor without a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from forge.errors import ForgeError
+from runtime.backends import cpu_backend, cuda_backend, torch_backend
+from runtime.experts import Component, LayerExperts
+from runtime.weights import ExpertTensor
+
+#: experts admitted into the pool per layer call at most (each is one record's copy on the side stream)
+ADMIT_PER_CALL = 2
+#: pinned staging records per pool for admissions in flight; when all are busy an admission waits a call
+STAGING_RECORDS = 8
+
+
+@dataclass
+class HybridStats:
+    gpu_pairs: int = 0  # (token, expert) pairs computed on the fast device from the pool
+    gpu_hits: int = 0  # experts of a layer call found in the pool
+    upload_experts: int = 0  # missed experts copied for one prefill batch and computed on the fast device
+    upload_pairs: int = 0
+    cpu_pairs: int = 0
+    cpu_computes: int = 0  # experts of a layer call computed on the CPU
+    bytes_read: int = 0  # record bytes the CPU side read (host memory, or the file through the mapping)
+    bytes_uploaded: int = 0  # batch copies and admissions to the fast device
+    admissions: int = 0
+    evictions: int = 0
+    cpu_seconds: float = 0.0  # the worker's time on the CPU side
+    wait_seconds: float = 0.0  # the caller waiting for the CPU side after queueing the fast side
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.gpu_hits + self.upload_experts + self.cpu_computes
+        return self.gpu_hits / n if n else 0.0
+
+    def to_json(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = dict(asdict(self))
+        out["hit_rate"] = round(self.hit_rate, 6)
+        return out
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What a batch's copy of a missed expert costs against computing it on the CPU: ``upload_bps`` bytes/s
+    to the fast device, ``cpu_expert_s`` + n x ``cpu_pair_s`` seconds for an expert's n pairs on the CPU."""
+
+    upload_bps: float
+    cpu_expert_s: float
+    cpu_pair_s: float
+
+    def upload_pays(self, record_bytes: int, pairs: np.ndarray) -> np.ndarray:
+        return record_bytes / self.upload_bps < self.cpu_expert_s + pairs * self.cpu_pair_s
+
+    #: never copy for a batch (every miss on the CPU)
+    @classmethod
+    def never(cls) -> Rates:
+        return cls(1.0, 0.0, 0.0)
+
+    #: always copy for a batch (every miss of a batch on the fast device)
+    @classmethod
+    def always(cls) -> Rates:
+        return cls(float("inf"), 1.0, 0.0)
+
+
+class Frequency:
+    """Least frequently used with decay: per key (layer x experts + expert) the pairs routed to it, halved
+    every ``window`` pairs, so that a shift in routing is followed."""
+
+    def __init__(self, n_keys: int, window: int) -> None:
+        self.count = np.zeros(n_keys, np.float64)
+        self.window, self.seen = window, 0
+
+    def observe(self, keys: np.ndarray) -> None:
+        np.add.at(self.count, keys, 1.0)
+        self.seen += keys.size
+        while self.seen >= self.window:
+            self.count *= 0.5
+            self.seen -= self.window
+
+    def seed(self, keys: np.ndarray, counts: np.ndarray) -> None:
+        """Counts from a profile, scaled to one window's worth of pairs."""
+        total = float(counts.sum())
+        if total > 0:
+            self.count[keys] = counts * (self.window / total)
+
+
+class SlotPool:
+    """Slots on the fast device for the records of experts of one geometry: per role an (slots, rows, row
+    bytes) uint8 tensor (contiguous, as ``moe_linear`` reads it)."""
+
+    def __init__(self, components: tuple[Component, ...], n_slots: int, device: torch.device) -> None:
+        self.components = components
+        self.record_bytes = sum(c.expert_bytes for c in components)
+        self.parts = {
+            c.role: torch.empty((n_slots, c.rows, c.expert_bytes // c.rows), dtype=torch.uint8, device=device)
+            for c in components
+        }
+        self.key = np.full(n_slots, -1, np.int64)  # the key each slot holds (or is being filled with)
+        self.pending: list[tuple[int, int, Any]] = []  # (slot, key, copy done event)
+        self.device = device
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.stage = {  # pinned host records for admissions in flight, and the events that free them
+            c.role: torch.empty(
+                (STAGING_RECORDS, *self.parts[c.role].shape[1:]), dtype=torch.uint8, pin_memory=cuda
+            )
+            for c in components
+        }
+        self.stage_free: list[Any] = [None] * STAGING_RECORDS
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.key)
+
+    def tensors(self) -> dict[str, ExpertTensor]:
+        return {c.role: ExpertTensor(self.parts[c.role], c.qtype, c.cols) for c in self.components}
+
+
+def _geometry(lay: LayerExperts) -> tuple[tuple[str, int, int, int], ...]:
+    return tuple((c.role, int(c.qtype), c.rows, c.cols) for c in lay.components)
+
+
+def _over(source: Any, parts: dict[str, ExpertTensor]) -> Any:
+    """A copy of an ``ExpertSource`` whose experts are ``parts`` (gate, up, down), held per use."""
+    s = copy.copy(source)
+    s.gate, s.up, s.down = parts["gate"], parts["up"], parts["down"]
+    s.gate_up, s.fused, s.resident, s.kind = None, None, False, "per-use"
+    s.parts = (s.gate, s.up, s.down)
+    s.cache = s.cache_layer = s._rows = s._encoded = None
+    return s
+
+
+class _Recorder:
+    """A ``Taps`` stand-in for one side of a layer call: records the matmul inputs with their expert ids
+    (``experts`` maps the side's record index to the expert id), reported later from the caller's thread."""
+
+    round_in = round_act = None
+    rounds = False
+
+    def __init__(self, observers: list[Any], experts: torch.Tensor | None) -> None:
+        self.observers, self.experts = observers, experts
+        self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def watchers(self) -> list[Any]:
+        return []
+
+    def inputs(self, x: torch.Tensor, act: torch.Tensor, ids: torch.Tensor) -> None:
+        ids = ids.reshape(-1)
+        if self.experts is not None:
+            ids = self.experts[ids.to(self.experts.device)]
+        self.calls.append((x, act, ids))
+
+    def outputs(self, ids: torch.Tensor, outputs: torch.Tensor, weights: torch.Tensor) -> None:
+        pass
+
+    def replay(self, taps: Any) -> None:
+        for x, act, ids in self.calls:
+            taps.inputs(x, act, ids)
+
+
+def _partial(
+    backend: Any,
+    source: Any,
+    taps: Any,
+    x: torch.Tensor,
+    tok: torch.Tensor,
+    ids: torch.Tensor,
+    w: torch.Tensor,
+) -> torch.Tensor:
+    """The experts of the pairs (token ``tok``, record ``ids``, weight ``w``) -> their weighted sum per token
+    (T, n_embd), by ``backend`` over ``source``. One token keeps the step form (its kernels fold the sum into
+    a residual); a batch computes its pairs as rows of one expert each."""
+    if x.shape[0] == 1:
+        return backend.routed_ffn(x, ids[None], w[None], source, taps, torch.zeros_like(x))
+    xs = x.index_select(0, tok)
+    zero = torch.zeros_like(xs) if xs.shape[0] == 1 else None
+    y = backend.routed_ffn(xs, ids[:, None], w[:, None], source, taps, zero)
+    return torch.zeros_like(x).index_add_(0, tok, y)
+
+
+class HybridLayer:
+    """The backend installed on one ``RoutedExperts`` layer (``routed_ffn`` as the backend modules')."""
+
+    NAME = "hybrid"
+
+    def __init__(self, executor: HybridExperts, layer: int, source: Any, pool: SlotPool) -> None:
+        self.executor, self.layer, self.pool = executor, layer, pool
+        self.host = source  # the layer's experts in host memory (the mapped file)
+        self.host_backend = cpu_backend if source.has_records() else torch_backend
+        self.pooled = _over(source, pool.tensors())
+        self.fast_backend = cuda_backend if self.pooled.device_parts() is not None else torch_backend
+        lay = executor.layers[layer]
+        self.base, self.record_bytes, self.n_expert = executor.key_base[layer], lay.record_bytes, lay.experts
+
+    def routed_ffn(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        source: Any,
+        taps: Any,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.executor.routed_ffn(self, x, ids, weights, taps, residual)
+
+
+class HybridExperts:
+    """The pools, policy, CPU worker and statistics of a model's hybrid routed experts (see the module)."""
+
+    def __init__(
+        self,
+        model: Any,
+        cache_bytes: int,
+        device: torch.device | str | None = None,
+        profile: Any = None,
+        rates: Rates | None = None,
+        admit_per_call: int = ADMIT_PER_CALL,
+        window: int | None = None,
+    ) -> None:
+        """``model``: built over weights with ``host_experts``; ``cache_bytes``: the pools' size on ``device``
+        (default the model's device); ``profile``: a ``forge.prune.profile.Profile`` seeding the policy and
+        the pools; ``rates``: measured at load when not given."""
+        weights = model.weights
+        if not weights.host_experts:
+            raise ForgeError("hybrid experts need a model loaded with its routed experts in host memory")
+        if weights.ggml_numerics:
+            raise ForgeError("--gpu-expert-cache and --ggml-numerics exclude each other")
+        self.device = torch.device(device) if device is not None else weights.device
+        self.stats = HybridStats()
+        self.admit_per_call = admit_per_call
+        self.layers: dict[int, LayerExperts] = weights.expert_layers()
+        moes = {i: b.moe for i, b in enumerate(model.blocks) if i in model.routed_layers()}
+        for i, moe in moes.items():
+            if i not in self.layers or sorted(c.role for c in self.layers[i].components) != [
+                "down",
+                "gate",
+                "up",
+            ]:
+                raise ForgeError(
+                    f"{weights.source}: hybrid experts need separate gate, up and down experts (layer {i})"
+                )
+            if moe.source.swiglu_limit is not None:
+                raise ForgeError(
+                    f"{weights.source}: hybrid experts do not compute clamped SwiGLU experts (layer {i})"
+                )
+        order = sorted(moes)
+        self.key_base = dict(
+            zip(order, np.cumsum([0] + [self.layers[i].experts for i in order[:-1]]).tolist(), strict=True)
+        )
+        n_keys = sum(self.layers[i].experts for i in order)
+        self.policy = Frequency(n_keys, window or 8 * n_keys)
+        self.slot_of = np.full(n_keys, -1, np.int64)  # key -> its slot in its layer's pool (-1: not there)
+        self.pools = self._pools(order, cache_bytes)
+        self.hybrid_layers: dict[int, HybridLayer] = {}
+        for i in order:
+            pool = self.pools[_geometry(self.layers[i])]
+            self.hybrid_layers[i] = moes[i].backend = HybridLayer(self, i, moes[i].source, pool)
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="hybrid-cpu")
+        if profile is not None:
+            self._seed(profile, order)
+        self.rates = rates or measure_rates(self, next(iter(self.hybrid_layers.values())))
+
+    # pools ------------------------------------------------------------------------------------------------
+    def _pools(self, order: list[int], cache_bytes: int) -> dict[tuple, SlotPool]:
+        """One pool per expert geometry, the bytes shared in proportion to the geometry's routed bytes."""
+        groups: dict[tuple, list[int]] = {}
+        for i in order:
+            groups.setdefault(_geometry(self.layers[i]), []).append(i)
+        total = sum(self.layers[i].experts * self.layers[i].record_bytes for i in order)
+        pools = {}
+        for geo, layers in groups.items():
+            lay = self.layers[layers[0]]
+            share = sum(self.layers[i].experts for i in layers) * lay.record_bytes
+            n = min(
+                int(cache_bytes * share / total) // lay.record_bytes,
+                sum(self.layers[i].experts for i in layers),
+            )
+            pools[geo] = SlotPool(lay.components, n, self.device)
+        if not any(p.n_slots for p in pools.values()):
+            smallest = min(lay.record_bytes for lay in self.layers.values())
+            raise ForgeError(
+                f"--gpu-expert-cache of {cache_bytes:,} bytes holds no expert (one takes {smallest:,})"
+            )
+        return pools
+
+    @property
+    def capacity(self) -> int:
+        return sum(p.n_slots for p in self.pools.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.n_slots * p.record_bytes for p in self.pools.values())
+
+    def _seed(self, profile: Any, order: list[int]) -> None:
+        """Counts from ``profile`` (its routed layers in order, or by layer index), then each pool filled with
+        its hottest experts."""
+        by_layer = {lp.layer: lp for lp in profile.layers}
+        if set(by_layer) != set(order):
+            raise ForgeError(
+                f"the expert profile covers layers {sorted(by_layer)}, the model routes layers {order}"
+            )
+        for i in order:
+            counts = by_layer[i].count
+            if counts.size != self.layers[i].experts:
+                raise ForgeError(
+                    f"the expert profile lists {counts.size} experts in layer {i}, the model has {self.layers[i].experts}"
+                )
+        keys = np.concatenate([self.key_base[i] + np.arange(self.layers[i].experts) for i in order])
+        self.policy.seed(keys, np.concatenate([by_layer[i].count for i in order]).astype(np.float64))
+        for layer in self.hybrid_layers.values():  # the hottest experts first, then wait for their copies
+            pool = layer.pool
+            mine = np.arange(layer.base, layer.base + layer.n_expert)
+            free = int((pool.key < 0).sum())
+            if free:
+                hot = mine[np.argsort(-self.policy.count[mine], kind="stable")][:free]
+                hot = hot[self.policy.count[hot] > 0]
+                self._admit(layer, hot - layer.base, None, 0)
+            self._settle(wait=True)
+
+    def _settle(self, wait: bool = False) -> None:
+        """Admissions whose copy has finished serve from now on."""
+        for pool in self.pools.values():
+            still = []
+            for slot, key, done in pool.pending:
+                if wait and done is not None:
+                    done.synchronize()
+                if done is None or done.query():
+                    self.slot_of[key] = slot
+                else:
+                    still.append((slot, key, done))
+            pool.pending = still
+
+    def _admit(self, layer: HybridLayer, experts: np.ndarray, uploaded: dict[str, torch.Tensor] | None,
+               limit: int) -> None:  # fmt: skip
+        """Copy ``experts`` (hottest first) into free slots or over colder ones, ``limit`` at most (0: all
+        that beat a slot). ``uploaded``: per role, this batch's copies of some of them on the device (rows
+        in ``uploaded['index']`` order), copied from there instead of the host."""
+        pool, count = layer.pool, self.policy.count
+        keys = layer.base + experts
+        keys = keys[np.argsort(-count[keys], kind="stable")]
+        done = 0
+        busy = {s for s, _, _ in pool.pending}
+        for key in keys.tolist():
+            if limit and done >= limit:
+                break
+            if self.slot_of[key] >= 0 or (pool.key == key).any():
+                continue  # in the pool, or being copied there
+            free = np.flatnonzero(pool.key < 0)
+            if free.size:
+                slot = int(free[0])
+            else:
+                held = np.where(np.isin(np.arange(pool.n_slots), list(busy)), np.inf, count[pool.key])
+                slot = int(np.argmin(held))
+                if not np.isfinite(held[slot]) or count[key] <= held[slot]:
+                    break  # the coldest slot is at least as hot as the hottest candidate
+                self.slot_of[pool.key[slot]] = -1
+                self.stats.evictions += 1
+            if not self._copy(layer, pool, slot, key, uploaded):
+                break
+            pool.key[slot] = key
+            busy.add(slot)
+            done += 1
+            self.stats.admissions += 1
+            self.stats.bytes_uploaded += pool.record_bytes if uploaded is None or key not in uploaded else 0
+
+    def _copy(self, layer: HybridLayer, pool: SlotPool, slot: int, key: int, uploaded: Any) -> bool:
+        """Queue the copy of expert ``key`` into ``slot``; False when no staging record is free."""
+        e = key - layer.base
+        src = layer.host
+        if pool.stream is None:  # a host "device": copied now
+            for c in pool.components:
+                pool.parts[c.role][slot] = getattr(src, c.role).raw[e]
+            pool.pending.append((slot, key, None))
+            return True
+        if uploaded is not None and key in uploaded:  # already on the device for this batch
+            row = uploaded[key]
+            pool.stream.wait_stream(torch.cuda.current_stream(pool.device))
+            with torch.cuda.stream(pool.stream):
+                for c in pool.components:
+                    pool.parts[c.role][slot].copy_(row[c.role], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(pool.stream)
+            pool.pending.append((slot, key, done))
+            return True
+        free = [i for i, ev in enumerate(pool.stage_free) if ev is None or ev.query()]
+        if not free:
+            return False
+        i = free[0]
+        for c in pool.components:
+            pool.stage[c.role][i].copy_(getattr(src, c.role).raw[e])
+        pool.stream.wait_stream(
+            torch.cuda.current_stream(pool.device)
+        )  # kernels reading the old expert first
+        with torch.cuda.stream(pool.stream):
+            for c in pool.components:
+                pool.parts[c.role][slot].copy_(pool.stage[c.role][i], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(pool.stream)
+        pool.stage_free[i] = done
+        pool.pending.append((slot, key, done))
+        return True
+
+    # the layer call -----------------------------------------------------------------------------------------
+    def routed_ffn(
+        self,
+        layer: HybridLayer,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        w: torch.Tensor,
+        taps: Any,
+        residual: torch.Tensor | None,
+    ) -> torch.Tensor:
+        n_tok, k = ids.shape
+        ids_h = ids.to("cpu", torch.int64)  # the one wait for the device in a layer call
+        ids_n = ids_h.numpy()
+        self._settle()
+        keys = layer.base + ids_n.reshape(-1)
+        self.policy.observe(keys)
+        slots = self.slot_of[keys]
+        hit = slots >= 0
+        tok = np.repeat(np.arange(n_tok), k)
+        upload = np.zeros_like(hit)
+        missed, inverse, pairs = np.unique(ids_n.reshape(-1)[~hit], return_inverse=True, return_counts=True)
+        if n_tok > 1 and missed.size:
+            pays = self.rates.upload_pays(layer.record_bytes, pairs)
+            upload[~hit] = pays[inverse]
+        on_cpu = ~hit & ~upload
+        observers = taps.observers
+        dev = x.device
+        w_flat = w.reshape(-1)
+
+        job: Future | None = None
+        cpu_taps = _Recorder(observers, None) if observers else None
+        if on_cpu.any():
+            sel = np.flatnonzero(on_cpu)
+            x_h, w_h = x.to("cpu"), w_flat.to("cpu")
+            args = (layer, cpu_taps, x_h, torch.from_numpy(tok[sel]), ids_h.reshape(-1)[sel], w_h[sel])
+            job = self.worker.submit(self._cpu_side, *args)
+
+        out = residual if residual is not None else torch.zeros_like(x)
+        fast_taps: list[_Recorder] = []
+        if hit.any():
+            sel = np.flatnonzero(hit)
+            rec = _Recorder(observers, _dev(layer.pool.key - layer.base, dev)) if observers else None
+            if rec is not None:
+                fast_taps.append(rec)
+            out = out + _partial(
+                layer.fast_backend, layer.pooled, rec or _NO_TAPS, x, _dev(tok[sel], dev),
+                _dev(slots[sel], dev), w_flat[_dev(sel, dev)],
+            )  # fmt: skip
+            self.stats.gpu_pairs += sel.size
+            self.stats.gpu_hits += np.unique(slots[sel]).size
+        uploaded = None
+        if upload.any():
+            y, rec, uploaded = self._batch_upload(layer, x, tok, ids_n.reshape(-1), w_flat, upload, observers)
+            out = out + y
+            if rec is not None:
+                fast_taps.append(rec)
+        if job is not None:
+            t0 = time.perf_counter()
+            y, seconds = job.result()
+            self.stats.wait_seconds += time.perf_counter() - t0
+            self.stats.cpu_seconds += seconds
+            out = out + (y if dev.type == "cpu" else y.to(dev, non_blocking=True))
+            n_exp = int(np.unique(ids_n.reshape(-1)[on_cpu]).size)
+            self.stats.cpu_pairs += int(on_cpu.sum())
+            self.stats.cpu_computes += n_exp
+            self.stats.bytes_read += n_exp * layer.record_bytes
+        if observers:
+            for rec in fast_taps:
+                rec.replay(taps)
+            if cpu_taps is not None:
+                cpu_taps.replay(taps)
+        if missed.size:
+            self._admit(layer, missed, uploaded, self.admit_per_call if n_tok == 1 else 0)
+        return out
+
+    def _cpu_side(
+        self,
+        layer: HybridLayer,
+        taps: Any,
+        x: torch.Tensor,
+        tok: torch.Tensor,
+        ids: torch.Tensor,
+        w: torch.Tensor,
+    ) -> tuple[torch.Tensor, float]:
+        t0 = time.perf_counter()
+        y = _partial(layer.host_backend, layer.host, taps or _NO_TAPS, x, tok, ids, w)
+        return y, time.perf_counter() - t0
+
+    def _batch_upload(self, layer: HybridLayer, x: torch.Tensor, tok: np.ndarray, ids: np.ndarray,
+                      w: torch.Tensor, upload: np.ndarray, observers: list[Any]
+                      ) -> tuple[torch.Tensor, _Recorder | None, dict[int, dict[str, torch.Tensor]]]:  # fmt: skip
+        """The pairs ``upload`` of a batch: their experts copied to the device for this batch and computed
+        there. Returns their sum per token, the recorded observer inputs and the copies by key."""
+        dev = x.device
+        sel = np.flatnonzero(upload)
+        experts, index = np.unique(ids[sel], return_inverse=True)
+        e_t = torch.from_numpy(experts)
+        parts = {}
+        for c in layer.pool.components:
+            host = getattr(layer.host, c.role).raw.index_select(0, e_t)
+            if dev.type == "cuda":
+                host = host.pin_memory()
+            parts[c.role] = ExpertTensor(host.to(dev, non_blocking=True), c.qtype, c.cols)
+        source = _over(layer.host, parts)
+        backend = cuda_backend if source.device_parts() is not None else torch_backend
+        rec = _Recorder(observers, e_t.to(dev)) if observers else None
+        y = _partial(
+            backend, source, rec or _NO_TAPS, x, _dev(tok[sel], dev), _dev(index, dev), w[_dev(sel, dev)]
+        )
+        self.stats.upload_experts += experts.size
+        self.stats.upload_pairs += sel.size
+        self.stats.bytes_uploaded += experts.size * layer.record_bytes
+        copies = {
+            int(layer.base + e): {role: t.raw[j] for role, t in parts.items()}
+            for j, e in enumerate(experts.tolist())
+        }
+        return y, rec, copies
+
+    def close(self) -> None:
+        self.worker.shutdown()
+
+
+class _NoTaps:
+    observers: list[Any] = []
+    round_in = round_act = None
+    rounds = False
+
+    def watchers(self) -> list[Any]:
+        return []
+
+
+_NO_TAPS = _NoTaps()
+
+
+def _dev(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
+def measure_rates(executor: HybridExperts, layer: HybridLayer, repeat: int = 5) -> Rates:
+    """Copy bandwidth to the fast device (64 MiB, pinned) and the CPU side's time for one expert's 2 and 32
+    pairs (after a first call, which loads or compiles the kernels): a few milliseconds."""
+    dev, n = executor.device, 64 << 20
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    dst = torch.empty(n, dtype=torch.uint8, device=dev)
+
+    def best(f: Callable[[], object]) -> float:
+        f()
+        f()  # the first calls of a kernel in a process are slower (its pages, numba's thread pool)
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            f()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    copy_s = best(lambda: dst.copy_(host, non_blocking=True))
+    n_embd = layer.host.down.rows
+    x = torch.randn(32, n_embd, generator=torch.Generator().manual_seed(0)) * 0.1
+
+    def cpu(rows: int) -> Callable[[], object]:
+        zeros = torch.zeros(rows, dtype=torch.int64)
+        return lambda: _partial(
+            layer.host_backend, layer.host, _NO_TAPS, x[:rows], torch.arange(rows), zeros, torch.ones(rows)
+        )
+
+    _partial(layer.host_backend, layer.host, _NO_TAPS, x[:1], zeros1 := torch.zeros(1, dtype=torch.int64),
+             zeros1, torch.ones(1))  # fmt: skip  # the one-token kernel: loaded now, not by the first step
+    t2, t32 = best(cpu(2)), best(cpu(32))
+    pair = max(t32 - t2, 0.0) / 30
+    return Rates(n / max(copy_s, 1e-9), max(t2 - 2 * pair, 0.0), pair)
+
+
+def attach(model: Any, cache_bytes: int, profile: Path | None = None, device: torch.device | str | None = None,
+           rates: Rates | None = None) -> HybridExperts:  # fmt: skip
+    """Hybrid experts for ``model`` (its weights loaded with ``host_experts``), kept as ``model.hybrid``."""
+    prof = None
+    if profile is not None:
+        from forge.prune.profile import Profile
+
+        prof = Profile.load(profile)
+    model.hybrid = HybridExperts(model, cache_bytes, device, prof, rates)
+    return model.hybrid
+
+
+def format_stats(h: HybridExperts) -> str:
+    s, r = h.stats, h.rates
+    return (
+        f"hybrid experts: {s.gpu_hits} GPU hits ({s.hit_rate:.1%}, {s.gpu_pairs} pairs), {s.upload_experts} "
+        f"uploaded for a batch ({s.upload_pairs} pairs), {s.cpu_computes} CPU computes ({s.cpu_pairs} pairs), "
+        f"{s.bytes_read / 1e6:,.1f} MB read by the CPU, {s.bytes_uploaded / 1e6:,.1f} MB uploaded, "
+        f"{s.admissions} admissions, {s.evictions} evictions, CPU side {s.cpu_seconds:.3f} s "
+        f"({s.wait_seconds:.3f} s waited); pool {h.capacity} experts ({h.nbytes / (1 << 20):,.0f} MiB on "
+        f"{h.device}); measured: copy {r.upload_bps / 1e9:,.1f} GB/s, CPU {r.cpu_expert_s * 1e3:.3f} ms per "
+        f"expert + {r.cpu_pair_s * 1e3:.3f} ms per pair"
+    )
