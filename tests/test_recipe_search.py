@@ -64,6 +64,79 @@ def test_knapsack_budget_is_exact_to_the_byte() -> None:
     assert bounds(sizes) == (171, 308)
 
 
+# --- the interaction correction ----------------------------------------------------------------------
+
+
+def _two_family_groups() -> list:
+    from gguf import GGMLQuantizationType as Q
+
+    from forge.search.measure import Group, Option
+
+    def group(name: str) -> Group:
+        opts = [Option("Q2_K", (Q.Q2_K,), 10), Option("Q4_K", (Q.Q4_K,), 20)]
+        return Group(name.removesuffix(".weight"), [name], 0, opts)
+
+    return [group("blk.0.attn_q.weight"), group("blk.0.attn_k.weight"),
+            group("blk.0.ffn_up_exps.weight"), group("blk.1.ffn_up_exps.weight")]  # fmt: skip
+
+
+def test_family_scales_fit_the_whole_model_and_change_the_choice(tmp_path: Path) -> None:
+    """Per-group costs say the experts' upgrades pay more; the whole models (attention's errors count 3x,
+    the experts' 1x) say the attention's do: the fitted scales find that and the knapsack's answer changes."""
+    from forge.search.correction import corrected, family_key, fit_scales
+    from forge.search.measure import Measurements, choice_key
+    from forge.search.search import _choose
+
+    groups = _two_family_groups()
+    assert [family_key(g) for g in groups] == ["attn", "attn", "ffn_exps", "ffn_exps"]
+    costs = [[0.10, 0.02], [0.10, 0.02], [0.15, 0.01], [0.15, 0.01]]
+    truth = {"attn": 3.0, "ffn_exps": 1.0}
+    sizes = [[o.size for o in g.options] for g in groups]
+
+    def true_kld(choice: list[int]) -> float:
+        return sum(truth[family_key(g)] * c[j] for g, c, j in zip(groups, costs, choice, strict=True))
+
+    points = [
+        (ch, true_kld(ch)) for ch in ([0, 0, 0, 0], [1, 1, 1, 1], [1, 0, 1, 0], [0, 1, 0, 1], [1, 1, 0, 0])
+    ]
+    scales = fit_scales(groups, costs, points)
+    assert scales["attn"] / scales["ffn_exps"] == pytest.approx(3.0, rel=0.15)
+    # one upgrade of 10 bytes affordable twice: by the per-group costs, the experts; by the truth, attention
+    plain = solve(sizes, costs, 60)
+    fixed = solve(sizes, corrected(groups, costs, scales), 60)
+    assert plain is not None and fixed is not None
+    assert plain.choice == [0, 0, 1, 1] and fixed.choice == [1, 1, 0, 0]
+    assert true_kld(fixed.choice) < true_kld(plain.choice)
+    # one point only (or none): a single common scale, which leaves the answer alone
+    one = fit_scales(groups, costs, points[:1])
+    assert one["attn"] == pytest.approx(one["ffn_exps"])
+    assert fit_scales(groups, costs, []) == {"attn": 1.0, "ffn_exps": 1.0}
+
+    # the search's loop: anchors, then rounds that measure each new answer; the best measured one is kept
+    store = Measurements(tmp_path / "m.json", {})
+    calls: list[list[int]] = []
+
+    def whole(choice: list[int]) -> float:
+        calls.append(list(choice))
+        store.put_point(choice_key(groups, choice), true_kld(choice))
+        return store.points[choice_key(groups, choice)]
+
+    for ch in ([0, 0, 0, 0], [1, 1, 1, 1]):
+        whole(ch)
+    pick = _choose(groups, sizes, costs, 60, 0, whole, store)
+    assert pick.solution.choice == [1, 1, 0, 0]
+    assert pick.measured == pytest.approx(true_kld([1, 1, 0, 0]))
+    assert pick.uncorrected == pytest.approx(true_kld([0, 0, 1, 1])) and pick.measured < pick.uncorrected
+    assert pick.predicted == pytest.approx(0.34) and pick.rounds >= 1
+    saved = json.loads((tmp_path / "m.json").read_text())["points"]
+    assert saved[choice_key(groups, [1, 1, 0, 0])] == pytest.approx(pick.measured)
+    # resumed: every point is in the store, nothing is measured again
+    n = len(calls)
+    again = _choose(groups, sizes, costs, 60, 0, lambda ch: store.points[choice_key(groups, ch)],
+                    Measurements(tmp_path / "m.json", {}))  # fmt: skip
+    assert again.solution.choice == pick.solution.choice and len(calls) == n
+
+
 # --- groups, options and recipes on the example model -----------------------------------------------
 
 
@@ -237,9 +310,18 @@ def test_search_resumes_and_reproduces_its_file(
     assert res.predicted_bytes == q.stat().st_size
     assert res.predicted_bpw <= 4.0 and res.measured_bpw == pytest.approx(res.predicted_bpw)
     assert res.measured_kld is not None and 0 < res.measured_kld < 1
+    # the whole model the correction measured is the file written (same bytes, copied from the type files)
+    assert res.calib_kld == pytest.approx(res.measured_kld, rel=1e-6)
+    assert res.uncorrected_kld is not None and res.calib_kld <= res.uncorrected_kld
+    assert res.points == res.points_measured >= 3  # one anchor per type, then the knapsack's answers
+    assert set(res.scales) == {"attn", "ffn_exps", "output", "token_embd"}
+    assert len(json.loads((tmp_path / "best.toml.search.json").read_text())["points"]) == res.points
     # another budget on the same settings measures nothing
     res2 = search(example_bf16, out, CALIB, target_bpw=3.0, **kw)
-    assert res2.measured == 0 and res2.predicted_bpw <= 3.0 and res2.predicted_kld >= res.predicted_kld
+    assert res2.measured == 0 and res2.predicted_bpw <= 3.0 and res2.calib_kld >= res.calib_kld
+    assert res2.points_measured <= 1 + 3  # the anchors are reused: only this budget's answers are new
+    res3 = search(example_bf16, out, CALIB, target_bpw=3.0, **kw)  # the same again: nothing at all
+    assert res3.measured == res3.points_measured == 0 and res3.calib_kld == res2.calib_kld
     # the recipe is an ordinary one: forge quantize writes the same bytes
     from forge.quant.quantize import quantize
 

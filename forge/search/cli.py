@@ -50,6 +50,10 @@ def search_cmd(
     threads: Annotated[
         int | None, typer.Option(help="CPU threads for torch (default: torch's choice)")
     ] = None,
+    correction: Annotated[
+        bool,
+        typer.Option(help="fit per-family scales to whole models measured on the calibration text"),
+    ] = True,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """The recipe with the least measured KL divergence within a size budget (llama.cpp's types).
@@ -99,7 +103,7 @@ def search_cmd(
             sys.stderr.write(f"measured {done}/{total}\n")
 
     res = search(model, output, text, imatrix, target_bpw, size, types, granularity, ctx, chunks,
-                 quantize_out, log, None if as_json else progress)  # fmt: skip
+                 quantize_out, log, None if as_json else progress, correction)  # fmt: skip
     if as_json:
         sys.stdout.write(json.dumps(res.to_json(), indent=1) + "\n")
         return
@@ -110,7 +114,12 @@ def search_cmd(
     out.print(f"wrote {res.recipe} ({res.measured} of {res.measurements} candidates measured now; "
               f"{res.seconds.get('total', 0):.1f} s)")  # fmt: skip
     out.print(f"predicted: {res.predicted_bytes:,} bytes, {res.predicted_bpw:.4f} bpw, "
-              f"mean KLD {res.predicted_kld:.6f}")  # fmt: skip
+              f"mean KLD {res.predicted_kld:.6f} (sum of the per-group costs)")  # fmt: skip
+    if res.calib_kld is not None:
+        scales = ", ".join(f"{k} {v:.2f}" for k, v in sorted(res.scales.items()))
+        out.print(f"corrected: mean KLD {res.corrected_kld:.6f} (family scales: {scales}); whole model "
+                  f"measured: {res.calib_kld:.6f} (the uncorrected knapsack's answer: {res.uncorrected_kld:.6f}; "
+                  f"{res.points} whole models measured, {res.points_measured} now)")  # fmt: skip
     if res.quantized is not None:
         out.print(f"measured:  {res.measured_bytes:,} bytes, {res.measured_bpw:.4f} bpw, "
                   f"mean KLD {res.measured_kld:.6f} ({res.quantized})")  # fmt: skip

@@ -198,6 +198,7 @@ class Measurements:
     def __init__(self, path: Path, settings: dict) -> None:
         self.path, self.settings = path, settings
         self.costs: dict[str, dict[str, float]] = {}
+        self.points: dict[str, float] = {}  # whole models: ",".join(label per group) -> measured KLD
         self.reference: dict = {}
         self.stale = False
         self.previous: dict = {}
@@ -208,6 +209,7 @@ class Measurements:
                 data = {}
             if data.get("version") == MEASUREMENTS_VERSION and data.get("settings") == settings:
                 self.costs = {g: dict(v) for g, v in data.get("costs", {}).items()}
+                self.points = dict(data.get("points", {}))
                 self.reference = data.get("reference", {})
             else:
                 self.stale, self.previous = True, data
@@ -219,13 +221,17 @@ class Measurements:
         self.costs.setdefault(group, {})[label] = kld
         self.save()
 
+    def put_point(self, key: str, kld: float) -> None:
+        self.points[key] = kld
+        self.save()
+
     @property
     def count(self) -> int:
         return sum(len(v) for v in self.costs.values())
 
     def save(self) -> None:
         data = {"version": MEASUREMENTS_VERSION, "settings": self.settings, "reference": self.reference,
-                "costs": self.costs}  # fmt: skip
+                "costs": self.costs, "points": self.points}  # fmt: skip
         with atomic_output(self.path) as f:
             f.write(json.dumps(data, indent=1, sort_keys=True).encode())
 
@@ -350,17 +356,38 @@ def measure(
     total = sum(len(g.options) for g in groups)
     done = total - len(todo)
     t0 = time.perf_counter()
-    opened: dict[str, GGUFWeights] = {}
     for label in sorted({o.label for _, o in todo}, key=lambda s: list(type_files).index(s)):
-        opened = {label: GGUFWeights(type_files[label], "cpu", verify_experts=False)}
+        w = GGUFWeights(type_files[label], "cpu", verify_experts=False)
         for g, o in [(g, o) for g, o in todo if o.label == label]:
-            w = opened[label]
             model = meter.variant({n: w for n in g.tensors})
             store.put(g.name, o.label, max(meter.kld(model, g.layer), 0.0))
             done += 1
             if progress:
                 progress(done, total, f"{g.name} {o.label}")
     return time.perf_counter() - t0
+
+
+def choice_key(groups: list[Group], choice: list[int]) -> str:
+    return ",".join(g.options[j].label for g, j in zip(groups, choice, strict=True))
+
+
+def measure_choice(
+    groups: list[Group], choice: list[int], meter: KldMeter, type_files: dict[str, Path], store: Measurements
+) -> float:
+    """The mean KLD of the whole model with every group at its chosen option (persisted as a point)."""
+    from runtime.weights import GGUFWeights
+
+    key = choice_key(groups, choice)
+    if key not in store.points:
+        opened: dict[str, GGUFWeights] = {}
+        overlay = {}
+        for g, j in zip(groups, choice, strict=True):
+            label = g.options[j].label
+            if label not in opened:
+                opened[label] = GGUFWeights(type_files[label], "cpu", verify_experts=False)
+            overlay.update(dict.fromkeys(g.tensors, opened[label]))
+        store.put_point(key, max(meter.kld(meter.variant(overlay), -1), 0.0))
+    return store.points[key]
 
 
 def settings_key(

@@ -24,14 +24,17 @@ from gguf import LlamaFileType
 from forge.atomic import atomic_output
 from forge.errors import ForgeError
 from forge.fileio import read_text
-from forge.search.knapsack import bounds, solve
+from forge.search.correction import corrected, fit_scales, uniform_choice
+from forge.search.knapsack import Solution, bounds, solve
 from forge.search.measure import (
     Group,
     KldMeter,
     Measurements,
+    choice_key,
     cost_table,
     make_groups,
     measure,
+    measure_choice,
     parse_types,
     settings_key,
     type_file_recipe,
@@ -69,6 +72,15 @@ class SearchResult:
     measured_kld: float | None = None
     base_perplexity: float | None = None
     scored_tokens: int | None = None
+    # the interaction correction (calibration text): the knapsack's objective with the family scales,
+    # the whole model measured, and the measured KLD of the uncorrected knapsack's answer
+    corrected_kld: float | None = None
+    calib_kld: float | None = None
+    uncorrected_kld: float | None = None
+    scales: dict | None = None
+    rounds: int | None = None
+    points: int | None = None
+    points_measured: int | None = None
 
     def to_json(self) -> dict:
         out = {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
@@ -130,6 +142,7 @@ def search(
     quantize_out: Path | None = None,
     log: Log | None = None,
     progress: Callable[[int, int, str], None] | None = None,
+    correction: bool = True,
 ) -> SearchResult:
     from forge.imatrix.formats import read_imatrix
     from forge.quant.source import source_ref
@@ -186,7 +199,7 @@ def search(
     if store.stale:
         say(f"{measurements_path} was made with other settings (model, imatrix, text, ctx, chunks or "
             "granularity): measuring again")  # fmt: skip
-        store.costs, store.reference = {}, {}
+        store.costs, store.reference, store.points = {}, {}, {}
         prev = store.previous.get("settings", {})
         if all(prev.get(k) == store.settings[k] for k in ("model", "imatrix")):  # the encodings still hold
             store.reference["type_files"] = store.previous.get("reference", {}).get("type_files", {})
@@ -198,8 +211,8 @@ def search(
     t0 = time.perf_counter()
     need_files = [lb for lb in used if any(store.get(g.name, o.label) is None
                                            for g in groups for o in g.options if o.label == lb)]  # fmt: skip
-    if quantize_out is not None:
-        need_files = used  # the final build copies every tensor from them
+    if quantize_out is not None or correction:
+        need_files = used  # whole-model points and the final build take every tensor from them
     for k, lb in enumerate(need_files):
         path = type_files[lb]
         if path.is_file() and known.get(lb) == _stamp(path):
@@ -213,38 +226,51 @@ def search(
     # 3. measurements ---------------------------------------------------------------------------------
     base = _base_gguf(model, folder, say)
     meter: KldMeter | None = None
-    before = store.count
-    missing = any(store.get(g.name, o.label) is None for g in groups for o in g.options)
-    if missing or quantize_out is not None:
-        from runtime.evaluate import perplexity_tokens
-        from runtime.tokenizer import Tokenizer
-        from runtime.weights import load_weights
 
-        tok = Tokenizer.from_metadata(load_weights(base, "cpu", verify_experts=False))
-        ids = perplexity_tokens(tok, body, ctx, chunks)
-        t0 = time.perf_counter()
-        meter = KldMeter(base, ids, ctx, chunks)
-        store.reference.update({"perplexity": meter.perplexity, "scored_tokens": meter.scored})
-        seconds["reference"] = round(time.perf_counter() - t0, 2)
-    if missing:
-        assert meter is not None
-        seconds["measure"] = round(measure(groups, meter, type_files, store, progress), 2)
+    def get_meter() -> KldMeter:
+        nonlocal meter
+        if meter is None:
+            from runtime.evaluate import perplexity_tokens
+            from runtime.tokenizer import Tokenizer
+            from runtime.weights import load_weights
+
+            tok = Tokenizer.from_metadata(load_weights(base, "cpu", verify_experts=False))
+            ids = perplexity_tokens(tok, body, ctx, chunks)
+            t0 = time.perf_counter()
+            meter = KldMeter(base, ids, ctx, chunks)
+            store.reference.update({"perplexity": meter.perplexity, "scored_tokens": meter.scored})
+            seconds["reference"] = round(time.perf_counter() - t0, 2)
+        return meter
+
+    before, points_before = store.count, len(store.points)
+    if any(store.get(g.name, o.label) is None for g in groups for o in g.options):
+        seconds["measure"] = round(measure(groups, get_meter(), type_files, store, progress), 2)
     measured_now = store.count - before
 
-    # 4. the knapsack ---------------------------------------------------------------------------------
+    def whole(choice: list[int]) -> float:
+        if choice_key(groups, choice) not in store.points:
+            say(f"measuring a whole model ({len(store.points) + 1} so far)")
+        return measure_choice(groups, choice, get_meter(), type_files, store)
+
+    # 4. the knapsack, corrected by whole-model points ------------------------------------------------
     costs = cost_table(groups, store)
     t0 = time.perf_counter()
+    if correction:
+        for lb in used:  # the anchors: one type everywhere, for each candidate type
+            whole([uniform_choice(g, lb) for g in groups])
     capacity = budget.capacity
     for _ in range(8):
-        sol = solve(sizes, costs, capacity)
-        if sol is None:  # pragma: no cover - the bounds were checked above
-            raise ForgeError("no recipe fits the budget")
+        pick = _choose(groups, sizes, costs, capacity, fixed, whole if correction else None, store)
+        sol = pick.solution
         header = [
             f"forge recipe search: {model.name}, target {_target_text(budget)}, {len(groups)} groups "
             f"({granularity}), types {','.join(labels).lower()}",
+            f"calibration {text.name}: {chunks} x {ctx} tokens; mean KLD predicted {pick.predicted:.6f} "
+            f"(sum of the per-group costs), corrected {pick.corrected:.6f}, measured {pick.measured:.6f}"
+            if correction else
             f"calibration {text.name}: {chunks} x {ctx} tokens; predicted mean KLD {sol.cost:.6f} "
             "(sum of the measured per-group costs)",
-        ]
+        ]  # fmt: skip
         text_out = recipe_text(groups, sol.choice, header)
         with atomic_output(output) as f:
             f.write(text_out.encode())
@@ -269,7 +295,7 @@ def search(
         predicted_bytes=file_bytes,
         predicted_tensor_bytes=tensor_bytes,
         predicted_bpw=8 * tensor_bytes / parameters,
-        predicted_kld=sol.cost,
+        predicted_kld=pick.predicted,
         parameters=parameters,
         measured=measured_now,
         measurements=n_options,
@@ -277,23 +303,89 @@ def search(
         base_perplexity=store.reference.get("perplexity"),
         scored_tokens=store.reference.get("scored_tokens"),
     )
+    if correction:
+        res.corrected_kld, res.calib_kld = pick.corrected, pick.measured
+        res.uncorrected_kld, res.scales, res.rounds = pick.uncorrected, pick.scales, pick.rounds
+        res.points = len(store.points)
+        res.points_measured = len(store.points) - points_before
 
     # 5. the file ------------------------------------------------------------------------------------
     if quantize_out is not None:
         from forge.quant.quantize import quantize
 
-        assert meter is not None
         t0 = time.perf_counter()
         say(f"quantizing {quantize_out} with the recipe (reusing the search's encodings)")
         _, rep = quantize(model, quantize_out, str(output), imatrix=imatrix, reuse=[folder])
         res.quantized = quantize_out
         res.measured_bytes = quantize_out.stat().st_size
         res.measured_bpw = 8 * sum(r["bytes"] for r in rep.tensors) / parameters
-        res.measured_kld = meter.kld_of_file(quantize_out)
+        res.measured_kld = get_meter().kld_of_file(quantize_out)
         seconds["quantize"] = round(time.perf_counter() - t0, 2)
     seconds["total"] = round(time.perf_counter() - t_start, 2)
     res.seconds = seconds
     return res
+
+
+#: knapsack answers re-solved with refitted scales per budget (each costs one whole-model measurement)
+ROUNDS = 3
+
+
+@dataclass
+class Pick:
+    solution: Solution
+    predicted: float  # sum of the per-group costs
+    corrected: float  # with the family scales
+    measured: float = math.nan  # the whole model, measured
+    uncorrected: float = math.nan  # the whole model the uncorrected knapsack picks, measured
+    scales: dict = field(default_factory=dict)
+    rounds: int = 0
+
+
+def _choose(
+    groups: list[Group],
+    sizes: list[list[int]],
+    costs: list[list[float]],
+    capacity: int,
+    fixed: int,
+    whole: Callable[[list[int]], float] | None,
+    store: Measurements | None = None,
+) -> Pick:
+    """The knapsack's answer; with ``whole`` (measures a whole model), the interaction correction: refit
+    the family scales on every measured point, re-solve with the scaled costs and measure the answer,
+    until an answer repeats (at most ROUNDS times); the answer with the least measured KLD is kept, so
+    the correction can only improve on the uncorrected answer on the calibration text."""
+    sol = solve(sizes, costs, capacity)
+    if sol is None:  # pragma: no cover - the bounds were checked before
+        raise ForgeError("no recipe fits the budget")
+    if whole is None or store is None:
+        return Pick(sol, sol.cost, sol.cost)
+    tried = {tuple(sol.choice): (sol, whole(sol.choice), {}, 0)}
+    scales: dict = {}
+    for k in range(1, ROUNDS + 1):
+        pts = _points(groups, store)
+        pt_sizes = [fixed + sum(g.options[j].size for g, j in zip(groups, ch, strict=True)) for ch, _ in pts]
+        scales = fit_scales(groups, costs, pts, pt_sizes, capacity + fixed)
+        nxt = solve(sizes, corrected(groups, costs, scales), capacity)
+        assert nxt is not None
+        if tuple(nxt.choice) in tried:
+            break
+        tried[tuple(nxt.choice)] = (nxt, whole(nxt.choice), scales, k)
+    best, measured, best_scales, rounds = min(tried.values(), key=lambda t: (t[1], t[0].size))
+    final = best_scales or scales
+    pred = sum(c[j] for c, j in zip(costs, best.choice, strict=True))
+    corr = sum(c[j] for c, j in zip(corrected(groups, costs, final), best.choice, strict=True))
+    return Pick(best, pred, corr, measured, tried[tuple(sol.choice)][1], final, rounds)
+
+
+def _points(groups: list[Group], store: Measurements) -> list[tuple[list[int], float]]:
+    """Every whole model measured so far (any budget), as (choice, KLD)."""
+    index = [{o.label: j for j, o in enumerate(g.options)} for g in groups]
+    out = []
+    for key, kld in store.points.items():
+        labels = key.split(",")
+        if len(labels) == len(groups) and all(lb in ix for lb, ix in zip(labels, index, strict=True)):
+            out.append(([ix[lb] for lb, ix in zip(labels, index, strict=True)], kld))
+    return out
 
 
 def _target_text(b: Budget) -> str:
