@@ -67,6 +67,17 @@ BudgetOpt = Annotated[
 ]
 PolicyOpt = Annotated[str, typer.Option("--cache-policy", help="expert cache eviction: lru or lfu")]
 StatsOpt = Annotated[bool, typer.Option("--stats", help="print expert cache statistics at the end")]
+GpuCacheOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--gpu-expert-cache",
+        help="hybrid experts: a GPU pool of this size (e.g. 4G) for the hot experts, the others on the CPU",
+    ),
+]
+ProfileOpt = Annotated[
+    Path | None,
+    typer.Option("--expert-profile", help="a `forge prune profile` JSON seeding the GPU expert cache"),
+]
 PrefetchOpt = Annotated[
     bool,
     typer.Option(
@@ -86,6 +97,8 @@ class Residency:
     memory_budget: str | None = None
     cache_policy: str = "lru"
     prefetch: bool = False
+    gpu_expert_cache: str | None = None
+    expert_profile: Path | None = None
 
     def load(self, model: Path, device: str, expert_budget: int, ggml_numerics: bool, context: int | None):  # noqa: ANN201
         from forge.gguf_file import parse_size
@@ -98,6 +111,12 @@ class Residency:
             raise ForgeError("--resident and --ssd-streaming exclude each other")
         if self.resident and (self.cache_experts is not None or self.cache_bytes is not None):
             raise ForgeError("--cache-experts/--cache-bytes apply to --ssd-streaming, not --resident")
+        if self.gpu_expert_cache is not None and (self.resident or self.ssd_streaming):
+            raise ForgeError("--gpu-expert-cache excludes --resident and --ssd-streaming")
+        if self.gpu_expert_cache is not None and device != "cuda":
+            raise ForgeError("--gpu-expert-cache needs --device cuda")
+        if self.expert_profile is not None and not self.expert_profile.is_file():
+            raise ForgeError(f"{self.expert_profile}: no such file")
         mode = "resident" if self.resident else "streaming" if self.ssd_streaming else "auto"
         m, plan = load_planned_model(
             model,
@@ -110,6 +129,8 @@ class Residency:
             expert_budget,
             ggml_numerics,
             context,
+            gpu_cache_bytes=parse_size(self.gpu_expert_cache) if self.gpu_expert_cache else None,
+            expert_profile=self.expert_profile,
         )
         if self.prefetch:
             from runtime.prefetch import attach_prefetcher
@@ -120,15 +141,17 @@ class Residency:
 
 
 def cache_stats(m) -> dict | None:  # noqa: ANN001
+    hybrid = getattr(m, "hybrid", None)
+    if hybrid is not None:
+        return hybrid.stats.to_json()
     cache = getattr(m.weights, "expert_cache", None)
     return None if cache is None else cache.stats.to_json()
 
 
 def print_stats(m) -> None:  # noqa: ANN001
-    from runtime.planner import format_stats
+    from runtime.planner import model_stats
 
-    cache = getattr(m.weights, "expert_cache", None)
-    sys.stderr.write((format_stats(cache) if cache is not None else "expert cache: none (resident)") + "\n")
+    sys.stderr.write(model_stats(m) + "\n")
 
 
 def _setup(device: str, threads: int | None, expert_cache_mib: int = 0) -> str:
@@ -174,6 +197,8 @@ def run(
     cache_policy: PolicyOpt = "lru",
     stats: StatsOpt = False,
     prefetch: PrefetchOpt = False,
+    gpu_expert_cache: GpuCacheOpt = None,
+    expert_profile: ProfileOpt = None,
 ) -> None:
     """Generate text from a prompt, streamed; prints prefill and decode tokens/s at the end."""
     from runtime.generate import Sampling, generate
@@ -186,8 +211,9 @@ def run(
     require_seed("--seed", seed)
     dev = _setup(device, threads, expert_cache_mib)
     residency = Residency(
-        resident, ssd_streaming, cache_experts, cache_bytes, memory_budget, cache_policy, prefetch
-    )
+        resident, ssd_streaming, cache_experts, cache_bytes, memory_budget, cache_policy, prefetch,
+        gpu_expert_cache, expert_profile,
+    )  # fmt: skip
     m, _ = residency.load(model, dev, expert_cache_mib << 20, ggml_numerics, ctx)
     _apply_prune_mask(m, prune_mask)
     tok = Tokenizer.from_metadata(m.weights)
@@ -243,6 +269,8 @@ def eval_(
     cache_policy: PolicyOpt = "lru",
     stats: StatsOpt = False,
     prefetch: PrefetchOpt = False,
+    gpu_expert_cache: GpuCacheOpt = None,
+    expert_profile: ProfileOpt = None,
 ) -> None:
     """Perplexity like llama-perplexity; with a reference also KL divergence, top-1 agreement, RMS Δp."""
     from runtime.evaluate import ReferenceLogits, evaluate, format_report, perplexity_tokens
@@ -260,8 +288,9 @@ def eval_(
     dev = _setup(device, threads, expert_cache_mib)
     budget = expert_cache_mib << 20
     residency = Residency(
-        resident, ssd_streaming, cache_experts, cache_bytes, memory_budget, cache_policy, prefetch
-    )
+        resident, ssd_streaming, cache_experts, cache_bytes, memory_budget, cache_policy, prefetch,
+        gpu_expert_cache, expert_profile,
+    )  # fmt: skip
     m, plan = residency.load(model, dev, budget, ggml_numerics, ctx)
     _apply_prune_mask(m, prune_mask)
     ref = load_model(reference, dev, expert_budget=budget, ggml_numerics=ggml_numerics) if reference else None

@@ -1,4 +1,10 @@
-"""Residency planning: keep the whole model in memory, or stream routed experts through a cache.
+"""Residency planning: keep the whole model in memory, split the routed experts between a GPU pool and the
+CPU (hybrid), or stream them through a cache.
+
+On a CUDA device AUTO first asks the GPU: *resident* when the file, the KV cache and the GPU overhead fit in
+its free memory with headroom; else *hybrid* (runtime.hybrid: the hot experts on the GPU in the memory left
+after the other weights and the KV cache, the rest computed by the CPU from host memory) when the routed
+experts fit in host memory, else *streaming* as below. ``--gpu-expert-cache`` asks for hybrid at that size.
 
 AUTO reads the model's geometry and the host's available memory (psutil) and picks *resident* when
 the resident weights, the mapped routed experts, the decoded-expert budget, the KV cache and the fixed
@@ -31,6 +37,8 @@ RUNTIME_OVERHEAD = 448 << 20
 # The share of *measured* available memory AUTO leaves to the rest of the system.
 HEADROOM = 0.10
 DEFAULT_CONTEXT = 4096
+# The CUDA context, the kernels' workspaces and the activations of a prefill batch (a rough bound).
+GPU_OVERHEAD = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,7 @@ class Geometry:
 
 @dataclass(frozen=True)
 class Plan:
-    mode: str  # "resident" or "streaming"
+    mode: str  # "resident", "hybrid" or "streaming"
     reason: str
     budget: int
     budget_source: str  # "--memory-budget" or "available memory"
@@ -61,10 +69,16 @@ class Plan:
     cache_bytes: int = 0
     policy: str = "lru"
     geometry: Geometry | None = None
+    gpu_cache_bytes: int = 0  # hybrid: the GPU expert pool
 
     def describe(self) -> str:
         g = self.geometry
         line = f"residency: {self.mode} ({self.reason})"
+        if self.mode == "hybrid" and g is not None:
+            line += (
+                f"; GPU expert cache: {_mib(self.gpu_cache_bytes)} (~{self.gpu_cache_bytes // g.slot_bytes} of "
+                f"{g.experts} experts), the others computed on the CPU"
+            )
         if self.mode == "streaming" and g is not None:
             line += (
                 f"; expert cache: {self.cache_experts} of {g.experts} experts "
@@ -121,6 +135,12 @@ def available_memory() -> tuple[int, str]:
     return int(vm.available), f"available memory {_mib(int(vm.available))}, swap free {_mib(int(swap.free))}"
 
 
+def gpu_free_memory(device: Any) -> int:
+    import torch
+
+    return int(torch.cuda.mem_get_info(torch.device(device))[0])
+
+
 def plan(
     weights: Any,
     mode: str = "auto",
@@ -130,9 +150,14 @@ def plan(
     policy: str = "lru",
     expert_budget: int = 0,
     context: int = DEFAULT_CONTEXT,
+    gpu_cache_bytes: int | None = None,
+    gpu_memory: int | None = None,
 ) -> Plan:
-    """Decide residency for ``weights`` (GGUFWeights). ``mode``: auto, resident or streaming."""
-    if mode not in ("auto", "resident", "streaming"):
+    """Decide residency for ``weights`` (GGUFWeights). ``mode``: auto, resident, hybrid or streaming.
+
+    ``gpu_cache_bytes``: ``--gpu-expert-cache`` (hybrid at that size); ``gpu_memory``: the GPU's free memory
+    (default: measured when the weights' device is CUDA)."""
+    if mode not in ("auto", "resident", "hybrid", "streaming"):
         raise ForgeError(f"unknown residency mode {mode!r}")
     if cache_experts is not None and cache_bytes is not None:
         raise ForgeError("give --cache-experts or --cache-bytes, not both")
@@ -146,6 +171,26 @@ def plan(
     fixed = g.resident_bytes + g.kv_bytes + RUNTIME_OVERHEAD
     need_resident = fixed + g.routed_bytes + min(expert_budget, g.routed_f32_bytes)
     explicit_cache = cache_experts is not None or cache_bytes is not None
+    if mode == "hybrid" or gpu_cache_bytes is not None:
+        if gpu_cache_bytes is None or gpu_cache_bytes < g.slot_bytes:
+            raise ForgeError(f"a GPU expert cache needs at least one expert ({g.slot_bytes:,} bytes)")
+        return Plan("hybrid", f"--gpu-expert-cache {_mib(gpu_cache_bytes)}", budget, source, geometry=g,
+                    policy="lfu", gpu_cache_bytes=gpu_cache_bytes)  # fmt: skip
+    if mode == "auto" and not explicit_cache and (gpu_memory is not None or weights.device.type == "cuda"):
+        gpu = gpu_memory if gpu_memory is not None else gpu_free_memory(weights.device)
+        gpu_budget = int(gpu * (1 - HEADROOM))
+        need_gpu = g.file_bytes + g.kv_bytes + GPU_OVERHEAD
+        if need_gpu <= gpu_budget:
+            why = f"model needs {_mib(need_gpu)} on the GPU, fits in its free {_mib(gpu)} less {HEADROOM:.0%}"
+            return Plan("resident", why, budget, source, geometry=g, policy=policy)
+        room = gpu_budget - (g.file_bytes - g.routed_bytes) - g.kv_bytes - GPU_OVERHEAD
+        host_need = g.routed_bytes + RUNTIME_OVERHEAD
+        if room >= g.slot_bytes and host_need <= budget:
+            why = (
+                f"model needs {_mib(need_gpu)} on the GPU, more than its free {_mib(gpu)} less {HEADROOM:.0%}; "
+                f"the routed experts ({_mib(g.routed_bytes)}) fit in {source}"
+            )
+            return Plan("hybrid", why, budget, source, geometry=g, policy="lfu", gpu_cache_bytes=room)
     if mode == "resident" or (mode == "auto" and not explicit_cache and need_resident <= budget):
         why = "--resident" if mode == "resident" else f"model needs {_mib(need_resident)}, fits in {source}"
         return Plan("resident", why, budget, source, geometry=g, policy=policy)
@@ -188,8 +233,13 @@ def load_planned_model(
     context: int | None = None,
     observers: list[Any] | None = None,
     log: Any = None,
+    gpu_cache_bytes: int | None = None,
+    expert_profile: Path | None = None,
 ) -> tuple[Any, Plan | None]:
-    """Plan residency, print the decision (to ``log``, default stderr) and load the model accordingly."""
+    """Plan residency, print the decision (to ``log``, default stderr) and load the model accordingly.
+
+    ``gpu_cache_bytes``: ``--gpu-expert-cache``; ``expert_profile``: a ``forge prune profile`` JSON seeding a
+    hybrid plan's GPU expert pool."""
     from runtime.models import build_model, prepare_decode
     from runtime.weights import GGUFWeights, load_weights, open_expert_cache
 
@@ -199,15 +249,37 @@ def load_planned_model(
     p = None
     if isinstance(weights, GGUFWeights):
         p = plan(weights, mode, memory_budget, cache_experts, cache_bytes, policy, expert_budget,
-                 context or DEFAULT_CONTEXT)  # fmt: skip
+                 context or DEFAULT_CONTEXT, gpu_cache_bytes)  # fmt: skip
         say(p.describe())
         if p.mode == "streaming":
             weights.expert_cache = open_expert_cache(weights, p.cache_experts, policy)
-    elif mode == "streaming":
-        raise ForgeError(f"{path}: expert streaming needs a GGUF file, not a Hugging Face folder")
+        weights.host_experts = p.mode == "hybrid"
+    elif mode in ("streaming", "hybrid") or gpu_cache_bytes is not None:
+        raise ForgeError(
+            f"{path}: expert streaming and hybrid experts need a GGUF file, not a Hugging Face folder"
+        )
     model = build_model(weights, observers)
     prepare_decode(model, say)
+    if p is not None and p.mode == "hybrid":
+        from runtime.hybrid import attach
+
+        attach(model, p.gpu_cache_bytes, expert_profile)
+    elif expert_profile is not None:
+        say(
+            f"--expert-profile: ignored, residency is {p.mode if p else 'resident'} (it seeds a GPU expert cache)"
+        )
     return model, p
+
+
+def model_stats(model: Any) -> str:
+    """``--stats``: the hybrid executor's or the expert cache's figures."""
+    hybrid = getattr(model, "hybrid", None)
+    if hybrid is not None:
+        from runtime.hybrid import format_stats as hybrid_stats
+
+        return hybrid_stats(hybrid)
+    cache = getattr(model.weights, "expert_cache", None)
+    return format_stats(cache) if cache is not None else "expert cache: none (resident)"
 
 
 def format_stats(cache: Any) -> str:
