@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 
 from forge import ggml_types
 from runtime import cpu_kernels
-from runtime.backends import cuda_kernels
+from runtime.backends import cuda_fused, cuda_kernels
 from runtime.observers import Observer, notify_matmul
 from runtime.weights import Weights, dequantize
 
@@ -65,6 +65,8 @@ def rms_norm_row(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor) -> to
     """rms_norm of one (1, n) row in four ops (F.rms_norm takes six on CPU); eps: a (1, 1) tensor.
     On CUDA the mean square is a reduction: as a matmul cuBLAS runs it as a split-K GEMM plus a reduction."""
     if x.is_cuda:
+        if cuda_fused.available(x):
+            return cuda_fused.rms_norm_row(x, weight, eps)
         return (x * weight).mul_(x.square().mean(-1, keepdim=True).add_(eps).rsqrt_())
     return (x * weight).mul_(torch.addmm(eps, x, x.T, alpha=1 / x.shape[-1]).rsqrt_())
 
@@ -359,7 +361,16 @@ class Rope:
     def step(self, x: torch.Tensor, pos: int, at: torch.Tensor | None = None, end: int = 0) -> torch.Tensor:
         """x: (N, head_dim), N heads of the one token at position ``pos``; or, in a captured decode step,
         at the position held by the device tensor ``at`` (1,), below ``end``."""
-        end = max(end, pos + 1)
+        cos_row, sin_row = self.row_tables(max(end, pos + 1))
+        if at is not None:
+            cos, sin = cos_row.index_select(0, at), sin_row.index_select(0, at)
+        else:
+            cos, sin = cos_row[pos], sin_row[pos]
+        return torch.addcmul(x * cos, x.index_select(-1, self.partner), sin)
+
+    def row_tables(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole-head (positions >= end, head_dim) cos and sin rows: a head at position p rotates as
+        ``x * cos[p] + x[partner] * sin[p]``."""
         if end > self.cos_row.shape[0]:
             self._table(end)
             rest = self.head_dim - self.n_rot
@@ -367,11 +378,7 @@ class Rope:
             ones, zeros = self.cos.new_ones(n, rest), self.cos.new_zeros(n, rest)
             self.cos_row = torch.cat([self.cos, self.cos, ones], dim=-1)
             self.sin_row = torch.cat([-self.sin, self.sin, zeros], dim=-1)
-        if at is not None:
-            cos, sin = self.cos_row.index_select(0, at), self.sin_row.index_select(0, at)
-        else:
-            cos, sin = self.cos_row[pos], self.sin_row[pos]
-        return torch.addcmul(x * cos, x.index_select(-1, self.partner), sin)
+        return self.cos_row, self.sin_row
 
 
 class KVCache:
@@ -539,6 +546,9 @@ class GQAttention:
         )
         self.qk_eps = torch.full((n_qk, 1, 1), cfg.eps, device=weights.device)
         self.qk_norm_rows = self.qk_norm.numpy() if weights.cpu_kernels else None
+        self.qk_norm = self.qk_norm.contiguous()
+        hd = cfg.head_dim
+        self.fused_step = cuda_fused.available(self.qk_norm) and hd & (hd - 1) == 0 and self.bias is None
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x (T, n_embd) -> q, k, gate (or None), v as (T, rows) matrices."""
@@ -606,6 +616,8 @@ class GQAttention:
                 notify_matmul(self.observers, name, x)
         y = self.w_in(x)[0] if self.w_in.encoded is not None else torch.mm(x, self.w_in_t)[0]
         n_q, n_k, n_gate, _ = self.sizes
+        if self.fused_step:
+            return self.out.step(self._fused_attention(y, cache, pos), h)
         qk = y[: n_q + n_k].view(c.n_head + c.n_head_kv, c.head_dim)
         qk = self.rope.step(rms_norm_heads(qk, self.qk_norm, self.qk_eps), pos, cache.at, cache.span)
         v = y[n_q + n_k + n_gate :].view(c.n_head_kv, c.head_dim)
@@ -620,6 +632,25 @@ class GQAttention:
         if n_gate:
             out = out * torch.sigmoid(y[n_q + n_k : n_q + n_k + n_gate])
         return self.out.step(out, h)
+
+    def _fused_attention(self, y: torch.Tensor, cache: KVCache, pos: int) -> torch.Tensor:
+        """The one-token attention after the projection in two launches (``cuda_fused``): q/k norms, RoPE and
+        the cache write; then attention over slots 0..position, gated."""
+        c = self.cfg
+        kv = y.new_empty(c.n_head_kv, c.head_dim)
+        if cache.at is None:
+            keys, values = cache.reserve(pos + 1, kv, kv)
+            cache.length = pos + 1
+        else:
+            keys, values = cache.reserve(cache.span, kv, kv)
+        cos_rows, sin_rows = self.rope.row_tables(max(pos + 1, cache.span))
+        n_q, n_k, n_gate, _ = self.sizes
+        q = cuda_fused.attention_qk(
+            y, self.qk_norm, cos_rows, sin_rows, self.rope.partner, keys, values, cache.at, pos, c.n_head,
+            n_q + n_k + n_gate, c.eps,
+        )  # fmt: skip
+        gate = y[n_q + n_k : n_q + n_k + n_gate] if n_gate else None
+        return cuda_fused.attention_decode(q, keys, values, cache.at, pos, gate)
 
 
 # Gated DeltaNet (Qwen3.5 / Qwen3-Next) ----------------------------------------------------------------------
@@ -720,6 +751,10 @@ class GatedDeltaNet:
         )
         self.conv_rows = self.conv_w.T.contiguous()  # (kernel, channels)
         self.conv_kernel_rows = self.conv_rows.numpy() if weights.cpu_kernels else None
+        self.qk_scale_flat = self.qk_scale.view(-1).contiguous()
+        pow2 = all(n & (n - 1) == 0 for n in (self.d_k, self.d_v))
+        channels = self.conv_rows.shape[1]
+        self.fused_step = cuda_fused.available(self.conv_rows) and pow2 and channels % self.d_k == 0
 
     def new_state(self, device: torch.device) -> DeltaNetState:
         channels, kernel = self.conv_w.shape
@@ -771,6 +806,14 @@ class GatedDeltaNet:
             return out
         x = rms_norm_row(h, norm, eps)
         mixed, z, beta, alpha = self.inputs.step(x)
+        if self.fused_step:
+            qkv = cuda_fused.deltanet_conv(
+                mixed, st.conv, self.conv_rows, self.qk_scale_flat, 2 * self.n_k, self.d_k, self.eps
+            )
+            o = cuda_fused.deltanet_rule(
+                qkv, z, beta, alpha, self.dt_bias, self.a, st.recurrent, self.norm, self.n_k, self.eps
+            )
+            return self.out.step(o, h)
         window = torch.cat([st.conv, mixed[None]])
         st.conv.copy_(window[1:])
         conv = F.silu((window * self.conv_rows).sum(0))

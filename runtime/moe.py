@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from forge import ggml_types
 from forge.errors import ForgeError
 from runtime import backends, cpu_kernels
-from runtime.backends import cuda_kernels, torch_backend
+from runtime.backends import cuda_fused, cuda_kernels, torch_backend
 from runtime.layers import FusedLinear, Linear, ggml_input_rounding
 from runtime.observers import (
     Observer,
@@ -142,6 +142,8 @@ class SoftmaxTopK(Router):
 
 def softmax_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (T, n_expert) -> the top-k ids (T, k) (torch.topk's order) and the softmax of their logits."""
+    if cuda_fused.available(logits) and logits.dtype == torch.float32 and logits.is_contiguous():
+        return cuda_fused.softmax_top_k(logits, k)  # one launch for topk + softmax
     top_logits, ids = torch.topk(logits, k, dim=-1)
     return ids, torch.softmax(top_logits, dim=-1)
 
@@ -554,4 +556,6 @@ class SharedExpert:
                 notify_matmul(self.observers, self.down.name, act)
             return out
         gate, up, scale = self.inputs.step(x)
+        if cuda_fused.available(x):
+            return cuda_fused.gated_add(h, self.down.step(cuda_fused.swiglu(gate[None], up[None])), scale)
         return torch.addcmul(h, self.down.step(F.silu(gate).mul_(up)[None]), torch.sigmoid(scale))

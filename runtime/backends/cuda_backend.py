@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from runtime.backends import cuda_kernels
+from runtime.backends import cuda_fused, cuda_kernels
 
 if TYPE_CHECKING:
     from runtime.moe import ExpertSource, Taps
@@ -38,10 +38,14 @@ def routed_ffn(
     else:
         gate = cuda_kernels.moe_linear(x, gate_up[0].raw, gate_up[0].qtype, ids)
         up = cuda_kernels.moe_linear(x, gate_up[1].raw, gate_up[1].qtype, ids)
-    act = F.silu(gate).mul_(up)  # (T, top_k, n_ff)
+    act = (
+        cuda_fused.swiglu(gate, up) if cuda_fused.available(x) else F.silu(gate).mul_(up)
+    )  # (T, top_k, n_ff)
     if taps.observers:
         k = ids.shape[1]
         taps.inputs(x.repeat_interleave(k, 0), act.reshape(-1, n_ff), ids.reshape(-1))
     y = cuda_kernels.moe_linear(act, down.raw, down.qtype, ids)  # (T, top_k, n_embd)
+    if cuda_fused.available(y):
+        return cuda_fused.weighted_sum(y, weights, residual)
     out = (y * weights[..., None].to(y.dtype)).sum(1)  # a weighted sum over k slots: no GEMM launch
     return out if residual is None else residual + out
