@@ -345,15 +345,16 @@ class HybridExperts:
                 )
         keys = np.concatenate([self.key_base[i] + np.arange(self.layers[i].experts) for i in order])
         self.policy.seed(keys, np.concatenate([by_layer[i].count for i in order]).astype(np.float64))
-        for layer in self.hybrid_layers.values():  # the hottest experts first, then wait for their copies
-            pool = layer.pool
-            mine = np.arange(layer.base, layer.base + layer.n_expert)
-            free = int((pool.key < 0).sum())
-            if free:
-                hot = mine[np.argsort(-self.policy.count[mine], kind="stable")][:free]
-                hot = hot[self.policy.count[hot] > 0]
-                self._admit(layer, hot - layer.base, None, 0)
-            self._settle(wait=True)
+        for pool in self.pools.values():  # each pool filled with the hottest experts of its layers
+            mine = [lay for lay in self.hybrid_layers.values() if lay.pool is pool]
+            keys = np.concatenate([np.arange(lay.base, lay.base + lay.n_expert) for lay in mine])
+            hot = keys[np.argsort(-self.policy.count[keys], kind="stable")][: pool.n_slots]
+            hot = hot[self.policy.count[hot] > 0]
+            for lay in mine:
+                chosen = hot[(hot >= lay.base) & (hot < lay.base + lay.n_expert)]
+                if chosen.size:
+                    self._admit(lay, chosen - lay.base, None, 0)
+                    self._settle(wait=True)  # frees the staging records for the next layer
 
     def _settle(self, wait: bool = False) -> None:
         """Admissions whose copy has finished serve from now on."""

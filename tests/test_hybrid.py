@@ -1,0 +1,321 @@
+"""Hybrid routed experts (runtime.hybrid): a pool of hot experts on the "GPU" side, the rest on the CPU backend.
+
+Without a GPU the fast side is the torch reference over a host pool, so the whole executor runs here: logits
+against the resident path within the kernels' 1e-4, greedy tokens identical, the pool's policy, prune masks,
+expert-major files and the observers' inputs. ``test_on_cuda`` runs the same on a real GPU (marked ``gpu``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import oracle
+import pytest
+import torch
+from conftest import EXAMPLE
+
+from forge.errors import ForgeError
+from forge.imatrix.accumulate import ImatrixAccumulator
+from forge.layout import convert
+from forge.prune.profile import LayerProfile, Profile
+from runtime.hybrid import HybridExperts, Rates
+from runtime.models import build_model, load_model
+from runtime.observers import Observer
+from runtime.planner import RUNTIME_OVERHEAD, plan
+from runtime.weights import GGUFWeights, load_weights
+
+pytest.importorskip("numba")
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+PREFILL, DECODE = 21, 3
+
+
+@pytest.fixture(scope="module")
+def q8(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from forge.quant.quantize import quantize
+
+    out = tmp_path_factory.mktemp("hybrid") / "tiny-qwen3moe-Q8_0.gguf"
+    quantize(EXAMPLE, out, "q8_0")
+    return out
+
+
+def _llamacpp(model: str, name: str) -> Path:
+    path = oracle.llamacpp_dir(model) / name
+    if not path.exists():
+        pytest.skip(f"{path} is absent")
+    return path
+
+
+def _ids(n: int = PREFILL + DECODE, seed: int = 7) -> torch.Tensor:
+    return torch.randint(0, 4096, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _hybrid(
+    path: Path,
+    slots: int | None = None,
+    rates: Rates | None = None,
+    device: str = "cpu",
+    observers: list[Observer] | None = None,
+    **kw: object,
+) -> tuple[object, HybridExperts]:
+    """The model with hybrid experts: a pool of ``slots`` experts (default: a quarter of them)."""
+    w = load_weights(path, device, 0)
+    w.host_experts = True
+    m = build_model(w, observers)
+    layers = w.expert_layers()
+    record = max(lay.record_bytes for lay in layers.values())
+    if slots is None:
+        slots = sum(lay.experts for lay in layers.values()) // 4
+    h = HybridExperts(m, slots * record, device, rates=rates or Rates.never(), **kw)  # type: ignore[arg-type]
+    return m, h
+
+
+def _logits(m: object, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """A prefill, then single-token decode steps."""
+    ids = _ids() if ids is None else ids
+    state = m.new_state(64)  # type: ignore[attr-defined]
+    out = [m.forward(ids[:PREFILL], state)]  # type: ignore[attr-defined]
+    out += [m.forward(ids[i : i + 1], state) for i in range(PREFILL, len(ids))]  # type: ignore[attr-defined]
+    return torch.cat(out)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-4) -> None:
+    err = float((got.cpu() - want.cpu()).abs().max())
+    assert err <= rtol * float(want.abs().max()), err
+
+
+def _pairs(m: object, n_tok: int) -> int:
+    return n_tok * m.n_expert_used * len(m.routed_layers())  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("rates", ["never", "always"])
+@pytest.mark.parametrize("share", [8, 1])
+def test_logits_match_resident(q8: Path, rates: str, share: int) -> None:
+    """Prefill misses on the CPU or copied for the batch; a pool of an eighth or all of the experts."""
+    want = _logits(load_model(q8))
+    layers = GGUFWeights(q8).expert_layers()
+    slots = sum(lay.experts for lay in layers.values()) // share
+    m, h = _hybrid(q8, slots, getattr(Rates, rates)())
+    _close(_logits(m), want)
+    s = h.stats
+    assert s.gpu_pairs + s.upload_pairs + s.cpu_pairs == _pairs(m, PREFILL + DECODE)
+    assert (s.upload_pairs > 0) == (rates == "always") and s.cpu_pairs > 0 and s.gpu_pairs > 0
+    assert s.bytes_read == s.cpu_computes * layers[0].record_bytes
+
+
+def test_llamacpp_q4_k_m_logits(tmp_path: Path) -> None:
+    path = _llamacpp("tiny-qwen3moe", "tiny-qwen3moe-Q4_K_M-imat.gguf")
+    m, _ = _hybrid(path)
+    _close(_logits(m), _logits(load_model(path)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "name"),
+    [
+        ("tiny-qwen3moe", "tiny-qwen3moe-Q4_K_M-imat.gguf"),
+        ("tiny-qwen35moe", "tiny-qwen35moe-IQ2_XXS-imat.gguf"),
+    ],
+)
+def test_greedy_tokens_identical(model: str, name: str) -> None:
+    from runtime.generate import generate
+
+    path = _llamacpp(model, name)
+    prompt = _ids(16, seed=3).tolist()
+    want = generate(load_model(path), prompt, 64, stop_ids=set()).tokens
+    m, h = _hybrid(path)
+    got = generate(m, prompt, 64, stop_ids=set()).tokens
+    assert len(want) == 64 and got == want
+    assert h.stats.gpu_hits > 0 and h.stats.cpu_computes > 0 and h.stats.admissions > 0
+
+
+def _profile(m: object, counts: dict[int, np.ndarray]) -> Profile:
+    n = m.n_expert  # type: ignore[attr-defined]
+    layers = [LayerProfile(i, counts[i], counts[i].astype(float), np.zeros(n)) for i in m.routed_layers()]  # type: ignore[attr-defined]
+    return Profile(layers, n, m.n_expert_used, 100)  # type: ignore[attr-defined]
+
+
+def test_seeded_pool_holds_the_profile_hot_set(q8: Path) -> None:
+    probe = load_model(q8)
+    n, layers = probe.n_expert, probe.routed_layers()
+    rng = np.random.default_rng(0)
+    counts = {i: rng.integers(1, 1000, n) for i in layers}
+    # every expert pooled: the whole pass is computed on the fast side
+    m, h = _hybrid(q8, n * len(layers), profile=_profile(probe, counts))
+    _logits(m)
+    assert h.stats.cpu_pairs == 0 and h.stats.gpu_pairs == _pairs(m, PREFILL + DECODE)
+    # half a layer's experts per layer: the pool holds each layer's hottest half (one geometry, one pool;
+    # the seeded counts are scaled over all layers, so compare the pooled set with the global ranking)
+    m, h = _hybrid(q8, n * len(layers) // 2, profile=_profile(probe, counts))
+    pooled = np.flatnonzero(h.slot_of >= 0)
+    everything = np.concatenate([counts[i] for i in layers]).astype(float)
+    hottest = np.argsort(-everything, kind="stable")[: len(pooled)]
+    assert set(pooled) == set(hottest)
+
+
+def test_misses_are_admitted_then_hit(q8: Path) -> None:
+    """A pool that can hold every expert, no profile, admissions unlimited: the second pass over the same
+    tokens computes nothing on the CPU."""
+    probe = load_model(q8)
+    m, h = _hybrid(q8, probe.n_expert * len(probe.routed_layers()), admit_per_call=0)
+    first = _logits(m)
+    s = h.stats
+    assert s.gpu_hits == 0 or s.cpu_computes > 0
+    assert s.admissions == s.cpu_computes and s.evictions == 0
+    pooled = int((h.slot_of >= 0).sum())
+    assert pooled == s.admissions
+    before = s.cpu_pairs
+    _close(_logits(m), first, 1e-5)
+    assert h.stats.cpu_pairs == before and h.stats.evictions == 0
+
+
+def test_a_hotter_miss_evicts_the_coldest_slot(q8: Path) -> None:
+    m, h = _hybrid(q8, 4, admit_per_call=0)
+    layer = h.hybrid_layers[m.routed_layers()[0]]
+    count = h.policy.count
+    h._admit(layer, np.arange(4), None, 0)
+    h._settle(wait=True)
+    assert sorted(np.flatnonzero(h.slot_of >= 0)) == [layer.base + e for e in range(4)]
+    count[layer.base + np.arange(4)] = [5, 1, 7, 3]
+    count[layer.base + 9] = 2  # colder than every slot but one: takes expert 1's slot
+    h._admit(layer, np.array([9]), None, 0)
+    h._settle(wait=True)
+    assert h.slot_of[layer.base + 1] == -1 and h.slot_of[layer.base + 9] >= 0 and h.stats.evictions == 1
+    count[layer.base + 10] = 1  # not hotter than the coldest slot (expert 9, count 2): left on the CPU
+    h._admit(layer, np.array([10]), None, 0)
+    assert h.slot_of[layer.base + 10] == -1 and h.stats.evictions == 1
+
+
+class _Routed(Observer):
+    def __init__(self) -> None:
+        self.ids: dict[str, set[int]] = {}
+
+    def on_matmul_input(self, tensor_name: str, x: torch.Tensor, expert_ids: torch.Tensor | None) -> None:
+        if expert_ids is not None:
+            self.ids.setdefault(tensor_name, set()).update(expert_ids.tolist())
+
+
+def test_prune_mask_honoured(q8: Path) -> None:
+    ref = load_model(q8)
+    routed = len(ref.routed_layers())
+    pruned = torch.zeros(routed, ref.n_expert, dtype=torch.bool)
+    pruned[:, ::3] = True
+    ref.set_prune_mask(pruned)
+    want = _logits(ref)
+    seen = _Routed()
+    m, _ = _hybrid(q8, observers=[seen])
+    m.set_prune_mask(pruned)
+    got = _logits(m)
+    _close(got, want)
+    assert float((got - _logits(load_model(q8))).abs().max()) > 1e-2  # the mask changed the output
+    masked = set(range(0, ref.n_expert, 3))
+    assert len(seen.ids) == 3 * routed and all(not ids & masked for ids in seen.ids.values())
+
+
+def test_expert_major_equals_canonical(q8: Path, tmp_path: Path) -> None:
+    want = _logits(_hybrid(q8)[0])
+    major = tmp_path / "major.gguf"
+    convert(q8, major, "v2")
+    m, h = _hybrid(major)
+    assert torch.equal(_logits(m), want)
+    assert h.stats.cpu_pairs > 0 and h.stats.gpu_pairs > 0
+
+
+def test_imatrix_equals_resident(q8: Path) -> None:
+    acc = {}
+    for mode in ("resident", "hybrid"):
+        acc[mode] = ImatrixAccumulator()
+        if mode == "resident":
+            m = load_model(q8, observers=[acc[mode]])
+        else:
+            m, _ = _hybrid(q8, rates=Rates.always(), observers=[acc[mode]])
+        _logits(m)
+    a, b = acc["resident"], acc["hybrid"]
+    assert a._counts.keys() == b._counts.keys() and any("_exps" in n for n in a._counts)
+    for name in a._counts:
+        assert torch.equal(a._counts[name], b._counts[name]), name
+        assert torch.allclose(a._sums[name], b._sums[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_refuses_bad_setups(q8: Path) -> None:
+    w = load_weights(q8, "cpu", 0)
+    m = build_model(w)
+    with pytest.raises(ForgeError, match="host memory"):
+        HybridExperts(m, 1 << 30, "cpu", rates=Rates.never())
+    with pytest.raises(ForgeError, match="holds no expert"):
+        _hybrid(q8, 0)
+    probe = load_model(q8)
+    bad = _profile(probe, {i: np.ones(probe.n_expert, np.int64) for i in probe.routed_layers()})
+    bad.layers = bad.layers[1:]
+    with pytest.raises(ForgeError, match="expert profile covers"):
+        _hybrid(q8, profile=bad)
+
+
+def test_planner_chooses_by_gpu_and_host_memory(q8: Path) -> None:
+    w = GGUFWeights(q8)
+    g = plan(w, memory_budget=1 << 40, gpu_memory=1 << 40).geometry
+    assert g is not None
+    assert plan(w, memory_budget=1 << 40, gpu_memory=1 << 40).mode == "resident"
+    # the GPU holds the other weights and a few experts, the host all of them: hybrid
+    small = (g.file_bytes - g.routed_bytes) + g.kv_bytes + (2 << 30) + 16 * g.slot_bytes
+    p = plan(w, memory_budget=1 << 40, gpu_memory=int(small / 0.9) + 1)
+    assert p.mode == "hybrid" and 15 * g.slot_bytes <= p.gpu_cache_bytes <= 16 * g.slot_bytes
+    assert "GPU expert cache" in p.describe() and "fit in --memory-budget" in p.describe()
+    # the host does not hold them either: streaming (this tiny model's other weights may not leave it room)
+    try:
+        p = plan(w, memory_budget=g.routed_bytes + RUNTIME_OVERHEAD - 1, gpu_memory=int(small / 0.9) + 1)
+        assert p.mode == "streaming"
+    except ForgeError as exc:
+        assert "too small to stream" in str(exc)
+    p = plan(w, gpu_cache_bytes=4 * g.slot_bytes, memory_budget=1 << 40)
+    assert p.mode == "hybrid" and p.gpu_cache_bytes == 4 * g.slot_bytes
+    with pytest.raises(ForgeError, match="at least one expert"):
+        plan(w, gpu_cache_bytes=1, memory_budget=1 << 40)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--gpu-expert-cache", "1G"], "--gpu-expert-cache needs --device cuda"),
+        (["--gpu-expert-cache", "1G", "--ssd-streaming"], "excludes --resident and --ssd-streaming"),
+    ],
+)
+def test_cli_fails_closed(q8: Path, args: list[str], message: str) -> None:
+    code = "import sys; from forge.cli import main; sys.argv = ['forge', *sys.argv[1:]]; main()"
+    run = subprocess.run(
+        [sys.executable, "-c", code, "run", str(q8), "-p", "x", "-n", "1", *args],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode != 0 and message in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda(q8: Path, tmp_path: Path) -> None:
+    """On a GPU: the pool on the cuda kernels, misses on the CPU backend, prefill copies and admissions on
+    the side stream; logits against the resident CPU path, expert-major == canonical, imatrix counts."""
+    want = _logits(load_model(q8))
+    for rates in (Rates.never(), Rates.always(), None):
+        acc = ImatrixAccumulator()
+        m, h = _hybrid(q8, rates=rates, device="cuda", observers=[acc])
+        assert all(layer.fast_backend.NAME == "cuda" for layer in h.hybrid_layers.values())
+        got = _logits(m)
+        _close(got, want)
+        s = h.stats
+        assert s.gpu_pairs + s.upload_pairs + s.cpu_pairs == _pairs(m, PREFILL + DECODE)
+        ref_acc = ImatrixAccumulator()
+        _logits(load_model(q8, observers=[ref_acc]))
+        for name in ref_acc._counts:
+            assert torch.equal(ref_acc._counts[name].cpu(), acc._counts[name].cpu()), name
+    major = tmp_path / "major.gguf"
+    convert(q8, major, "v2")
+    _close(_logits(_hybrid(major, rates=Rates.never(), device="cuda")[0]), want)
+    profile = tmp_path / "profile.json"
+    probe = load_model(q8)
+    _profile(probe, {i: np.arange(probe.n_expert) for i in probe.routed_layers()}).save(profile)
+    assert json.loads(profile.read_text())["format"] == "forge.expert_profile"
