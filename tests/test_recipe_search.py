@@ -137,6 +137,64 @@ def test_family_scales_fit_the_whole_model_and_change_the_choice(tmp_path: Path)
     assert again.solution.choice == pick.solution.choice and len(calls) == n
 
 
+# --- the proxy -------------------------------------------------------------------------------------------
+
+
+def test_proxy_is_the_weighted_error_per_expert(
+    source_and_imatrix, example_bf16: Path, tmp_path: Path
+) -> None:  # noqa: ANN001
+    """The proxy of a routed-expert tensor equals the error summed expert by expert with that expert's
+    importance row; without an imatrix, the plain squared error."""
+    import gguf
+    import numpy as np
+
+    from forge.imatrix.importance import importance_for
+    from forge.quant.quantize import quantize
+    from forge.quant.source import source_ref
+    from forge.search.proxy import weighted_error
+
+    source, im = source_and_imatrix
+    name = "blk.1.ffn_down_exps.weight"
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'default = "bf16"\n[[rules]]\nname = "{name}"\ntype = "q3_k"\n')
+    q = tmp_path / "q.gguf"
+    quantize(example_bf16, q, str(recipe), imatrix=IMATRIX)
+    typed = source_ref(q).open()
+    shape = next(tuple(t.shape) for t in source.tensors() if t.name == name)
+    w = source.float32(name).astype(np.float64)
+    d2 = (
+        gguf.quants.dequantize(typed.stored(name), gguf.GGMLQuantizationType.Q3_K).reshape(w.shape) - w
+    ) ** 2
+    imp = importance_for(im, name, shape[-1], shape[0]).astype(np.float64)
+    want = sum(float((d2[e] * imp[e][None, :]).sum()) for e in range(shape[0]))
+    assert len(set(imp[:, 0].tolist())) > 1  # the experts' rows differ: a mix-up would show
+    assert weighted_error(source, typed, name, shape, im) == pytest.approx(want, rel=1e-6)
+    assert weighted_error(source, typed, name, shape, None) == pytest.approx(float(d2.sum()), rel=1e-6)
+
+
+def test_proxy_validation_leaves_each_candidate_out(tmp_path: Path) -> None:
+    from forge.search.proxy import calibrate, proxy_costs, sample, spearman
+
+    groups = _two_family_groups()
+    proxy = {g.name: {"Q2_K": 10.0 * (i + 1), "Q4_K": 1.0 * (i + 1)} for i, g in enumerate(groups)}
+    # the truth: attention's errors cost 0.01 per unit, the experts' 0.001
+    truth = {
+        (g.name, lb): p * (0.01 if "attn" in g.name else 0.001)
+        for g in groups
+        for lb, p in proxy[g.name].items()
+    }
+    v = calibrate(groups, proxy, truth)
+    assert v.scales == pytest.approx({"attn": 0.01, "ffn_exps": 0.001})
+    assert v.rho == pytest.approx(1.0) and v.rho_raw < 0.9  # unscaled, the families interleave wrongly
+    costs = proxy_costs(groups, proxy, {}, v.scales)
+    assert costs[0] == pytest.approx([0.1, 0.01]) and costs[3] == pytest.approx([0.04, 0.004])
+    # a proxy that ranks backwards is caught
+    backwards = {k: 1.0 / v_ for k, v_ in truth.items()}
+    assert calibrate(groups, proxy, backwards).rho < 0
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert sample(groups, 5) == sample(groups, 5) and len(sample(groups, 100)) == 8
+
+
 # --- groups, options and recipes on the example model -----------------------------------------------
 
 
@@ -286,7 +344,7 @@ def test_measurements_of_other_settings_are_not_used(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_search_resumes_and_reproduces_its_file(
-    example_bf16: Path, tmp_path: Path, one_torch_thread: None
+    example_bf16: Path, tmp_path: Path, one_torch_thread: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from forge.search.search import search
 
@@ -322,6 +380,16 @@ def test_search_resumes_and_reproduces_its_file(
     assert res2.points_measured <= 1 + 3  # the anchors are reused: only this budget's answers are new
     res3 = search(example_bf16, out, CALIB, target_bpw=3.0, **kw)  # the same again: nothing at all
     assert res3.measured == res3.points_measured == 0 and res3.calib_kld == res2.calib_kld
+
+    # --proxy: weighted weight errors for every candidate, KLD for a sample only; a poor proxy is refused
+    pout = tmp_path / "proxy.toml"
+    res4 = search(example_bf16, pout, CALIB, target_bpw=4.0, proxy_sample=8, **kw)
+    assert res4.measured == 8 and res4.proxy is not None and res4.proxy["sampled"] == 8
+    assert -1 <= res4.proxy["spearman"] <= 1 and res4.predicted_bpw <= 4.0
+    assert len(json.loads((tmp_path / "proxy.toml.search.json").read_text())["proxy"]) == 10
+    monkeypatch.setattr("forge.search.proxy.REFUSE_BELOW", 1.01)
+    with pytest.raises(ForgeError, match="cannot stand for the measured KLD"):
+        search(example_bf16, pout, CALIB, target_bpw=4.0, proxy_sample=8, **kw)
     # the recipe is an ordinary one: forge quantize writes the same bytes
     from forge.quant.quantize import quantize
 

@@ -54,6 +54,15 @@ def search_cmd(
         bool,
         typer.Option(help="fit per-family scales to whole models measured on the calibration text"),
     ] = True,
+    proxy: Annotated[
+        bool,
+        typer.Option(
+            "--proxy",
+            help="rank candidates by imatrix-weighted weight error (no forward pass), "
+            "measuring KLD only for a sample that validates it",
+        ),
+    ] = False,
+    proxy_sample: Annotated[int, typer.Option(help="candidates measured to scale and validate --proxy")] = 32,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """The recipe with the least measured KL divergence within a size budget (llama.cpp's types).
@@ -72,6 +81,7 @@ def search_cmd(
         raise ForgeError(f"--ctx must be an even number >= 4, got {ctx}")
     require_int("--chunks", chunks, 1)
     require_int("--threads", threads, 1)
+    require_int("--proxy-sample", proxy_sample, 3)
     size = None
     if target_size is not None:
         size = parse_size(target_size)
@@ -103,7 +113,8 @@ def search_cmd(
             sys.stderr.write(f"measured {done}/{total}\n")
 
     res = search(model, output, text, imatrix, target_bpw, size, types, granularity, ctx, chunks,
-                 quantize_out, log, None if as_json else progress, correction)  # fmt: skip
+                 quantize_out, log, None if as_json else progress, correction,
+                 proxy_sample if proxy else None)  # fmt: skip
     if as_json:
         sys.stdout.write(json.dumps(res.to_json(), indent=1) + "\n")
         return
@@ -115,6 +126,11 @@ def search_cmd(
               f"{res.seconds.get('total', 0):.1f} s)")  # fmt: skip
     out.print(f"predicted: {res.predicted_bytes:,} bytes, {res.predicted_bpw:.4f} bpw, "
               f"mean KLD {res.predicted_kld:.6f} (sum of the per-group costs)")  # fmt: skip
+    if res.proxy is not None:
+        p = res.proxy
+        out.print(f"proxy: {res.measured} candidates measured; rank correlation with measured KLD "
+                  f"{p['spearman']:.3f} (family-scaled, leave-one-out; unscaled {p['spearman_unscaled']:.3f}, "
+                  f"{p['sampled']} measured)")  # fmt: skip
     if res.calib_kld is not None:
         scales = ", ".join(f"{k} {v:.2f}" for k, v in sorted(res.scales.items()))
         out.print(f"corrected: mean KLD {res.corrected_kld:.6f} (family scales: {scales}); whole model "

@@ -123,12 +123,12 @@ def make_groups(
     """The groups with their options (sizes exact), and the bytes of the tensors no option changes."""
     if granularity not in GRANULARITIES:
         raise ForgeError(f"--granularity must be one of {', '.join(GRANULARITIES)}, not {granularity!r}")
-    with _quiet_importance():
+    with quiet_importance():
         return _make_groups(source, types, imatrix, granularity)
 
 
 @contextlib.contextmanager
-def _quiet_importance() -> Iterator[None]:
+def quiet_importance() -> Iterator[None]:
     """importance_for logs experts without imatrix data on every call; the builds say it once each."""
     logger = logging.getLogger("forge.imatrix.importance")
     level = logger.level
@@ -178,7 +178,7 @@ def _make_groups(
 def type_file_recipe(source: QuantSource, label: str, imatrix: Imatrix | None) -> str:
     """A recipe giving every tensor that can take ``label`` that type, the others their source type."""
     lines = [f'name = "search-{label.lower()}"', f'default = "{label.lower()}"']
-    with _quiet_importance():
+    with quiet_importance():
         ineligible = [
             t for t in source.tensors() if is_quantizable(t) and option_for(t, Q[label], imatrix) is None
         ]
@@ -199,6 +199,7 @@ class Measurements:
         self.path, self.settings = path, settings
         self.costs: dict[str, dict[str, float]] = {}
         self.points: dict[str, float] = {}  # whole models: ",".join(label per group) -> measured KLD
+        self.proxy: dict[str, dict[str, float]] = {}  # --proxy: group -> label -> weighted weight error
         self.reference: dict = {}
         self.stale = False
         self.previous: dict = {}
@@ -210,6 +211,7 @@ class Measurements:
             if data.get("version") == MEASUREMENTS_VERSION and data.get("settings") == settings:
                 self.costs = {g: dict(v) for g, v in data.get("costs", {}).items()}
                 self.points = dict(data.get("points", {}))
+                self.proxy = {g: dict(v) for g, v in data.get("proxy", {}).items()}
                 self.reference = data.get("reference", {})
             else:
                 self.stale, self.previous = True, data
@@ -231,7 +233,7 @@ class Measurements:
 
     def save(self) -> None:
         data = {"version": MEASUREMENTS_VERSION, "settings": self.settings, "reference": self.reference,
-                "costs": self.costs, "points": self.points}  # fmt: skip
+                "costs": self.costs, "points": self.points, "proxy": self.proxy}  # fmt: skip
         with atomic_output(self.path) as f:
             f.write(json.dumps(data, indent=1, sort_keys=True).encode())
 
@@ -348,12 +350,15 @@ def measure(
     type_files: dict[str, Path],
     store: Measurements,
     progress: Callable[[int, int, str], None] | None = None,
+    only: set[tuple[str, str]] | None = None,
 ) -> float:
-    """Measure every (group, option) not in ``store`` yet; returns the seconds spent."""
+    """Measure every (group, option) not in ``store`` yet (of ``only``: (group, label) pairs, when given);
+    returns the seconds spent."""
     from runtime.weights import GGUFWeights
 
-    todo = [(g, o) for g in groups for o in g.options if store.get(g.name, o.label) is None]
-    total = sum(len(g.options) for g in groups)
+    todo = [(g, o) for g in groups for o in g.options if store.get(g.name, o.label) is None
+            and (only is None or (g.name, o.label) in only)]  # fmt: skip
+    total = sum(len(g.options) for g in groups) if only is None else len(only)
     done = total - len(todo)
     t0 = time.perf_counter()
     for label in sorted({o.label for _, o in todo}, key=lambda s: list(type_files).index(s)):

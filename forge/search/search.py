@@ -81,6 +81,7 @@ class SearchResult:
     rounds: int | None = None
     points: int | None = None
     points_measured: int | None = None
+    proxy: dict | None = None  # --proxy: the sample, its rank correlations, the family scales
 
     def to_json(self) -> dict:
         out = {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
@@ -143,6 +144,7 @@ def search(
     log: Log | None = None,
     progress: Callable[[int, int, str], None] | None = None,
     correction: bool = True,
+    proxy_sample: int | None = None,
 ) -> SearchResult:
     from forge.imatrix.formats import read_imatrix
     from forge.quant.source import source_ref
@@ -243,7 +245,12 @@ def search(
         return meter
 
     before, points_before = store.count, len(store.points)
-    if any(store.get(g.name, o.label) is None for g in groups for o in g.options):
+    validation = None
+    if proxy_sample is not None:
+        validation = _proxy_costs(groups, source, type_files, im, store, proxy_sample, get_meter, progress,
+                                  seconds, say)  # fmt: skip
+        costs = validation[1]
+    elif any(store.get(g.name, o.label) is None for g in groups for o in g.options):
         seconds["measure"] = round(measure(groups, get_meter(), type_files, store, progress), 2)
     measured_now = store.count - before
 
@@ -253,7 +260,8 @@ def search(
         return measure_choice(groups, choice, get_meter(), type_files, store)
 
     # 4. the knapsack, corrected by whole-model points ------------------------------------------------
-    costs = cost_table(groups, store)
+    if validation is None:
+        costs = cost_table(groups, store)
     t0 = time.perf_counter()
     if correction:
         for lb in used:  # the anchors: one type everywhere, for each candidate type
@@ -303,6 +311,14 @@ def search(
         base_perplexity=store.reference.get("perplexity"),
         scored_tokens=store.reference.get("scored_tokens"),
     )
+    if validation is not None:
+        v = validation[0]
+        res.proxy = {
+            "sampled": v.sampled,
+            "spearman": v.rho,
+            "spearman_unscaled": v.rho_raw,
+            "scales": v.scales,
+        }
     if correction:
         res.corrected_kld, res.calib_kld = pick.corrected, pick.measured
         res.uncorrected_kld, res.scales, res.rounds = pick.uncorrected, pick.scales, pick.rounds
@@ -324,6 +340,41 @@ def search(
     seconds["total"] = round(time.perf_counter() - t_start, 2)
     res.seconds = seconds
     return res
+
+
+def _proxy_costs(
+    groups: list[Group],
+    source: object,
+    type_files: dict[str, Path],
+    im: object,
+    store: Measurements,
+    n_sample: int,
+    get_meter: Callable[[], KldMeter],
+    progress: Callable[[int, int, str], None] | None,
+    seconds: dict,
+    say: Log,
+) -> tuple[object, list[list[float]]]:
+    """--proxy: weighted weight errors for every candidate, KLD measured for a sample, the proxy scaled per
+    family and validated on the sample (a ForgeError when it ranks the sample poorly)."""
+    from forge.quant.source import source_ref
+    from forge.search.proxy import REFUSE_BELOW, WARN_BELOW, calibrate, group_errors, proxy_costs, sample
+
+    t0 = time.perf_counter()
+    typed = {lb: source_ref(p).open() for lb, p in type_files.items()}
+    group_errors(groups, source, typed, im, store)  # type: ignore[arg-type]
+    seconds["proxy"] = round(time.perf_counter() - t0, 2)
+    picks = set(sample(groups, n_sample))
+    seconds["measure"] = round(measure(groups, get_meter(), type_files, store, progress, only=picks), 2)
+    measured = {(g.name, o.label): store.get(g.name, o.label) for g in groups for o in g.options
+                if store.get(g.name, o.label) is not None}  # fmt: skip
+    v = calibrate(groups, store.proxy, measured)  # type: ignore[arg-type]
+    line = (f"proxy: rank correlation with the KLD of {v.sampled} measured candidates {v.rho:.3f} "
+            f"(family-scaled, each left out of its scale; unscaled {v.rho_raw:.3f})")  # fmt: skip
+    if not v.rho >= REFUSE_BELOW:
+        raise ForgeError(f"{line}: below {REFUSE_BELOW}, the proxy cannot stand for the measured KLD here; "
+                         "search without --proxy")  # fmt: skip
+    say(line + (f" - WARNING: below {WARN_BELOW}, the choice may be poor" if v.rho < WARN_BELOW else ""))
+    return v, proxy_costs(groups, store.proxy, measured, v.scales)  # type: ignore[arg-type]
 
 
 #: knapsack answers re-solved with refitted scales per budget (each costs one whole-model measurement)
