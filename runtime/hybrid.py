@@ -41,14 +41,18 @@ import numpy as np
 import torch
 
 from forge.errors import ForgeError
+from runtime import cpu_kernels
 from runtime.backends import cpu_backend, cuda_backend, torch_backend
 from runtime.experts import Component, LayerExperts
+from runtime.observers import expert_output_observers
 from runtime.weights import ExpertTensor
 
 #: experts admitted into the pool per layer call at most (each is one record's copy on the side stream)
 ADMIT_PER_CALL = 2
 #: pinned staging records per pool for admissions in flight; when all are busy an admission waits a call
 STAGING_RECORDS = 8
+#: a missed expert replaces the coldest pooled one when its decayed pair count is higher by more than this
+ADMIT_MARGIN = 1.0
 
 
 @dataclass
@@ -144,7 +148,7 @@ class SlotPool:
             )
             for c in components
         }
-        self.stage_free: list[Any] = [None] * STAGING_RECORDS
+        self.staging: list[Any] = [None] * STAGING_RECORDS  # the copier's job using each staging record
 
     @property
     def n_slots(self) -> int:
@@ -264,6 +268,12 @@ class HybridExperts:
         if weights.ggml_numerics:
             raise ForgeError("--gpu-expert-cache and --ggml-numerics exclude each other")
         self.device = torch.device(device) if device is not None else weights.device
+        if self.device.type != "cpu" and expert_output_observers(model.observers):
+            raise ForgeError(
+                "hybrid experts do not serve observers of each expert's output (e.g. forge prune profile's "
+                "saliency): run without --gpu-expert-cache"
+            )
+        self.seeded = 0  # experts copied into the pools from the profile at load
         self.stats = HybridStats()
         self.admit_per_call = admit_per_call
         self.layers: dict[int, LayerExperts] = weights.expert_layers()
@@ -294,6 +304,8 @@ class HybridExperts:
             pool = self.pools[_geometry(self.layers[i])]
             self.hybrid_layers[i] = moes[i].backend = HybridLayer(self, i, moes[i].source, pool)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="hybrid-cpu")
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix="hybrid-copy")
+        self.cpu_threads = torch.get_num_threads()
         if profile is not None:
             self._seed(profile, order)
         self.rates = rates or measure_rates(self, next(iter(self.hybrid_layers.values())))
@@ -352,92 +364,89 @@ class HybridExperts:
             hot = hot[self.policy.count[hot] > 0]
             for lay in mine:
                 chosen = hot[(hot >= lay.base) & (hot < lay.base + lay.n_expert)]
-                if chosen.size:
-                    self._admit(lay, chosen - lay.base, None, 0)
-                    self._settle(wait=True)  # frees the staging records for the next layer
+                while (todo := chosen[self.slot_of[chosen] < 0]).size:
+                    before = self.stats.admissions
+                    self._admit(lay, todo - lay.base, None, 0)
+                    self._settle(wait=True)  # frees the staging records for the next round
+                    if self.stats.admissions == before:
+                        break
+        self.seeded, self.stats = self.stats.admissions, HybridStats()
 
     def _settle(self, wait: bool = False) -> None:
-        """Admissions whose copy has finished serve from now on."""
+        """Admissions whose copy has finished serve from now on (``wait``: all of them, waiting)."""
         for pool in self.pools.values():
             still = []
-            for slot, key, done in pool.pending:
-                if wait and done is not None:
-                    done.synchronize()
-                if done is None or done.query():
+            for slot, key, copied in pool.pending:
+                if _finished(copied, wait):
                     self.slot_of[key] = slot
                 else:
-                    still.append((slot, key, done))
+                    still.append((slot, key, copied))
             pool.pending = still
 
-    def _admit(self, layer: HybridLayer, experts: np.ndarray, uploaded: dict[str, torch.Tensor] | None,
+    def _admit(self, layer: HybridLayer, experts: np.ndarray, uploaded: dict[int, dict[str, torch.Tensor]] | None,
                limit: int) -> None:  # fmt: skip
-        """Copy ``experts`` (hottest first) into free slots or over colder ones, ``limit`` at most (0: all
-        that beat a slot). ``uploaded``: per role, this batch's copies of some of them on the device (rows
-        in ``uploaded['index']`` order), copied from there instead of the host."""
+        """Copy ``experts`` (hottest first) into free slots or over colder ones (by more than
+        ``ADMIT_MARGIN`` pairs, so that equally hot experts do not churn), ``limit`` at most (0: all that
+        qualify). ``uploaded``: this batch's device copies of some of them by key, copied from there."""
         pool, count = layer.pool, self.policy.count
         keys = layer.base + experts
         keys = keys[np.argsort(-count[keys], kind="stable")]
         done = 0
-        busy = {s for s, _, _ in pool.pending}
         for key in keys.tolist():
             if limit and done >= limit:
                 break
             if self.slot_of[key] >= 0 or (pool.key == key).any():
                 continue  # in the pool, or being copied there
             free = np.flatnonzero(pool.key < 0)
+            busy = [s for s, _, _ in pool.pending]
             if free.size:
                 slot = int(free[0])
             else:
-                held = np.where(np.isin(np.arange(pool.n_slots), list(busy)), np.inf, count[pool.key])
+                held = count[pool.key]
+                held[busy] = np.inf
                 slot = int(np.argmin(held))
-                if not np.isfinite(held[slot]) or count[key] <= held[slot]:
-                    break  # the coldest slot is at least as hot as the hottest candidate
+                if count[key] <= held[slot] + ADMIT_MARGIN:
+                    break  # the coldest slot is about as hot as the hottest candidate
+            from_batch = uploaded is not None and key in uploaded
+            copied = self._copy(layer, pool, slot, key - layer.base, uploaded[key] if from_batch else None)
+            if copied is False:
+                break  # no staging record free: the next call admits
+            if pool.key[slot] >= 0:
                 self.slot_of[pool.key[slot]] = -1
                 self.stats.evictions += 1
-            if not self._copy(layer, pool, slot, key, uploaded):
-                break
             pool.key[slot] = key
-            busy.add(slot)
+            pool.pending.append((slot, key, copied))
             done += 1
             self.stats.admissions += 1
-            self.stats.bytes_uploaded += pool.record_bytes if uploaded is None or key not in uploaded else 0
+            self.stats.bytes_uploaded += 0 if from_batch else pool.record_bytes
 
-    def _copy(self, layer: HybridLayer, pool: SlotPool, slot: int, key: int, uploaded: Any) -> bool:
-        """Queue the copy of expert ``key`` into ``slot``; False when no staging record is free."""
-        e = key - layer.base
-        src = layer.host
+    def _copy(self, layer: HybridLayer, pool: SlotPool, slot: int, expert: int,
+              on_device: dict[str, torch.Tensor] | None) -> Any:  # fmt: skip
+        """Start copying ``expert`` of ``layer`` into ``slot``: from this batch's copy ``on_device`` (on the
+        side stream) or from host memory (the copier thread stages the record in pinned memory, then copies
+        on the side stream). Returns what ``_finished`` waits on; None when done; False when every staging
+        record is in use."""
         if pool.stream is None:  # a host "device": copied now
             for c in pool.components:
-                pool.parts[c.role][slot] = getattr(src, c.role).raw[e]
-            pool.pending.append((slot, key, None))
-            return True
-        if uploaded is not None and key in uploaded:  # already on the device for this batch
-            row = uploaded[key]
-            pool.stream.wait_stream(torch.cuda.current_stream(pool.device))
+                pool.parts[c.role][slot] = getattr(layer.host, c.role).raw[expert]
+            return None
+        queued = torch.cuda.Event()
+        queued.record()  # the kernels queued so far may read the slot's old expert: the copy waits for them
+        if on_device is not None:
             with torch.cuda.stream(pool.stream):
+                pool.stream.wait_event(queued)
                 for c in pool.components:
-                    pool.parts[c.role][slot].copy_(row[c.role], non_blocking=True)
+                    pool.parts[c.role][slot].copy_(on_device[c.role], non_blocking=True)
+                    on_device[c.role].record_stream(pool.stream)  # not reused before the copy is done
                 done = torch.cuda.Event()
                 done.record(pool.stream)
-            pool.pending.append((slot, key, done))
-            return True
-        free = [i for i, ev in enumerate(pool.stage_free) if ev is None or ev.query()]
+            return done
+        free = [i for i, job in enumerate(pool.staging) if job is None or _finished(job)]
         if not free:
             return False
-        i = free[0]
-        for c in pool.components:
-            pool.stage[c.role][i].copy_(getattr(src, c.role).raw[e])
-        pool.stream.wait_stream(
-            torch.cuda.current_stream(pool.device)
-        )  # kernels reading the old expert first
-        with torch.cuda.stream(pool.stream):
-            for c in pool.components:
-                pool.parts[c.role][slot].copy_(pool.stage[c.role][i], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(pool.stream)
-        pool.stage_free[i] = done
-        pool.pending.append((slot, key, done))
-        return True
+        job = self.copier.submit(_stage_and_copy, pool, free[0], slot, layer.host, expert, queued)
+        pool.staging[free[0]] = job
+        return job
 
     # the layer call -----------------------------------------------------------------------------------------
     def routed_ffn(
@@ -450,66 +459,63 @@ class HybridExperts:
         residual: torch.Tensor | None,
     ) -> torch.Tensor:
         n_tok, k = ids.shape
-        ids_h = ids.to("cpu", torch.int64)  # the one wait for the device in a layer call
-        ids_n = ids_h.numpy()
+        dev = x.device
+        # the one wait for the device in a layer call: ids, weights and inputs to the host in one copy
+        packed = torch.cat([ids.to(x.dtype), w.to(x.dtype), x], 1)
+        host = packed if dev.type == "cpu" else packed.to("cpu")
+        ids_n = host[:, :k].numpy().astype(np.int64).reshape(-1)
+        w_h, x_h = host[:, k : 2 * k].reshape(-1), host[:, 2 * k :]
         self._settle()
-        keys = layer.base + ids_n.reshape(-1)
+        keys = layer.base + ids_n
         self.policy.observe(keys)
         slots = self.slot_of[keys]
         hit = slots >= 0
         tok = np.repeat(np.arange(n_tok), k)
         upload = np.zeros_like(hit)
-        missed, inverse, pairs = np.unique(ids_n.reshape(-1)[~hit], return_inverse=True, return_counts=True)
+        missed, inverse, pairs = np.unique(ids_n[~hit], return_inverse=True, return_counts=True)
         if n_tok > 1 and missed.size:
-            pays = self.rates.upload_pays(layer.record_bytes, pairs)
-            upload[~hit] = pays[inverse]
+            upload[~hit] = self.rates.upload_pays(layer.record_bytes, pairs)[inverse]
         on_cpu = ~hit & ~upload
         observers = taps.observers
-        dev = x.device
-        w_flat = w.reshape(-1)
 
         job: Future | None = None
         cpu_taps = _Recorder(observers, None) if observers else None
         if on_cpu.any():
             sel = np.flatnonzero(on_cpu)
-            x_h, w_h = x.to("cpu"), w_flat.to("cpu")
-            args = (layer, cpu_taps, x_h, torch.from_numpy(tok[sel]), ids_h.reshape(-1)[sel], w_h[sel])
+            args = (layer, cpu_taps, x_h, torch.from_numpy(tok[sel]), torch.from_numpy(ids_n[sel]), w_h[sel])
             job = self.worker.submit(self._cpu_side, *args)
 
         out = residual if residual is not None else torch.zeros_like(x)
         fast_taps: list[_Recorder] = []
         if hit.any():
             sel = np.flatnonzero(hit)
-            rec = _Recorder(observers, _dev(layer.pool.key - layer.base, dev)) if observers else None
-            if rec is not None:
-                fast_taps.append(rec)
+            pair_slot, pair_tok, pair_w = _to(dev, slots[sel], tok[sel], w_h[sel])
+            rec = _Recorder(observers, _to(dev, layer.pool.key - layer.base)[0]) if observers else None
+            fast_taps += [rec] if rec is not None else []
             out = out + _partial(
-                layer.fast_backend, layer.pooled, rec or _NO_TAPS, x, _dev(tok[sel], dev),
-                _dev(slots[sel], dev), w_flat[_dev(sel, dev)],
-            )  # fmt: skip
+                layer.fast_backend, layer.pooled, rec or _NO_TAPS, x, pair_tok, pair_slot, pair_w
+            )
             self.stats.gpu_pairs += sel.size
             self.stats.gpu_hits += np.unique(slots[sel]).size
         uploaded = None
         if upload.any():
-            y, rec, uploaded = self._batch_upload(layer, x, tok, ids_n.reshape(-1), w_flat, upload, observers)
+            y, rec, uploaded = self._batch_upload(layer, x, tok, ids_n, w_h, upload, observers)
             out = out + y
-            if rec is not None:
-                fast_taps.append(rec)
+            fast_taps += [rec] if rec is not None else []
         if job is not None:
             t0 = time.perf_counter()
             y, seconds = job.result()
             self.stats.wait_seconds += time.perf_counter() - t0
             self.stats.cpu_seconds += seconds
             out = out + (y if dev.type == "cpu" else y.to(dev, non_blocking=True))
-            n_exp = int(np.unique(ids_n.reshape(-1)[on_cpu]).size)
+            n_exp = int(np.unique(ids_n[on_cpu]).size)
             self.stats.cpu_pairs += int(on_cpu.sum())
             self.stats.cpu_computes += n_exp
             self.stats.bytes_read += n_exp * layer.record_bytes
         if observers:
-            for rec in fast_taps:
-                rec.replay(taps)
-            if cpu_taps is not None:
-                cpu_taps.replay(taps)
+            for rec in [*fast_taps, cpu_taps]:
+                if rec is not None:
+                    rec.replay(taps)
         if missed.size:
             self._admit(layer, missed, uploaded, self.admit_per_call if n_tok == 1 else 0)
         return out
@@ -524,6 +530,7 @@ class HybridExperts:
         w: torch.Tensor,
     ) -> tuple[torch.Tensor, float]:
         t0 = time.perf_counter()
+        cpu_kernels.use_threads(self.cpu_threads)
         y = _partial(layer.host_backend, layer.host, taps or _NO_TAPS, x, tok, ids, w)
         return y, time.perf_counter() - t0
 
@@ -538,16 +545,19 @@ class HybridExperts:
         e_t = torch.from_numpy(experts)
         parts = {}
         for c in layer.pool.components:
-            host = getattr(layer.host, c.role).raw.index_select(0, e_t)
-            if dev.type == "cuda":
-                host = host.pin_memory()
-            parts[c.role] = ExpertTensor(host.to(dev, non_blocking=True), c.qtype, c.cols)
+            host = getattr(layer.host, c.role).raw
+            if dev.type == "cuda":  # gathered straight into pinned memory, then one asynchronous copy
+                staged = torch.empty((len(experts), *host.shape[1:]), dtype=torch.uint8, pin_memory=True)
+                torch.index_select(host, 0, e_t, out=staged)
+                on_dev = staged.to(dev, non_blocking=True)
+            else:
+                on_dev = host.index_select(0, e_t)
+            parts[c.role] = ExpertTensor(on_dev, c.qtype, c.cols)
         source = _over(layer.host, parts)
         backend = cuda_backend if source.device_parts() is not None else torch_backend
-        rec = _Recorder(observers, e_t.to(dev)) if observers else None
-        y = _partial(
-            backend, source, rec or _NO_TAPS, x, _dev(tok[sel], dev), _dev(index, dev), w[_dev(sel, dev)]
-        )
+        rec = _Recorder(observers, _to(dev, experts)[0]) if observers else None
+        pair_tok, pair_index, pair_w = _to(dev, tok[sel], index, w[sel])
+        y = _partial(backend, source, rec or _NO_TAPS, x, pair_tok, pair_index, pair_w)
         self.stats.upload_experts += experts.size
         self.stats.upload_pairs += sel.size
         self.stats.bytes_uploaded += experts.size * layer.record_bytes
@@ -559,6 +569,35 @@ class HybridExperts:
 
     def close(self) -> None:
         self.worker.shutdown()
+        self.copier.shutdown()
+
+
+def _finished(copied: Any, wait: bool = False) -> bool:
+    """Whether an admission's copy is done: None (copied at once), a CUDA event, or the copier's job (a
+    future of the event its copy records)."""
+    if copied is None:
+        return True
+    if isinstance(copied, Future):
+        if not (wait or copied.done()):
+            return False
+        copied = copied.result()
+    if wait:
+        copied.synchronize()
+    return bool(copied.query())
+
+
+def _stage_and_copy(pool: SlotPool, i: int, slot: int, host: Any, expert: int, queued: Any) -> Any:
+    """The copier thread: expert ``expert``'s record from host memory into staging record ``i`` (pinned),
+    then into ``slot`` on the pool's side stream after the kernels ``queued`` marks. Returns its event."""
+    for c in pool.components:
+        pool.stage[c.role][i].copy_(getattr(host, c.role).raw[expert])
+    with torch.cuda.stream(pool.stream):
+        pool.stream.wait_event(queued)
+        for c in pool.components:
+            pool.parts[c.role][slot].copy_(pool.stage[c.role][i], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(pool.stream)
+    return done
 
 
 class _NoTaps:
@@ -573,9 +612,13 @@ class _NoTaps:
 _NO_TAPS = _NoTaps()
 
 
-def _dev(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+def _to(device: torch.device, *rows: np.ndarray | torch.Tensor) -> list[torch.Tensor]:
+    """Index rows (exact in float32) and weights to ``device`` in one copy: the integer ones as int64."""
+    packed = torch.stack([torch.as_tensor(r, dtype=torch.float32) for r in rows])
+    if device.type != "cpu":
+        packed = packed.to(device)
+    return [r if isinstance(src, torch.Tensor) and src.is_floating_point() else r.long()
+            for r, src in zip(packed.unbind(0), rows, strict=True)]  # fmt: skip
 
 
 def measure_rates(executor: HybridExperts, layer: HybridLayer, repeat: int = 5) -> Rates:
