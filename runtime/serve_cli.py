@@ -16,7 +16,7 @@ import typer
 
 from forge.errors import ForgeError
 from forge.options import require_choice, require_context, require_int
-from runtime.cli import DeviceOpt, ExpertCacheOpt, ThreadsOpt, _setup
+from runtime.cli import DeviceOpt, ExpertCacheOpt, GpuCacheOpt, ProfileOpt, ThreadsOpt, _setup
 
 INSTALL_HINT = "forge serve needs FastAPI and uvicorn: pip install 'gguf-forge[serve]'"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn.config.LOG_LEVELS
@@ -89,6 +89,21 @@ def check_options(
     require_choice("--log-level", log_level, LOG_LEVELS)
 
 
+def _gpu_cache(size: str | None, profile: Path | None, device: str) -> int | None:
+    """``--gpu-expert-cache`` in bytes (None: off), checked with ``--expert-profile`` before the model loads."""
+    from forge.gguf_file import parse_size
+
+    if size is None:
+        if profile is not None:
+            raise ForgeError("--expert-profile seeds --gpu-expert-cache: give both")
+        return None
+    if device != "cuda":
+        raise ForgeError("--gpu-expert-cache needs --device cuda")
+    if profile is not None and not profile.is_file():
+        raise ForgeError(f"{profile}: no such file")
+    return parse_size(size)
+
+
 def _model_context(model: Path) -> int | None:
     """The trained context from a GGUF file's metadata, without loading the model (None: not known yet)."""
     if not model.is_file():
@@ -135,6 +150,8 @@ def serve(
     log_level: Annotated[
         str, typer.Option("--log-level", help="uvicorn log level: " + ", ".join(LOG_LEVELS))
     ] = "info",
+    gpu_expert_cache: GpuCacheOpt = None,
+    expert_profile: ProfileOpt = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
     # Everything that can fail is checked before the model is loaded: options, device, the imatrix
@@ -149,12 +166,14 @@ def serve(
     from runtime.server import create_app, load_engine
 
     device = _setup(device, threads)
+    gpu_cache = _gpu_cache(gpu_expert_cache, expert_profile, device)
     live = None
     if imatrix_out is not None:
         live = LiveImatrix(imatrix_out, every=imatrix_every, min_requests=imatrix_min_requests)
     check_host(host, port, api_key)
     require_context("--ctx", ctx, _model_context(model))
-    engine = load_engine(model, device, model_name, ctx, live, expert_cache_mib << 20, max_queue)
+    engine = load_engine(model, device, model_name, ctx, live, expert_cache_mib << 20, max_queue, gpu_cache,
+                         expert_profile)  # fmt: skip
     require_context("--ctx", ctx, engine.model.n_ctx_train)  # a Hugging Face folder's, known only now
     sys.stderr.write(f"serving {engine.name!r} (context {engine.context}) on http://{host}:{port}/v1\n")
     if live is not None:

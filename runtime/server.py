@@ -519,11 +519,22 @@ def load_engine(
     imatrix: LiveImatrix | None = None,
     expert_budget: int = DEFAULT_EXPERT_BUDGET,
     max_queue: int = 64,
+    gpu_cache_bytes: int | None = None,
+    expert_profile: Path | None = None,
 ) -> Engine:
-    """Load a GGUF file (or HF folder) for serving; with ``imatrix`` its prefill statistics are collected."""
+    """Load a GGUF file (or HF folder) for serving; with ``imatrix`` its prefill statistics are collected.
+    ``gpu_cache_bytes``: hybrid experts (runtime.hybrid) with a GPU pool of that size, seeded from
+    ``expert_profile``."""
     gate = PrefillGate(imatrix) if imatrix is not None else None
-    m = load_model(model, device, observers=[gate] if gate else None, expert_budget=expert_budget)
-    prepare_decode(m)
+    if gpu_cache_bytes is not None:
+        from runtime.planner import load_planned_model
+
+        m, _ = load_planned_model(Path(model), device, "hybrid", expert_budget=expert_budget,
+                                  observers=[gate] if gate else None, gpu_cache_bytes=gpu_cache_bytes,
+                                  expert_profile=expert_profile)  # fmt: skip
+    else:
+        m = load_model(model, device, observers=[gate] if gate else None, expert_budget=expert_budget)
+        prepare_decode(m)
     tok = Tokenizer.from_metadata(m.weights)
     return Engine(m, tok, name or Path(model).stem, context, imatrix, gate, max_queue)
 
