@@ -321,3 +321,22 @@ def test_on_cuda(q8: Path, tmp_path: Path) -> None:
     probe = load_model(q8)
     _profile(probe, {i: np.arange(probe.n_expert) for i in probe.routed_layers()}).save(profile)
     assert json.loads(profile.read_text())["format"] == "forge.expert_profile"
+
+
+def test_server_live_imatrix_in_hybrid_mode(q8: Path, tmp_path: Path) -> None:
+    """A server's live imatrix (its prefill gate over the observers) sees the resident server's inputs."""
+    from forge.imatrix.live import LiveImatrix
+    from runtime.server import load_engine
+
+    live = {}
+    for mode, cache in (("resident", None), ("hybrid", 8 * GGUFWeights(q8).expert_layers()[0].record_bytes)):
+        live[mode] = LiveImatrix(tmp_path / f"{mode}.gguf")
+        engine = load_engine(q8, "cpu", imatrix=live[mode], gpu_cache_bytes=cache)
+        assert (getattr(engine.model, "hybrid", None) is not None) == (mode == "hybrid")
+        engine.gate.open = True
+        engine.model.forward(_ids(), engine.model.new_state(64))
+    a, b = live["resident"], live["hybrid"]
+    assert a._counts.keys() == b._counts.keys() and any("_exps" in n for n in a._counts)
+    for name in a._counts:
+        assert torch.equal(a._counts[name], b._counts[name]), name
+        assert torch.allclose(a._sums[name], b._sums[name], rtol=1e-4, atol=1e-6), name
