@@ -180,12 +180,20 @@ def default_files(tmp: Path) -> list[Path]:
 
 
 def llama_bench_command(
-    binary: Path, model: Path, device: str, threads: int, pp: int, tg: int, reps: int
+    binary: Path,
+    model: Path,
+    device: str,
+    threads: int,
+    pp: int,
+    tg: int,
+    reps: int,
+    extra: tuple[str, ...] = (),
 ) -> list[str]:
-    """llama-bench with the settings forge runs with: the same threads, prompt and generation lengths."""
+    """llama-bench with the settings forge runs with: the same threads, prompt and generation lengths;
+    ``extra``: more llama-bench arguments (e.g. ``-ot exps=CPU``)."""
     ngl = 99 if device == "cuda" else 0
     return [str(binary), "-m", str(model), "-t", str(threads), "-p", str(pp), "-n", str(tg),
-            "-r", str(reps), "-ngl", str(ngl), "-o", "json"]  # fmt: skip
+            "-r", str(reps), "-ngl", str(ngl), "-o", "json", *extra]  # fmt: skip
 
 
 def parse_llama_bench(text: str) -> dict:
@@ -214,10 +222,17 @@ def parse_llama_bench(text: str) -> dict:
 
 
 def run_llama_bench(
-    binary: Path, model: Path, device: str, threads: int, pp: int, tg: int, reps: int
+    binary: Path,
+    model: Path,
+    device: str,
+    threads: int,
+    pp: int,
+    tg: int,
+    reps: int,
+    extra: tuple[str, ...] = (),
 ) -> dict:
     """llama.cpp's figures for ``model``, or ``{"error": ...}`` when llama-bench fails on it."""
-    cmd = llama_bench_command(binary, model, device, threads, pp, tg, reps)
+    cmd = llama_bench_command(binary, model, device, threads, pp, tg, reps, extra)
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     except OSError as exc:
