@@ -396,3 +396,29 @@ def test_search_resumes_and_reproduces_its_file(
     q2 = tmp_path / "again.gguf"
     quantize(example_bf16, q2, str(out), imatrix=IMATRIX)
     assert q2.stat().st_size == res2.predicted_bytes
+
+
+@pytest.mark.slow
+def test_ray_measurements_match_the_local_ones(
+    example_bf16: Path, tmp_path: Path, one_torch_thread: None
+) -> None:
+    """--executor ray (a private Ray instance on this machine): every candidate measured by the workers,
+    the same costs as in this process, and the same recipe."""
+    pytest.importorskip("ray")
+    from forge.search.search import search
+
+    kw = dict(
+        imatrix=IMATRIX, types="q2_k,q8_0", granularity="family-layer", ctx=32, chunks=2, correction=False
+    )
+    local = search(example_bf16, tmp_path / "local.toml", CALIB, target_bpw=4.0, **kw)
+    seen: list[int] = []
+    dist = search(example_bf16, tmp_path / "ray.toml", CALIB, target_bpw=4.0, executor="ray",
+                  progress=lambda done, total, what: seen.append(done), **kw)  # fmt: skip
+    assert dist.measured == local.measured == dist.measurements == 20 and sorted(seen) == list(range(1, 21))
+    costs = [json.loads((tmp_path / f"{n}.toml.search.json").read_text())["costs"] for n in ("local", "ray")]
+    assert costs[0].keys() == costs[1].keys()
+    for g in costs[0]:
+        assert costs[1][g] == pytest.approx(costs[0][g], rel=1e-5, abs=1e-9)
+    assert [r["type"] for r in dist.groups] == [r["type"] for r in local.groups]
+    with pytest.raises(ForgeError, match="--executor must be one of"):
+        search(example_bf16, tmp_path / "x.toml", CALIB, target_bpw=4.0, executor="spark", **kw)

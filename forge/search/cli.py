@@ -63,6 +63,13 @@ def search_cmd(
         ),
     ] = False,
     proxy_sample: Annotated[int, typer.Option(help="candidates measured to scale and validate --proxy")] = 32,
+    executor: Annotated[
+        str, typer.Option(help="where candidates are measured: local (this process) or ray (a Ray cluster)")
+    ] = "local",
+    ray_address: Annotated[
+        str | None,
+        typer.Option(help="Ray cluster HOST:PORT or auto (default: $RAY_ADDRESS or a private one)"),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """The recipe with the least measured KL divergence within a size budget (llama.cpp's types).
@@ -114,7 +121,7 @@ def search_cmd(
 
     res = search(model, output, text, imatrix, target_bpw, size, types, granularity, ctx, chunks,
                  quantize_out, log, None if as_json else progress, correction,
-                 proxy_sample if proxy else None)  # fmt: skip
+                 proxy_sample if proxy else None, executor, ray_address)  # fmt: skip
     if as_json:
         sys.stdout.write(json.dumps(res.to_json(), indent=1) + "\n")
         return

@@ -145,7 +145,10 @@ def search(
     progress: Callable[[int, int, str], None] | None = None,
     correction: bool = True,
     proxy_sample: int | None = None,
+    executor: str = "local",
+    ray_address: str | None = None,
 ) -> SearchResult:
+    from forge.distributed.cluster import check_executor
     from forge.imatrix.formats import read_imatrix
     from forge.quant.source import source_ref
 
@@ -153,6 +156,7 @@ def search(
     t_start = time.perf_counter()
     if (target_bpw is None) == (target_size is None):
         raise ForgeError("give exactly one of --target-bpw or --target-size")
+    check_executor(executor, ray_address)
     body = read_text(text)
     labels = parse_types(types)
     im = read_imatrix(imatrix) if imatrix is not None else None
@@ -229,29 +233,40 @@ def search(
     base = _base_gguf(model, folder, say)
     meter: KldMeter | None = None
 
+    def calib_ids() -> list[int]:
+        from runtime.evaluate import perplexity_tokens
+        from runtime.tokenizer import Tokenizer
+        from runtime.weights import load_weights
+
+        tok = Tokenizer.from_metadata(load_weights(base, "cpu", verify_experts=False))
+        return perplexity_tokens(tok, body, ctx, chunks)
+
     def get_meter() -> KldMeter:
         nonlocal meter
         if meter is None:
-            from runtime.evaluate import perplexity_tokens
-            from runtime.tokenizer import Tokenizer
-            from runtime.weights import load_weights
-
-            tok = Tokenizer.from_metadata(load_weights(base, "cpu", verify_experts=False))
-            ids = perplexity_tokens(tok, body, ctx, chunks)
             t0 = time.perf_counter()
-            meter = KldMeter(base, ids, ctx, chunks)
+            meter = KldMeter(base, calib_ids(), ctx, chunks)
             store.reference.update({"perplexity": meter.perplexity, "scored_tokens": meter.scored})
             seconds["reference"] = round(time.perf_counter() - t0, 2)
         return meter
 
+    def run_measure(only: set[tuple[str, str]] | None = None) -> float:
+        if executor == "ray":
+            from forge.distributed.search import measure_ray
+
+            return measure_ray(groups, base, calib_ids(), ctx, chunks, type_files, store, progress, only,
+                               ray_address, log=say)  # fmt: skip
+        return measure(groups, get_meter(), type_files, store, progress, only)
+
     before, points_before = store.count, len(store.points)
     validation = None
     if proxy_sample is not None:
-        validation = _proxy_costs(groups, source, type_files, im, store, proxy_sample, get_meter, progress,
-                                  seconds, say)  # fmt: skip
+        validation = _proxy_costs(
+            groups, source, type_files, im, store, proxy_sample, run_measure, seconds, say
+        )
         costs = validation[1]
     elif any(store.get(g.name, o.label) is None for g in groups for o in g.options):
-        seconds["measure"] = round(measure(groups, get_meter(), type_files, store, progress), 2)
+        seconds["measure"] = round(run_measure(), 2)
     measured_now = store.count - before
 
     def whole(choice: list[int]) -> float:
@@ -349,8 +364,7 @@ def _proxy_costs(
     im: object,
     store: Measurements,
     n_sample: int,
-    get_meter: Callable[[], KldMeter],
-    progress: Callable[[int, int, str], None] | None,
+    run_measure: Callable[[set[tuple[str, str]]], float],
     seconds: dict,
     say: Log,
 ) -> tuple[object, list[list[float]]]:
@@ -364,7 +378,7 @@ def _proxy_costs(
     group_errors(groups, source, typed, im, store)  # type: ignore[arg-type]
     seconds["proxy"] = round(time.perf_counter() - t0, 2)
     picks = set(sample(groups, n_sample))
-    seconds["measure"] = round(measure(groups, get_meter(), type_files, store, progress, only=picks), 2)
+    seconds["measure"] = round(run_measure(picks), 2)
     measured = {(g.name, o.label): store.get(g.name, o.label) for g in groups for o in g.options
                 if store.get(g.name, o.label) is not None}  # fmt: skip
     v = calibrate(groups, store.proxy, measured)  # type: ignore[arg-type]
