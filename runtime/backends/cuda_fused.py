@@ -164,7 +164,8 @@ if triton is not None:
         zz = tl.load(z + h * DV + dv)
         tl.store(out + h * DV + dv, o * r * tl.load(norm + dv) * _silu(zz))
 
-    @triton.jit
+    # the position and the cache's capacity vary from call to call: not specialized (no recompiles)
+    @triton.jit(do_not_specialize=["pos", "cap"])
     def _attention_qk_kernel(
         y, qk_norm, cos_rows, sin_rows, partner, q_out, keys, values, at, pos, cap, eps, N_HEAD, N_KV,
         V_OFF, HAS_AT: tl.constexpr, HD: tl.constexpr,
@@ -190,7 +191,7 @@ if triton is not None:
             j = i - N_HEAD - N_KV
             tl.store(values + (j * cap + p) * HD + d, tl.load(y + V_OFF + j * HD + d))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["pos", "cap"])
     def _attention_decode_kernel(
         q, keys, values, gate, out, at, pos, cap, REP, HAS_AT: tl.constexpr, HAS_GATE: tl.constexpr,
         HD: tl.constexpr, BLOCK: tl.constexpr,
