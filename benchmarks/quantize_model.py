@@ -81,10 +81,15 @@ def bf16_gguf(work: Path, model: Path) -> Path:
     return out
 
 
+def _pythonpath() -> str:
+    """This checkout first, then what the caller's PYTHONPATH already had (where gguf may come from)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def run(cmd: list[str], env: dict[str, str]) -> float:
     t0 = time.perf_counter()
     proc = subprocess.run(
-        cmd, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, capture_output=True, text=True
+        cmd, env={**os.environ, "PYTHONPATH": _pythonpath(), **env}, capture_output=True, text=True
     )
     seconds = time.perf_counter() - t0
     if proc.returncode != 0:
