@@ -1,0 +1,411 @@
+"""Hybrid routed experts (``--gpu-expert-cache``) against resident GPU, SSD streaming and llama.cpp's modes.
+
+    python benchmarks/hybrid_experts.py FILE.gguf [--caches-gib 1,4,8] [--stream-gib 4]
+        [--routing trace,uniform] [--trace-model DIR|GGUF] [--text FILE] [--trace-tokens 2048]
+        [--pp 512] [--tg 64] [--reps 2] [--warmup 64] [--threads N] [--profile PROFILE.json]
+        [--llama-bench PATH] [--cold] [--layers N] [--json OUT]
+
+FILE is e.g. the Qwen3.6-35B-A3B-geometry Q4_K file; when absent it is written
+(``runtime.synth``, ``--layers`` fewer layers). Per row, decode (tg: ``--tg`` one-token steps from an
+empty context) and prefill (pp: one forward pass of ``--pp`` tokens) tokens/s, the best of ``--reps``:
+
+- ``resident GPU``: the whole file on the GPU (cuda kernels, CUDA graphs); skipped when it does not fit.
+  It keeps the file's routers (its cost does not depend on which experts are chosen).
+- ``hybrid N GiB``: ``runtime.hybrid`` with an N GiB GPU expert pool (``--profile``: seeded from a
+  ``forge prune profile`` JSON); before timing, one prefill and ``--warmup`` decode steps of the routing
+  let the pool learn the hot experts. Notes: GPU hit rate, CPU-computed experts per token, MB uploaded.
+- ``SSD streaming``: ``--ssd-streaming --cache-bytes`` ``--stream-gib`` (the expert cache on the device,
+  misses read from the file and computed there).
+- ``llama.cpp -ot exps=CPU`` and ``llama.cpp all on GPU`` (with ``--llama-bench``): ``llama-bench -ngl 99
+  [-ot exps=CPU] -t THREADS -p PP -n TG -r REPS``; llama.cpp routes by the file's own routers.
+
+Routing (the forge rows other than resident GPU, per ``--routing``): the routers are overridden so that the
+i-th token of the run takes the experts of row i of a routing table. ``uniform``: k distinct experts per token
+and layer, uniformly (no locality: the worst case for a cache). ``trace``: what a trained router chose
+(``routing_locality.record``: ``--trace-model``, default the bundled tiny-qwen3moe, over ``--text``), scaled
+to the file's geometry: file layer l replays trace layer l mod L, and each of a token's k_t chosen experts e
+becomes k / k_t distinct experts drawn from the block of E / E_t experts that e stands for (a per-layer
+permutation scatters the blocks), so the popularity of experts and its drift along the text are the trained
+router's. A synthesized file's own routers would send nearly every token to the same experts.
+
+Without CUDA the GPU rows are skipped with a note and the forge rows run on the CPU (``CPU, mapped file``:
+every expert computed by the CPU kernels from the mapped file; ``SSD streaming``). ``--cold`` drops the file
+from the page cache before each timed run (as on a machine whose RAM cannot hold it); otherwise the file
+is read once first so that it is in the page cache. Each row is run on its own: a failure is reported in
+its row and the next row runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from routing_locality import FIXTURES, record  # noqa: E402
+from runtime_speed import run_llama_bench  # noqa: E402
+from streaming import drop_cache  # noqa: E402
+
+from runtime import hybrid  # noqa: E402
+from runtime.layers import rms_norm_row  # noqa: E402
+from runtime.models import build_model  # noqa: E402
+from runtime.planner import geometry  # noqa: E402
+from runtime.weights import load_weights  # noqa: E402
+
+GIB = 1 << 30
+
+
+# routing tables ------------------------------------------------------------------------------------------
+def uniform_table(layers: int, n: int, experts: int, k: int, seed: int = 0) -> list[np.ndarray]:
+    """Per layer (n, k): k distinct experts per token, uniformly."""
+    rng = np.random.default_rng(seed)
+    return [np.argsort(rng.random((n, experts), dtype=np.float32), axis=1)[:, :k] for _ in range(layers)]
+
+
+def scaled_trace(trace: dict[int, np.ndarray], trace_experts: int, layers: int, experts: int, k: int,
+                 seed: int = 0) -> list[np.ndarray]:  # fmt: skip
+    """A trained router's trace (per layer (n, k_t) over ``trace_experts``) as a table of the file's geometry
+    (see the module's docstring)."""
+    rows = list(trace.values())
+    n, kt = rows[0].shape
+    if experts % trace_experts or k % kt or k // kt > experts // trace_experts:
+        raise SystemExit(
+            f"a trace of {trace_experts} experts (top {kt}) does not scale to {experts} experts (top {k})"
+        )
+    block, per = experts // trace_experts, k // kt
+    rng = np.random.default_rng(seed)
+    out = []
+    for layer in range(layers):
+        t = rows[layer % len(rows)]
+        sub = np.argsort(rng.random((n, kt, block), dtype=np.float32), axis=-1)[..., :per]
+        out.append(rng.permutation(experts)[(t[..., None] * block + sub).reshape(n, kt * per)])
+    return out
+
+
+class Routing:
+    """A routing table and the position of the next token in it (wrapping around)."""
+
+    def __init__(self, table: list[np.ndarray]) -> None:
+        self.table, self.cursor = table, 0
+
+    def ids(self, pos: int, n: int) -> np.ndarray:
+        t = self.table[pos]
+        return t[np.arange(self.cursor, self.cursor + n) % len(t)]
+
+
+class TableRouter:
+    """Stands in for a layer's gate projection: logits that pick the table's experts for each token of the
+    call (batch, one-token and normed one-token calls). No compiled rows."""
+
+    rows = None
+
+    def __init__(self, routing: Routing, pos: int, n_expert: int, weight: torch.Tensor) -> None:
+        self.routing, self.pos, self.n_out, self.weight = routing, pos, n_expert, weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ids = torch.from_numpy(self.routing.ids(self.pos, x.shape[0])).to(x.device)
+        return torch.zeros(x.shape[0], self.n_out, device=x.device).scatter_(1, ids, 1.0)
+
+    step = __call__
+
+    def normed_input_step(self, h: torch.Tensor, norm: torch.Tensor, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        x = rms_norm_row(h, norm, eps)
+        return x, self(x)
+
+
+def route_by(model: Any, routing: Routing) -> None:
+    for pos, layer in enumerate(model.routed_layers()):
+        r = model.blocks[layer].moe.router
+        r.proj = TableRouter(routing, pos, r.n_expert, r.proj.weight)
+
+
+# timing --------------------------------------------------------------------------------------------------
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(model: Any, routing: Routing | None, device: str, args: argparse.Namespace, path: Path) -> dict:
+    """Warm up (one prefill, ``--warmup`` decode steps), then the best pp and tg of ``--reps`` runs."""
+    gen = torch.Generator().manual_seed(0)
+    toks = torch.randint(0, model.vocab_size, (max(args.pp, args.tg, args.warmup) + 1,), generator=gen).to(
+        device
+    )
+
+    def advance(n: int) -> None:
+        if routing is not None:
+            routing.cursor += n
+
+    st = model.new_state(args.pp + args.warmup + 2)
+    model.forward(toks[: args.pp], st, last_only=True)
+    advance(args.pp)
+    for i in range(args.warmup):
+        model.forward(toks[i : i + 1], st, last_only=True)
+        advance(1)
+    best_pp = best_tg = 0.0
+    for _ in range(args.reps):
+        st = model.new_state(args.pp + 1)
+        if args.cold:
+            drop_cache(path)
+        _sync(device)
+        t0 = time.perf_counter()
+        model.forward(toks[: args.pp], st, last_only=True)
+        _sync(device)
+        best_pp = max(best_pp, args.pp / (time.perf_counter() - t0))
+        advance(args.pp)
+    for _ in range(args.reps):
+        st = model.new_state(args.tg + 1)
+        if args.cold:
+            drop_cache(path)
+        _sync(device)
+        t0 = time.perf_counter()
+        for i in range(args.tg):
+            model.forward(toks[i : i + 1], st, last_only=True)
+            advance(1)
+        _sync(device)
+        best_tg = max(best_tg, args.tg / (time.perf_counter() - t0))
+    return {"pp": round(best_pp, 1), "tg": round(best_tg, 1)}
+
+
+# rows ----------------------------------------------------------------------------------------------------
+def _free(*objs: Any) -> None:
+    for o in objs:
+        h = getattr(o, "hybrid", None)
+        if h is not None:
+            h.close()
+        cache = getattr(getattr(o, "weights", None), "expert_cache", None)
+        if cache is not None:
+            cache.close()
+    del objs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def row_resident(path: Path, device: str, args: argparse.Namespace) -> dict:
+    from runtime.models import load_model
+
+    model = load_model(path, device, expert_budget=0, verify_experts=False)
+    try:
+        return timed(model, None, device, args, path)
+    finally:
+        _free(model)
+
+
+def row_hybrid(path: Path, gib: float, routing: Routing, args: argparse.Namespace) -> dict:
+    w = load_weights(path, "cuda", 0, verify_experts=False)
+    w.host_experts = True
+    model = build_model(w)
+    route_by(model, routing)
+    h = hybrid.attach(model, int(gib * GIB), args.profile)
+    try:
+        r = timed(model, routing, "cuda", args, path)
+        s = h.stats
+        tokens = args.pp + args.warmup + args.reps * (args.pp + args.tg)
+        layers = len(model.routed_layers())
+        r |= {"pool_experts": h.capacity, "hit_rate": round(s.hit_rate, 4),
+              "cpu_experts_per_token_layer": round(s.cpu_computes / tokens / layers, 3),
+              "mb_uploaded": round(s.bytes_uploaded / 1e6, 1), "mb_read_cpu": round(s.bytes_read / 1e6, 1),
+              "admissions": s.admissions, "rates": vars(h.rates) if hasattr(h.rates, "__dict__") else str(h.rates)}  # fmt: skip
+        r["note"] = (
+            f"pool {h.capacity} experts, GPU hits {s.hit_rate:.0%}, {s.bytes_uploaded / 1e6:,.0f} MB uploaded"
+        )
+        return r
+    finally:
+        _free(model)
+
+
+def row_streaming(path: Path, device: str, gib: float, routing: Routing, args: argparse.Namespace) -> dict:
+    w0 = load_weights(path, verify_experts=False)
+    g = geometry(w0)
+    capacity = min(max(g.floor, int(gib * GIB) // g.slot_bytes), g.experts)
+    del w0
+    w = load_weights(path, device, 0, stream_experts=capacity, verify_experts=False)
+    model = build_model(w)
+    route_by(model, routing)
+    try:
+        r = timed(model, routing, device, args, path)
+        s = w.expert_cache.stats  # type: ignore[union-attr]
+        return r | {"capacity": capacity, "hit_rate": round(s.hit_rate, 4), "note": f"{capacity} experts cached, hits {s.hit_rate:.0%}"}  # fmt: skip
+    finally:
+        _free(model)
+
+
+def row_cpu(path: Path, routing: Routing, args: argparse.Namespace) -> dict:
+    """Every routed expert computed by the CPU kernels from the mapped file (the whole model on the CPU)."""
+    w = load_weights(path, "cpu", 0, verify_experts=False)
+    model = build_model(w)
+    route_by(model, routing)
+    try:
+        return timed(model, routing, "cpu", args, path)
+    finally:
+        _free(model)
+
+
+def guarded(label: str, routing: str, f: Any, *a: Any) -> dict:
+    print(f"  running {label} ({routing}) ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    try:
+        r = f(*a)
+    except Exception as exc:  # a row that fails is reported, the next one runs
+        traceback.print_exc(file=sys.stderr)
+        r = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
+    _free()
+    return {"mode": label, "routing": routing, **r, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+# main ----------------------------------------------------------------------------------------------------
+def ensure_file(path: Path, layers: int | None) -> None:
+    if path.exists():
+        return
+    from runtime.synth import synthesize
+
+    print(
+        f"writing {path} (synthesized Qwen3.6-35B-A3B geometry, Q4_K, layers {layers or 'all'})",
+        file=sys.stderr,
+    )
+    synthesize(path, "qwen3.6-35b-a3b", "q4_k", layers=layers)
+
+
+def warm_page_cache(path: Path, chunk: int = 64 << 20) -> float:
+    t0, n = time.perf_counter(), 0
+    with open(path, "rb", buffering=0) as f:
+        while data := f.read(chunk):
+            n += len(data)
+    return n / (time.perf_counter() - t0)
+
+
+def routing_tables(args: argparse.Namespace, path: Path, n: int) -> dict[str, list[np.ndarray]]:
+    w = load_weights(path, verify_experts=False)
+    lays = w.expert_layers()
+    experts, k = next(iter(lays.values())).experts, int(w.hparam("expert_used_count"))
+    tables = {}
+    for kind in args.routing:
+        if kind == "uniform":
+            tables[kind] = uniform_table(len(lays), n, experts, k)
+        else:
+            model = args.trace_model
+            with tempfile.TemporaryDirectory() as tmp:
+                if model.is_dir():
+                    from forge.convert import convert_checkpoint
+
+                    gguf = Path(tmp) / f"{model.name}-bf16.gguf"
+                    convert_checkpoint(model, gguf, "bf16")
+                    model = gguf
+                tlays, trace = record(model, args.text.read_text(), args.trace_tokens)
+            t_experts = next(iter(tlays.values())).experts
+            tables[kind] = scaled_trace(trace, t_experts, len(lays), experts, k)
+    return tables
+
+
+def print_table(rows: list[dict], header: str) -> None:
+    print(header)
+    print(f"{'mode':<28} {'routing':<8} | {'pp tok/s':>9} | {'tg tok/s':>9} | note")
+    for r in rows:
+        pp = f"{r['pp']:>9.1f}" if "pp" in r else f"{'-':>9}"
+        tg = f"{r['tg']:>9.1f}" if "tg" in r else f"{'-':>9}"
+        note = r.get("error") or r.get("note", "")
+        print(f"{r['mode']:<28} {r['routing']:<8} | {pp} | {tg} | {note}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("file", type=Path)
+    ap.add_argument("--layers", type=int, help="layers of a synthesized FILE (default: all 40)")
+    ap.add_argument("--caches-gib", default="1,4,8")
+    ap.add_argument("--stream-gib", type=float, default=4.0)
+    ap.add_argument("--routing", default="trace,uniform")
+    ap.add_argument("--trace-model", type=Path, default=ROOT / "examples" / "tiny-qwen3moe")
+    ap.add_argument("--text", type=Path, default=FIXTURES / "text" / "val.txt")
+    ap.add_argument("--trace-tokens", type=int, default=2048)
+    ap.add_argument("--pp", type=int, default=512)
+    ap.add_argument("--tg", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--profile", type=Path, help="forge prune profile JSON seeding the GPU pools")
+    ap.add_argument("--llama-bench", type=Path)
+    ap.add_argument(
+        "--cold", action="store_true", help="drop the file from the page cache before each timed run"
+    )
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    args.routing = [r.strip() for r in args.routing.split(",") if r.strip()]
+    if not args.routing or any(r not in ("trace", "uniform") for r in args.routing):
+        raise SystemExit("--routing: trace and/or uniform")
+    caches = [float(c) for c in args.caches_gib.split(",") if c.strip()]
+    if args.profile is not None and not args.profile.is_file():
+        raise SystemExit(f"{args.profile}: no such file")
+    torch.set_num_threads(args.threads)
+    ensure_file(args.file, args.layers)
+    path = args.file
+    cuda = torch.cuda.is_available()
+    machine = {
+        "gpu": torch.cuda.get_device_name() if cuda else None, "cpus": os.cpu_count(), "threads": args.threads,
+        "load_avg": [round(x, 2) for x in os.getloadavg()], "file": str(path), "file_gib": round(path.stat().st_size / GIB, 2),
+    }  # fmt: skip
+    notes = []
+    if args.cold:
+        notes.append("--cold: the file is dropped from the page cache before each timed run")
+    else:
+        machine["page_cache_read_gb_s"] = round(warm_page_cache(path) / 1e9, 2)
+    n_tokens = args.pp + args.warmup + args.reps * (args.pp + args.tg) + 1
+    tables = routing_tables(args, path, min(n_tokens, 1 << 14))
+    rows: list[dict] = []
+    if cuda:
+        free = torch.cuda.mem_get_info()[0]
+        if path.stat().st_size + (2 << 30) <= free:
+            rows.append(guarded("resident GPU", "file", row_resident, path, "cuda", args))
+        else:
+            rows.append({"mode": "resident GPU", "routing": "file", "note": f"skipped: the file does not fit in {free / GIB:.0f} GiB free"})  # fmt: skip
+        for kind, table in tables.items():
+            for gib in caches:
+                rows.append(guarded(f"hybrid {gib:g} GiB", kind, row_hybrid, path, gib, Routing(table), args))
+            rows.append(guarded(f"SSD streaming {args.stream_gib:g} GiB", kind, row_streaming, path, "cuda",
+                                args.stream_gib, Routing(table), args))  # fmt: skip
+    else:
+        notes.append(
+            "no CUDA device: the GPU rows (resident GPU, hybrid) are skipped; forge's rows run on the CPU"
+        )
+        for kind, table in tables.items():
+            rows.append(guarded("CPU, mapped file", kind, row_cpu, path, Routing(table), args))
+            rows.append(guarded(f"SSD streaming {args.stream_gib:g} GiB", kind, row_streaming, path, "cpu",
+                                args.stream_gib, Routing(table), args))  # fmt: skip
+    if args.llama_bench is not None:
+        modes = [("llama.cpp -ot exps=CPU", ("-ot", "exps=CPU")), ("llama.cpp all on GPU", ())] if cuda else [("llama.cpp CPU", ())]  # fmt: skip
+        for label, extra in modes:
+            print(f"  running {label} ...", file=sys.stderr, flush=True)
+            lc = run_llama_bench(args.llama_bench, path, "cuda" if cuda else "cpu", args.threads, args.pp, args.tg,
+                                 args.reps, extra)  # fmt: skip
+            row = {"mode": label, "routing": "file", "llama_cpp": lc}
+            if "error" in lc:
+                row["error"] = lc["error"]
+            else:
+                row |= {"pp": lc.get("pp", 0.0), "tg": lc.get("tg", 0.0), "note": f"build {lc.get('build')}"}
+            rows.append(row)
+    header = (
+        f"{path.name} ({machine['file_gib']} GiB) on {machine['gpu'] or 'CPU only'}, {machine['cpus']} CPUs, "
+        f"{args.threads} threads, load {machine['load_avg']}; pp{args.pp}, tg{args.tg}, best of {args.reps}"
+    )
+    for n in notes:
+        print(f"note: {n}")
+    print_table(rows, header)
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine, "notes": notes, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
