@@ -195,9 +195,10 @@ class _Recorder:
     def outputs(self, ids: torch.Tensor, outputs: torch.Tensor, weights: torch.Tensor) -> None:
         pass
 
-    def replay(self, taps: Any) -> None:
+    def replay(self, taps: Any, device: torch.device) -> None:
+        """Report the recorded inputs to ``taps`` on ``device`` (the model's: where the resident path's are)."""
         for x, act, ids in self.calls:
-            taps.inputs(x, act, ids)
+            taps.inputs(x.to(device), act.to(device), ids.to(device))
 
 
 def _partial(
@@ -515,7 +516,7 @@ class HybridExperts:
         if observers:
             for rec in [*fast_taps, cpu_taps]:
                 if rec is not None:
-                    rec.replay(taps)
+                    rec.replay(taps, dev)
         if missed.size:
             self._admit(layer, missed, uploaded, self.admit_per_call if n_tok == 1 else 0)
         return out

@@ -7,7 +7,6 @@ expert-major files and the observers' inputs. ``test_on_cuda`` runs the same on 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -57,12 +56,13 @@ def _ids(n: int = PREFILL + DECODE, seed: int = 7) -> torch.Tensor:
 def _hybrid(
     path: Path,
     slots: int | None = None,
-    rates: Rates | None = None,
+    rates: Rates | None = Rates.never(),
     device: str = "cpu",
     observers: list[Observer] | None = None,
     **kw: object,
 ) -> tuple[object, HybridExperts]:
-    """The model with hybrid experts: a pool of ``slots`` experts (default: a quarter of them)."""
+    """The model with hybrid experts: a pool of ``slots`` experts (default: a quarter of them); ``rates``
+    None: measured."""
     w = load_weights(path, device, 0)
     w.host_experts = True
     m = build_model(w, observers)
@@ -70,7 +70,7 @@ def _hybrid(
     record = max(lay.record_bytes for lay in layers.values())
     if slots is None:
         slots = sum(lay.experts for lay in layers.values()) // 4
-    h = HybridExperts(m, slots * record, device, rates=rates or Rates.never(), **kw)  # type: ignore[arg-type]
+    h = HybridExperts(m, slots * record, device, rates=rates, **kw)  # type: ignore[arg-type]
     return m, h
 
 
@@ -313,16 +313,26 @@ def test_on_cuda(q8: Path, tmp_path: Path) -> None:
         ref_acc = ImatrixAccumulator()
         _logits(load_model(q8, observers=[ref_acc]))
         for name in ref_acc._counts:
-            assert torch.equal(ref_acc._counts[name].cpu(), acc._counts[name].cpu()), name
+            want_counts, got_counts = ref_acc._counts[name].cpu().double(), acc._counts[name].cpu().double()
+            assert torch.equal(want_counts, got_counts), name
+            assert torch.allclose(ref_acc._sums[name].cpu(), acc._sums[name].cpu(), rtol=1e-3, atol=1e-6), (
+                name
+            )
     major = tmp_path / "major.gguf"
     convert(q8, major, "v2")
     _close(_logits(_hybrid(major, rates=Rates.never(), device="cuda")[0]), want)
-    profile = tmp_path / "profile.json"
+    # seeded from a profile through the copier thread and the side stream (every expert: no CPU pair)
     probe = load_model(q8)
-    _profile(probe, {i: np.arange(probe.n_expert) for i in probe.routed_layers()}).save(profile)
-    assert json.loads(profile.read_text())["format"] == "forge.expert_profile"
+    counts = {i: np.arange(1, probe.n_expert + 1) for i in probe.routed_layers()}
+    m, h = _hybrid(
+        q8, probe.n_expert * len(probe.routed_layers()), device="cuda", profile=_profile(probe, counts)
+    )
+    assert h.seeded == h.capacity
+    _close(_logits(m), want)
+    assert h.stats.cpu_pairs == 0 and h.stats.admissions == 0
 
 
+@pytest.mark.slow
 def test_server_live_imatrix_in_hybrid_mode(q8: Path, tmp_path: Path) -> None:
     """A server's live imatrix (its prefill gate over the observers) sees the resident server's inputs."""
     from forge.imatrix.live import LiveImatrix
