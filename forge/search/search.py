@@ -148,7 +148,7 @@ def search(
     executor: str = "local",
     ray_address: str | None = None,
 ) -> SearchResult:
-    from forge.distributed.cluster import check_executor
+    from forge.distributed.cluster import check_executor, choose_executor
     from forge.imatrix.formats import read_imatrix
     from forge.quant.source import source_ref
 
@@ -157,6 +157,7 @@ def search(
     if (target_bpw is None) == (target_size is None):
         raise ForgeError("give exactly one of --target-bpw or --target-size")
     check_executor(executor, ray_address)
+    encode_on = choose_executor(executor, 1, ray_address, log) if executor == "ray" else None
     body = read_text(text)
     labels = parse_types(types)
     im = read_imatrix(imatrix) if imatrix is not None else None
@@ -224,7 +225,7 @@ def search(
         if path.is_file() and known.get(lb) == _stamp(path):
             continue
         say(f"encoding the candidates' {lb} tensors ({k + 1}/{len(need_files)}) -> {path}")
-        _build_type_file(model, source, lb, im, imatrix, folder, path, progress is not None)
+        _build_type_file(model, source, lb, im, imatrix, folder, path, progress is not None, encode_on)
         known[lb] = _stamp(path)
         store.save()
     seconds = {"encode": round(time.perf_counter() - t0, 2)}
@@ -471,13 +472,14 @@ def _build_type_file(
     folder: Path,
     path: Path,
     show_progress: bool = False,
+    executor: Callable | None = None,
 ) -> None:
     from forge.quant.quantize import quantize
 
     recipe = folder / f"{label}.toml"
     with atomic_output(recipe) as f:
         f.write(type_file_recipe(source, label, im).encode())  # type: ignore[arg-type]
-    quantize(model, path, str(recipe), imatrix=imatrix, progress=show_progress)
+    quantize(model, path, str(recipe), imatrix=imatrix, progress=show_progress, executor=executor)
 
 
 def _base_gguf(model: Path, folder: Path, say: Log) -> Path:
