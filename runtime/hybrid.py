@@ -663,7 +663,7 @@ def attach(model: Any, cache_bytes: int, profile: Path | None = None, device: to
     """Hybrid experts for ``model`` (its weights loaded with ``host_experts``), kept as ``model.hybrid``."""
     prof = None
     if profile is not None:
-        from forge.prune.profile import Profile
+        from forge.profile_file import Profile
 
         prof = Profile.load(profile)
     model.hybrid = HybridExperts(model, cache_bytes, device, prof, rates)

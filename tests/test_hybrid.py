@@ -20,7 +20,7 @@ from conftest import EXAMPLE
 from forge.errors import ForgeError
 from forge.imatrix.accumulate import ImatrixAccumulator
 from forge.layout import convert
-from forge.prune.profile import LayerProfile, Profile
+from forge.profile_file import LayerProfile, Profile
 from runtime.hybrid import HybridExperts, Rates
 from runtime.models import build_model, load_model
 from runtime.observers import Observer
