@@ -17,7 +17,9 @@ import argparse
 import json
 import math
 import os
+import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,7 +50,13 @@ def main() -> None:
     ap.add_argument("--val", type=Path, default=FIXTURES / "text/val.txt")
     ap.add_argument("--val-chunks", type=int, default=32)
     ap.add_argument("--types", default=None)
-    ap.add_argument("--granularity", default="tensor")
+    ap.add_argument("--granularity", default="tensor", help="tensor, family-layer or both (comma-separated)")
+    ap.add_argument("--compare-uncorrected", action="store_true",
+                    help="also search without the interaction correction (rows 'uncorrected')")  # fmt: skip
+    ap.add_argument("--proxy-sample", type=int, default=0,
+                    help="also search with --proxy (this many candidates measured; rows 'proxy')")  # fmt: skip
+    ap.add_argument("--plot-with", type=Path, action="append", default=[],
+                    help="--json of another model's run: a panel of its own in --png")  # fmt: skip
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--imatrix", type=Path, default=IMATRIX)
     ap.add_argument("--threads", type=int, default=1)
@@ -80,6 +88,7 @@ def main() -> None:
     done = {(r["kind"], r["name"]): r for r in json.loads(cache.read_text())} if cache.is_file() else {}
 
     def keep(row: dict) -> None:
+        row["model"] = a.model.name
         rows.append(row)
         done[(row["kind"], row["name"])] = row
         cache.write_text(json.dumps(list(done.values()), indent=1))
@@ -87,23 +96,46 @@ def main() -> None:
               f"{row['top1']:>8.2%}", flush=True)  # fmt: skip
 
     print(f"{'kind':<9}{'name':<12}{'bytes':>12}{'bpw':>8}{'mean KLD':>11}{'top-1':>8}")
-    for b in [float(x) for x in a.budgets.split(",") if x]:
-        name = f"search-{b:g}"
-        if ("searched", name) in done:
-            keep(done[("searched", name)])
-            continue
-        recipe = a.work / "search" / "best.toml"  # one -o for all budgets: one set of measurements
+    variants = [
+        (g, c)
+        for g in a.granularity.split(",")
+        for c in ((True, False) if a.compare_uncorrected else (True,))
+    ]
+    for g, corr in variants:
+        # one -o for all budgets: one set of measurements and type files; each granularity's measurements are
+        # kept aside (measurements-G.json) and put back before its searches
+        recipe = a.work / "search" / "best.toml"
         recipe.parent.mkdir(exist_ok=True)
-        t0 = time.perf_counter()
-        res = search(bf16, recipe, a.calib, a.imatrix, target_bpw=b, types=a.types, granularity=a.granularity,
-                     ctx=a.calib_ctx, chunks=a.calib_chunks, quantize_out=a.work / f"{name}.gguf",
-                     log=lambda s: print("  " + s, flush=True))  # fmt: skip
-        row = {"kind": "searched", "name": name, "bytes": res.measured_bytes, "bpw": res.measured_bpw,
-               "predicted_bytes": res.predicted_bytes, "predicted_kld_calib": res.predicted_kld,
-               "measured_kld_calib": res.measured_kld, "search_seconds": round(time.perf_counter() - t0, 1),
-               "measured_now": res.measured, "candidates": res.measurements, **judge(res.quantized)}  # fmt: skip
-        (a.work / "search" / f"bpw-{b:g}.toml").write_text(recipe.read_text())
-        keep(row)
+        kept = a.work / "search" / f"measurements-{g}.json"
+        if kept.is_file():
+            shutil.copy(kept, recipe.with_name(recipe.name + ".search.json"))
+        for b in [float(x) for x in a.budgets.split(",") if x]:
+            kind = "searched" if corr else "uncorrected"
+            name = f"{g}-{b:g}"
+            if (kind, name) in done:
+                keep(done[(kind, name)])
+                continue
+            t0 = time.perf_counter()
+            out = a.work / f"{kind}-{name}.gguf"
+            res = search(bf16, recipe, a.calib, a.imatrix, target_bpw=b, types=a.types, granularity=g,
+                         ctx=a.calib_ctx, chunks=a.calib_chunks, quantize_out=out, correction=corr,
+                         log=lambda s: print("  " + s, flush=True))  # fmt: skip
+            row = {"kind": kind, "name": name, "granularity": g, "budget": b, "bytes": res.measured_bytes,
+                   "bpw": res.measured_bpw, "predicted_bytes": res.predicted_bytes,
+                   "predicted_kld_calib": res.predicted_kld, "corrected_kld_calib": res.corrected_kld,
+                   "measured_kld_calib": res.measured_kld, "uncorrected_kld_calib": res.uncorrected_kld,
+                   "scales": res.scales, "rounds": res.rounds, "search_seconds": round(time.perf_counter() - t0, 1),
+                   "seconds": res.seconds, "measured_now": res.measured, "candidates": res.measurements,
+                   **judge(res.quantized)}  # fmt: skip
+            (a.work / "search" / f"{kind}-{name}.toml").write_text(recipe.read_text())
+            shutil.copy(
+                recipe.with_name(recipe.name + ".search.json"), a.work / "search" / f"measurements-{g}.json"
+            )
+            out.unlink()  # judged: the numbers are kept, the file is not needed
+            keep(row)
+    if a.proxy_sample:
+        for g in a.granularity.split(","):
+            proxy_rows(a, bf16, g, done, keep, judge)
     for name in [p for p in a.presets.split(",") if p]:
         if ("preset", name) in done:
             keep(done[("preset", name)])
@@ -113,32 +145,116 @@ def main() -> None:
         n_el = sum(math.prod(r["shape"]) for r in rep.tensors)
         bpw = 8 * sum(r["bytes"] for r in rep.tensors) / n_el
         keep({"kind": "preset", "name": name, "bytes": out.stat().st_size, "bpw": bpw, **judge(out)})
-    presets = [r for r in rows if r["kind"] == "preset"]
-    searched = sorted([r for r in rows if r["kind"] == "searched"], key=lambda r: r["bytes"])
-    print("\nsearched recipes (size and calibration KLD: predicted -> written/measured):")
-    for r in searched:
-        print(f"{r['name']:<12}{r['predicted_bytes']:>12,} -> {r['bytes']:,} bytes; calibration KLD "
-              f"{r['predicted_kld_calib']:.5f} -> {r['measured_kld_calib']:.5f}")  # fmt: skip
-    print("\neach preset vs the largest searched file no larger than it (held-out KLD):")
-    wins = losses = 0
-    for p in sorted(presets, key=lambda r: r["bytes"]):
-        fit = [r for r in searched if r["bytes"] <= p["bytes"]]
-        if not fit:
-            print(f"{p['name']:<10}{p['bpw']:.3f} bpw {p['kld']:.6f}: no searched file this small")
-            continue
-        r = fit[-1]
-        won = r["kld"] < p["kld"]
-        wins, losses = wins + won, losses + (not won)
-        print(f"{p['name']:<10}{p['bpw']:.3f} bpw {p['kld']:.6f} vs {r['name']} {r['bpw']:.3f} bpw {r['kld']:.6f}: "
-              + ("searched lower" if won else "PRESET LOWER"))  # fmt: skip
-    print(f"searched file lower in {wins} of {wins + losses} comparisons")
+    presets = sorted([r for r in rows if r["kind"] == "preset"], key=lambda r: r["bytes"])
+    for kind, g in sorted({(r["kind"], r["granularity"]) for r in rows if r["kind"] != "preset"}):
+        searched = sorted(
+            [r for r in rows if r["kind"] == kind and r["granularity"] == g], key=lambda r: r["bytes"]
+        )
+        print(f"\n{kind} recipes, {g}: size predicted -> written; calibration KLD: sum of the per-group costs, "
+              "corrected, measured file (the uncorrected knapsack's answer); held-out KLD")  # fmt: skip
+        for r in searched:
+            extra = ""
+            if r.get("corrected_kld_calib") is not None:
+                extra = (f", corrected {r['corrected_kld_calib']:.5f} -> measured {r['measured_kld_calib']:.5f} "
+                         f"(uncorrected answer {r['uncorrected_kld_calib']:.5f})")  # fmt: skip
+            print(f"{r['name']:<18}{r['predicted_bytes']:>12,} -> {r['bytes']:,} bytes; sum {r['predicted_kld_calib']:.5f}"
+                  f"{extra}; val {r['kld']:.6f}; {r['search_seconds']:.0f} s")  # fmt: skip
+        if kind == "proxy":
+            r = searched[0]
+            cost = r["proxy_seconds"] + r["sample_seconds"]
+            print(f"proxy: {r['proxy']['sampled']} of {r['candidates']} candidates measured; "
+                  f"rank correlation {r['proxy']['spearman']:.3f} on the sample (leave-one-out), "
+                  f"{r['spearman_unsampled']:.3f} on every other candidate; costs {cost:.0f} s (proxy "
+                  f"{r['proxy_seconds']:.0f} s + sample {r['sample_seconds']:.0f} s) vs {r['full_measure_seconds']:.0f} s "
+                  f"measuring all: {r['full_measure_seconds'] / cost:.1f}x")  # fmt: skip
+        print(f"each preset vs the largest {kind} ({g}) file no larger than it (held-out KLD):")
+        wins = losses = 0
+        for p in presets:
+            fit = [r for r in searched if r["bytes"] <= p["bytes"]]
+            if not fit:
+                print(f"  {p['name']:<10}{p['bpw']:.3f} bpw {p['kld']:.6f}: no searched file this small")
+                continue
+            r = fit[-1]
+            won = r["kld"] < p["kld"]
+            wins, losses = wins + won, losses + (not won)
+            print(f"  {p['name']:<10}{p['bpw']:.3f} bpw {p['kld']:.6f} vs {r['name']} {r['bpw']:.3f} bpw "
+                  f"{r['kld']:.6f}: " + ("searched lower" if won else "PRESET LOWER"))  # fmt: skip
+        print(f"  searched file lower in {wins} of {wins + losses} comparisons")
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     if a.png:
-        plot(rows, a.png, a.model.name)
+        panels = [(a.model.name, rows)]
+        panels += [
+            (str(json.loads(p.read_text())[0].get("model", p.stem)), json.loads(p.read_text()))
+            for p in a.plot_with
+        ]
+        plot(panels, a.png)
 
 
-def plot(rows: list[dict], png: Path, title: str) -> None:
+def proxy_rows(
+    a: argparse.Namespace, bf16: Path, g: str, done: dict, keep: Callable, judge: Callable
+) -> None:
+    """--proxy-sample N: the same budgets searched with --proxy, in a folder whose store holds only the sampled
+    candidates' KLD (copied from the full search's measurements, type files hard-linked): the proxy is computed
+    and timed, the sample costs what the full search spent on it, and the proxy is checked against every
+    candidate's measured KLD (which the full search has)."""
+    from forge.imatrix.formats import read_imatrix
+    from forge.quant.source import source_ref
+    from forge.search.measure import make_groups, parse_types
+    from forge.search.proxy import proxy_costs, sample, spearman
+
+    full_path = a.work / "search" / f"measurements-{g}.json"
+    full = json.loads(full_path.read_text())
+    pdir = a.work / f"proxy-{g}"
+    recipe = pdir / "best.toml"
+    store = pdir / "best.toml.search.json"
+    groups, _ = make_groups(source_ref(bf16).open(), parse_types(a.types), read_imatrix(a.imatrix), g)
+    picks = sample(groups, a.proxy_sample)
+    if not store.is_file():
+        (pdir / "best.toml.search").mkdir(parents=True, exist_ok=True)
+        for f in (a.work / "search" / "best.toml.search").glob("*.gguf"):
+            if not (pdir / "best.toml.search" / f.name).exists():
+                os.link(f, pdir / "best.toml.search" / f.name)
+        data = dict(full, costs={}, points={}, proxy={})
+        for gn, lb in picks:
+            data["costs"].setdefault(gn, {})[lb] = full["costs"][gn][lb]
+        store.write_text(json.dumps(data))
+    full_row = next(
+        r
+        for r in done.values()
+        if r["kind"] == "searched" and r["granularity"] == g and "measure" in r["seconds"]
+    )
+    per_candidate = full_row["seconds"]["measure"] / full_row["candidates"]
+    for b in [float(x) for x in a.budgets.split(",") if x]:
+        name = f"{g}-{b:g}"
+        if ("proxy", name) in done:
+            keep(done[("proxy", name)])
+            continue
+        out = a.work / f"proxy-{name}.gguf"
+        t0 = time.perf_counter()
+        res = search(bf16, recipe, a.calib, a.imatrix, target_bpw=b, types=a.types, granularity=g, ctx=a.calib_ctx,
+                     chunks=a.calib_chunks, quantize_out=out, proxy_sample=a.proxy_sample,
+                     log=lambda s: print("  " + s, flush=True))  # fmt: skip
+        pdata = json.loads(store.read_text())
+        sampled = {(gn, lb): full["costs"][gn][lb] for gn, lb in picks}
+        scaled = proxy_costs(groups, pdata["proxy"], sampled, res.proxy["scales"])
+        pairs = [(scaled[i][j], full["costs"][gr.name][o.label]) for i, gr in enumerate(groups)
+                 for j, o in enumerate(gr.options) if (gr.name, o.label) not in sampled]  # fmt: skip
+        row = {"kind": "proxy", "name": name, "granularity": g, "budget": b, "bytes": res.measured_bytes,
+               "bpw": res.measured_bpw, "predicted_bytes": res.predicted_bytes, "proxy": res.proxy,
+               "candidates": res.measurements,
+               "spearman_unsampled": spearman([p for p, _ in pairs], [m for _, m in pairs]),
+               "proxy_seconds": res.seconds.get("proxy", 0.0), "sample_seconds": per_candidate * len(picks),
+               "full_measure_seconds": full_row["seconds"]["measure"], "predicted_kld_calib": res.predicted_kld,
+               "corrected_kld_calib": res.corrected_kld, "measured_kld_calib": res.measured_kld,
+               "uncorrected_kld_calib": res.uncorrected_kld, "scales": res.scales, "rounds": res.rounds,
+               "seconds": res.seconds, "search_seconds": round(time.perf_counter() - t0, 1),
+               **judge(res.quantized)}  # fmt: skip
+        out.unlink()
+        keep(row)
+
+
+def plot(panels: list[tuple[str, list[dict]]], png: Path) -> None:
     try:
         import matplotlib
 
@@ -147,22 +263,33 @@ def plot(rows: list[dict], png: Path, title: str) -> None:
     except ImportError:
         print(f"matplotlib is not installed: no {png} (pip install matplotlib)")
         return
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for kind, style in (("preset", "o"), ("searched", "s-")):
-        pts = sorted((r["bpw"], r["kld"], r["name"]) for r in rows if r["kind"] == kind)
-        if not pts:
-            continue
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=kind)
-        for x, y, n in pts:
-            ax.annotate(n, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.set_yscale("log")
-    ax.set_xlabel("bits per weight")
-    ax.set_ylabel("mean KLD vs bf16 (held-out text)")
-    ax.set_title(f"{title}: searched recipes vs presets")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(1, len(panels), figsize=(8 * len(panels), 5.5), squeeze=False)
+    for ax, (title, rows) in zip(axes[0], panels, strict=True):
+        pts = [r for r in rows if r["kind"] == "preset" and 2.4 <= r["bpw"] <= 6.7]
+        ax.plot([r["bpw"] for r in pts], [r["kld"] for r in pts], "o", color="gray", label="presets")
+        for r in pts:
+            ax.annotate(
+                r["name"], (r["bpw"], r["kld"]), fontsize=6, xytext=(3, 3), textcoords="offset points"
+            )
+        for kind, g in sorted({(r["kind"], r["granularity"]) for r in rows if r["kind"] != "preset"}):
+            s = sorted(
+                (r for r in rows if r["kind"] == kind and r["granularity"] == g), key=lambda r: r["bpw"]
+            )
+            label = f"searched, {g}" + ("" if kind == "searched" else ", no correction")
+            ax.plot(
+                [r["bpw"] for r in s],
+                [r["kld"] for r in s],
+                "s-" if kind == "searched" else "x--",
+                label=label,
+            )
+        ax.set_yscale("log")
+        ax.set_xlabel("bits per weight")
+        ax.set_ylabel("mean KLD vs bf16 (val.txt, 32 x 512)")
+        ax.set_title(f"{title}: searched recipes vs presets")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    fig.savefig(png, dpi=110)
     print(f"wrote {png}")
 
 
