@@ -306,7 +306,8 @@ class HybridExperts:
             self.hybrid_layers[i] = moes[i].backend = HybridLayer(self, i, moes[i].source, pool)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="hybrid-cpu")
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="hybrid-copy")
-        self.cpu_threads = torch.get_num_threads()
+        # the CPU side's kernel threads: one core left to the thread that launches the GPU's work
+        self.cpu_threads = max(1, torch.get_num_threads() - (self.device.type == "cuda"))
         if profile is not None:
             self._seed(profile, order)
         self.rates = rates or measure_rates(self, next(iter(self.hybrid_layers.values())))
@@ -544,16 +545,7 @@ class HybridExperts:
         sel = np.flatnonzero(upload)
         experts, index = np.unique(ids[sel], return_inverse=True)
         e_t = torch.from_numpy(experts)
-        parts = {}
-        for c in layer.pool.components:
-            host = getattr(layer.host, c.role).raw
-            if dev.type == "cuda":  # gathered straight into pinned memory, then one asynchronous copy
-                staged = torch.empty((len(experts), *host.shape[1:]), dtype=torch.uint8, pin_memory=True)
-                torch.index_select(host, 0, e_t, out=staged)
-                on_dev = staged.to(dev, non_blocking=True)
-            else:
-                on_dev = host.index_select(0, e_t)
-            parts[c.role] = ExpertTensor(on_dev, c.qtype, c.cols)
+        parts = {c.role: ExpertTensor(t, c.qtype, c.cols) for c, t in zip(layer.pool.components, _upload(layer, e_t, dev), strict=True)}  # fmt: skip
         source = _over(layer.host, parts)
         backend = cuda_backend if source.device_parts() is not None else torch_backend
         rec = _Recorder(observers, _to(dev, experts)[0]) if observers else None
@@ -571,6 +563,21 @@ class HybridExperts:
     def close(self) -> None:
         self.worker.shutdown()
         self.copier.shutdown()
+
+
+def _upload(layer: HybridLayer, experts: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+    """Experts ``experts`` of ``layer`` copied from host memory to ``device``, per pool component: gathered
+    straight into pinned memory, then one asynchronous copy each."""
+    out = []
+    for c in layer.pool.components:
+        host = getattr(layer.host, c.role).raw
+        if device.type == "cuda":
+            staged = torch.empty((len(experts), *host.shape[1:]), dtype=torch.uint8, pin_memory=True)
+            torch.index_select(host, 0, experts, out=staged)
+            out.append(staged.to(device, non_blocking=True))
+        else:
+            out.append(host.index_select(0, experts))
+    return out
 
 
 def _finished(copied: Any, wait: bool = False) -> bool:
@@ -623,11 +630,10 @@ def _to(device: torch.device, *rows: np.ndarray | torch.Tensor) -> list[torch.Te
 
 
 def measure_rates(executor: HybridExperts, layer: HybridLayer, repeat: int = 5) -> Rates:
-    """Copy bandwidth to the fast device (64 MiB, pinned) and the CPU side's time for one expert's 2 and 32
-    pairs (after a first call, which loads or compiles the kernels): a few milliseconds."""
-    dev, n = executor.device, 64 << 20
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=dev.type == "cuda")
-    dst = torch.empty(n, dtype=torch.uint8, device=dev)
+    """The rate of a batch's copies to the fast device (16 experts' records, as ``_upload`` makes them) and
+    the CPU side's time for one expert's 2 and 32 pairs (after first calls, which load or compile the
+    kernels): a few milliseconds."""
+    dev = executor.device
 
     def best(f: Callable[[], object]) -> float:
         f()
@@ -641,7 +647,9 @@ def measure_rates(executor: HybridExperts, layer: HybridLayer, repeat: int = 5) 
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    copy_s = best(lambda: dst.copy_(host, non_blocking=True))
+    # a batch's copy as it is made: 16 experts gathered from host memory, then copied
+    some = torch.arange(min(16, layer.n_expert))
+    copy_s = best(lambda: _upload(layer, some, dev))
     n_embd = layer.host.down.rows
     x = torch.randn(32, n_embd, generator=torch.Generator().manual_seed(0)) * 0.1
 
@@ -653,9 +661,11 @@ def measure_rates(executor: HybridExperts, layer: HybridLayer, repeat: int = 5) 
 
     _partial(layer.host_backend, layer.host, _NO_TAPS, x[:1], zeros1 := torch.zeros(1, dtype=torch.int64),
              zeros1, torch.ones(1))  # fmt: skip  # the one-token kernel: loaded now, not by the first step
+    cpu_kernels.use_threads(executor.cpu_threads)  # as the CPU side runs
     t2, t32 = best(cpu(2)), best(cpu(32))
+    cpu_kernels.use_threads(torch.get_num_threads())
     pair = max(t32 - t2, 0.0) / 30
-    return Rates(n / max(copy_s, 1e-9), max(t2 - 2 * pair, 0.0), pair)
+    return Rates(len(some) * layer.record_bytes / max(copy_s, 1e-9), max(t2 - 2 * pair, 0.0), pair)
 
 
 def attach(model: Any, cache_bytes: int, profile: Path | None = None, device: torch.device | str | None = None,

@@ -24,7 +24,7 @@ from forge.profile_file import LayerProfile, Profile
 from runtime.hybrid import HybridExperts, Rates
 from runtime.models import build_model, load_model
 from runtime.observers import Observer
-from runtime.planner import RUNTIME_OVERHEAD, plan
+from runtime.planner import RUNTIME_OVERHEAD, model_stats, plan
 from runtime.weights import GGUFWeights, load_weights
 
 pytest.importorskip("numba")
@@ -70,7 +70,7 @@ def _hybrid(
     record = max(lay.record_bytes for lay in layers.values())
     if slots is None:
         slots = sum(lay.experts for lay in layers.values()) // 4
-    h = HybridExperts(m, slots * record, device, rates=rates, **kw)  # type: ignore[arg-type]
+    h = m.hybrid = HybridExperts(m, slots * record, device, rates=rates, **kw)  # type: ignore[arg-type,attr-defined]
     return m, h
 
 
@@ -105,6 +105,11 @@ def test_logits_match_resident(q8: Path, rates: str, share: int) -> None:
     assert s.gpu_pairs + s.upload_pairs + s.cpu_pairs == _pairs(m, PREFILL + DECODE)
     assert (s.upload_pairs > 0) == (rates == "always") and s.cpu_pairs > 0 and s.gpu_pairs > 0
     assert s.bytes_read == s.cpu_computes * layers[0].record_bytes
+    line = model_stats(m)  # --stats
+    assert f"{s.gpu_hits} GPU hits" in line and f"{s.cpu_computes} CPU computes" in line
+    assert (
+        f"{s.bytes_read / 1e6:,.1f} MB read" in line and f"{s.bytes_uploaded / 1e6:,.1f} MB uploaded" in line
+    )
 
 
 def test_llamacpp_q4_k_m_logits(tmp_path: Path) -> None:
