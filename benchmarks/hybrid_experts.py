@@ -356,6 +356,7 @@ def main() -> None:
     machine = {
         "gpu": torch.cuda.get_device_name() if cuda else None, "cpus": os.cpu_count(), "threads": args.threads,
         "load_avg": [round(x, 2) for x in os.getloadavg()], "file": str(path), "file_gib": round(path.stat().st_size / GIB, 2),
+        "env": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "KMP_BLOCKTIME", "NUMBA_THREADING_LAYER") if k in os.environ},
     }  # fmt: skip
     notes = []
     if args.cold:
