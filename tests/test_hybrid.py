@@ -162,6 +162,25 @@ def test_seeded_pool_holds_the_profile_hot_set(q8: Path) -> None:
     assert set(pooled) == set(hottest)
 
 
+def test_attach_seeds_from_a_profile_file(q8: Path, tmp_path: Path) -> None:
+    from runtime.hybrid import attach
+
+    probe = load_model(q8)
+    path = tmp_path / "profile.json"
+    _profile(probe, {i: np.arange(probe.n_expert) for i in probe.routed_layers()}).save(
+        path
+    )  # expert 0: never
+    w = load_weights(q8, "cpu", 0)
+    w.host_experts = True
+    m = build_model(w)
+    h = attach(m, 10_000 * w.expert_layers()[0].record_bytes, path, rates=Rates.never())
+    assert m.hybrid is h and h.seeded == (probe.n_expert - 1) * len(probe.routed_layers())
+    assert all(h.slot_of[lay.base] == -1 for lay in h.hybrid_layers.values())
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ForgeError, match="not an expert profile"):
+        attach(build_model(w), 1 << 20, tmp_path / "bad.json", rates=Rates.never())
+
+
 def test_misses_are_admitted_then_hit(q8: Path) -> None:
     """A pool that can hold every expert, no profile, admissions unlimited: the second pass over the same
     tokens computes nothing on the CPU."""
