@@ -264,7 +264,9 @@ def guarded(label: str, routing: str, f: Any, *a: Any) -> dict:
         traceback.print_exc(file=sys.stderr)
         r = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
     _free()
-    return {"mode": label, "routing": routing, **r, "seconds": round(time.perf_counter() - t0, 1)}
+    row = {"mode": label, "routing": routing, **r, "seconds": round(time.perf_counter() - t0, 1)}
+    print(f"  done {json.dumps(row)}", file=sys.stderr, flush=True)  # kept if a later row is cut short
+    return row
 
 
 # main ----------------------------------------------------------------------------------------------------
