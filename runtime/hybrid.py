@@ -288,6 +288,13 @@ class HybridExperts:
                 raise ForgeError(
                     f"{weights.source}: hybrid experts need separate gate, up and down experts (layer {i})"
                 )
+            if moe.source.kind not in ("per-use", "streamed") or (
+                moe.source.kind == "streamed" and moe.source.cache_layer is None
+            ):
+                raise ForgeError(
+                    f"{weights.source}: hybrid experts need the routed experts in host memory or in a host "
+                    f"expert cache (layer {i} holds them {moe.source.kind})"
+                )
             if moe.source.swiglu_limit is not None:
                 raise ForgeError(
                     f"{weights.source}: hybrid experts do not compute clamped SwiGLU experts (layer {i})"
@@ -429,8 +436,9 @@ class HybridExperts:
         on the side stream). Returns what ``_finished`` waits on; None when done; False when every staging
         record is in use."""
         if pool.stream is None:  # a host "device": copied now
-            for c in pool.components:
-                pool.parts[c.role][slot] = getattr(layer.host, c.role).raw[expert]
+            records = host_records(layer, torch.tensor([expert]))
+            for c, rec in zip(pool.components, records, strict=True):
+                pool.parts[c.role][slot] = rec[0]
             return None
         queued = torch.cuda.Event()
         queued.record()  # the kernels queued so far may read the slot's old expert: the copy waits for them
@@ -446,7 +454,7 @@ class HybridExperts:
         free = [i for i, job in enumerate(pool.staging) if job is None or _finished(job)]
         if not free:
             return False
-        job = self.copier.submit(_stage_and_copy, pool, free[0], slot, layer.host, expert, queued)
+        job = self.copier.submit(_stage_and_copy, pool, free[0], slot, layer, expert, queued)
         pool.staging[free[0]] = job
         return job
 
@@ -565,19 +573,38 @@ class HybridExperts:
         self.copier.shutdown()
 
 
+def host_records(layer: HybridLayer, experts: torch.Tensor, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:  # fmt: skip
+    """Experts ``experts`` (n,) of ``layer`` from host memory, per pool component (n, rows, row bytes), into
+    ``out`` if given: gathered from the mapped file, or (a layer streamed through a host expert cache) its
+    records as the cache reads them, a cache's worth at a time."""
+    comps = layer.pool.components
+    out = out or [
+        torch.empty((len(experts), *layer.pool.parts[c.role].shape[1:]), dtype=torch.uint8) for c in comps
+    ]
+    if layer.host.kind != "streamed":
+        for c, dst in zip(comps, out, strict=True):
+            torch.index_select(getattr(layer.host, c.role).raw, 0, experts, out=dst)
+        return out
+    cache = layer.host.cache
+    where = {c.role: c for c in cache.layers[layer.layer].components}
+    ids = experts.tolist()
+    for a in range(0, len(ids), cache.capacity):
+        rows = cache.rows(layer.layer, ids[a : a + cache.capacity])  # (n, slot bytes) copies
+        for c, dst in zip(comps, out, strict=True):
+            part = where[c.role]
+            block = rows[:, part.slot_offset : part.slot_offset + part.expert_bytes]
+            dst[a : a + len(rows)] = block.reshape(len(rows), *dst.shape[1:])
+    return out
+
+
 def _upload(layer: HybridLayer, experts: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
     """Experts ``experts`` of ``layer`` copied from host memory to ``device``, per pool component: gathered
     straight into pinned memory, then one asynchronous copy each."""
-    out = []
-    for c in layer.pool.components:
-        host = getattr(layer.host, c.role).raw
-        if device.type == "cuda":
-            staged = torch.empty((len(experts), *host.shape[1:]), dtype=torch.uint8, pin_memory=True)
-            torch.index_select(host, 0, experts, out=staged)
-            out.append(staged.to(device, non_blocking=True))
-        else:
-            out.append(host.index_select(0, experts))
-    return out
+    if device.type != "cuda":
+        return host_records(layer, experts)
+    staged = [torch.empty((len(experts), *layer.pool.parts[c.role].shape[1:]), dtype=torch.uint8, pin_memory=True)
+              for c in layer.pool.components]  # fmt: skip
+    return [t.to(device, non_blocking=True) for t in host_records(layer, experts, staged)]
 
 
 def _finished(copied: Any, wait: bool = False) -> bool:
@@ -594,11 +621,10 @@ def _finished(copied: Any, wait: bool = False) -> bool:
     return bool(copied.query())
 
 
-def _stage_and_copy(pool: SlotPool, i: int, slot: int, host: Any, expert: int, queued: Any) -> Any:
+def _stage_and_copy(pool: SlotPool, i: int, slot: int, layer: HybridLayer, expert: int, queued: Any) -> Any:
     """The copier thread: expert ``expert``'s record from host memory into staging record ``i`` (pinned),
     then into ``slot`` on the pool's side stream after the kernels ``queued`` marks. Returns its event."""
-    for c in pool.components:
-        pool.stage[c.role][i].copy_(getattr(host, c.role).raw[expert])
+    host_records(layer, torch.tensor([expert]), [pool.stage[c.role][i : i + 1] for c in pool.components])
     with torch.cuda.stream(pool.stream):
         pool.stream.wait_event(queued)
         for c in pool.components:

@@ -374,3 +374,24 @@ def test_server_live_imatrix_in_hybrid_mode(q8: Path, tmp_path: Path) -> None:
     for name in a._counts:
         assert torch.equal(a._counts[name], b._counts[name]), name
         assert torch.allclose(a._sums[name], b._sums[name], rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.parametrize("rates", ["never", "always"])
+def test_misses_streamed_through_a_host_expert_cache(q8: Path, rates: str) -> None:
+    """The CPU side over an SSD-streamed host expert cache (the file beyond host memory): misses are read by
+    the cache, computed there or copied for the batch from its records."""
+    from runtime.experts import ExpertCache
+
+    want = _logits(load_model(q8))
+    w = load_weights(q8, "cpu", 0)
+    w.host_experts = True
+    layers = w.expert_layers()
+    used = int(w.hparam("expert_used_count"))
+    w.expert_cache = ExpertCache(q8, layers, len(layers) * used + 9, used, "lfu", "cpu")
+    m = build_model(w)
+    assert {m.blocks[i].moe.source.kind for i in m.routed_layers()} == {"streamed"}
+    h = HybridExperts(m, 16 * layers[0].record_bytes, "cpu", rates=getattr(Rates, rates)())
+    _close(_logits(m), want)
+    s, c = h.stats, w.expert_cache.stats
+    assert s.cpu_pairs > 0 and s.gpu_pairs > 0 and (s.upload_pairs > 0) == (rates == "always")
+    assert c.misses > 0 and c.bytes_read == c.misses * layers[0].record_bytes
