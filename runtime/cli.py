@@ -71,7 +71,8 @@ GpuCacheOpt = Annotated[
     str | None,
     typer.Option(
         "--gpu-expert-cache",
-        help="hybrid experts: a GPU pool of this size (e.g. 4G) for the hot experts, the others on the CPU",
+        help="hybrid experts: a GPU pool of this size (e.g. 4G) for the hot experts, the others on the CPU "
+        "(with --ssd-streaming / --cache-bytes: read from the file through a host expert cache)",
     ),
 ]
 ProfileOpt = Annotated[
@@ -111,8 +112,8 @@ class Residency:
             raise ForgeError("--resident and --ssd-streaming exclude each other")
         if self.resident and (self.cache_experts is not None or self.cache_bytes is not None):
             raise ForgeError("--cache-experts/--cache-bytes apply to --ssd-streaming, not --resident")
-        if self.gpu_expert_cache is not None and (self.resident or self.ssd_streaming):
-            raise ForgeError("--gpu-expert-cache excludes --resident and --ssd-streaming")
+        if self.gpu_expert_cache is not None and self.resident:
+            raise ForgeError("--gpu-expert-cache excludes --resident")
         if self.gpu_expert_cache is not None and device != "cuda":
             raise ForgeError("--gpu-expert-cache needs --device cuda")
         if self.expert_profile is not None and not self.expert_profile.is_file():

@@ -79,6 +79,10 @@ class Plan:
                 f"; GPU expert cache: {_mib(self.gpu_cache_bytes)} (~{self.gpu_cache_bytes // g.slot_bytes} of "
                 f"{g.experts} experts), the others computed on the CPU"
             )
+            if self.cache_experts:
+                line += (
+                    f" from a host expert cache of {self.cache_experts} experts ({_mib(self.cache_bytes)})"
+                )
         if self.mode == "streaming" and g is not None:
             line += (
                 f"; expert cache: {self.cache_experts} of {g.experts} experts "
@@ -171,11 +175,33 @@ def plan(
     fixed = g.resident_bytes + g.kv_bytes + RUNTIME_OVERHEAD
     need_resident = fixed + g.routed_bytes + min(expert_budget, g.routed_f32_bytes)
     explicit_cache = cache_experts is not None or cache_bytes is not None
-    if mode == "hybrid" or gpu_cache_bytes is not None:
-        if gpu_cache_bytes is None or gpu_cache_bytes < g.slot_bytes:
+    # the host's expert cache of a hybrid plan that streams: what --cache-* say, else what the budget leaves
+    # after the runtime (the other weights are on the GPU) and the decode scratch
+    if cache_experts is not None:
+        host_n = cache_experts
+    elif cache_bytes is not None:
+        host_n = cache_bytes // g.slot_bytes
+    else:
+        host_n = max(budget - RUNTIME_OVERHEAD - g.scratch_bytes, 0) // g.slot_bytes
+    host_n = min(host_n, g.experts)
+
+    def hybrid(gpu_bytes: int, why: str, streamed: bool) -> Plan:
+        if gpu_bytes < g.slot_bytes:
             raise ForgeError(f"a GPU expert cache needs at least one expert ({g.slot_bytes:,} bytes)")
-        return Plan("hybrid", f"--gpu-expert-cache {_mib(gpu_cache_bytes)}", budget, source, geometry=g,
-                    policy="lfu", gpu_cache_bytes=gpu_cache_bytes)  # fmt: skip
+        n = 0
+        if streamed:
+            if host_n < g.floor:
+                raise ForgeError(
+                    f"a host expert cache of {host_n} experts is below the floor of {g.floor} "
+                    f"({g.routed_layers} layers x {g.experts_used} experts per token + 1)"
+                )
+            why += f"; the CPU's experts streamed from the file through a host cache of {host_n} experts"
+            n = host_n
+        return Plan("hybrid", why, budget, source, n, n * g.slot_bytes, "lfu", g, gpu_bytes)
+
+    if mode == "hybrid" or gpu_cache_bytes is not None:
+        why = f"--gpu-expert-cache {_mib(gpu_cache_bytes or 0)}"
+        return hybrid(gpu_cache_bytes or 0, why, mode == "streaming" or explicit_cache)
     if mode == "auto" and not explicit_cache and (gpu_memory is not None or weights.device.type == "cuda"):
         gpu = gpu_memory if gpu_memory is not None else gpu_free_memory(weights.device)
         gpu_budget = int(gpu * (1 - HEADROOM))
@@ -184,13 +210,15 @@ def plan(
             why = f"model needs {_mib(need_gpu)} on the GPU, fits in its free {_mib(gpu)} less {HEADROOM:.0%}"
             return Plan("resident", why, budget, source, geometry=g, policy=policy)
         room = gpu_budget - (g.file_bytes - g.routed_bytes) - g.kv_bytes - GPU_OVERHEAD
-        host_need = g.routed_bytes + RUNTIME_OVERHEAD
-        if room >= g.slot_bytes and host_need <= budget:
+        if room >= g.slot_bytes:
             why = (
-                f"model needs {_mib(need_gpu)} on the GPU, more than its free {_mib(gpu)} less {HEADROOM:.0%}; "
-                f"the routed experts ({_mib(g.routed_bytes)}) fit in {source}"
+                f"model needs {_mib(need_gpu)} on the GPU, more than its free {_mib(gpu)} less {HEADROOM:.0%}"
             )
-            return Plan("hybrid", why, budget, source, geometry=g, policy="lfu", gpu_cache_bytes=room)
+            fits = g.routed_bytes + RUNTIME_OVERHEAD <= budget
+            why += (
+                f"; the routed experts ({_mib(g.routed_bytes)}) {'fit' if fits else 'do not fit'} in {source}"
+            )
+            return hybrid(room, why, not fits)
     if mode == "resident" or (mode == "auto" and not explicit_cache and need_resident <= budget):
         why = "--resident" if mode == "resident" else f"model needs {_mib(need_resident)}, fits in {source}"
         return Plan("resident", why, budget, source, geometry=g, policy=policy)
@@ -253,6 +281,11 @@ def load_planned_model(
         say(p.describe())
         if p.mode == "streaming":
             weights.expert_cache = open_expert_cache(weights, p.cache_experts, policy)
+        elif p.mode == "hybrid" and p.cache_experts:  # the CPU side's experts streamed into host memory
+            from runtime.experts import ExpertCache
+
+            layers, used = weights.expert_layers(), int(weights.hparam("expert_used_count"))
+            weights.expert_cache = ExpertCache(weights.path, layers, p.cache_experts, used, "lfu", "cpu")
         weights.host_experts = p.mode == "hybrid"
     elif mode in ("streaming", "hybrid") or gpu_cache_bytes is not None:
         raise ForgeError(

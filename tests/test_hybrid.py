@@ -291,12 +291,20 @@ def test_planner_chooses_by_gpu_and_host_memory(q8: Path) -> None:
     p = plan(w, memory_budget=1 << 40, gpu_memory=int(small / 0.9) + 1)
     assert p.mode == "hybrid" and 15 * g.slot_bytes <= p.gpu_cache_bytes <= 16 * g.slot_bytes
     assert "GPU expert cache" in p.describe() and "fit in --memory-budget" in p.describe()
-    # the host does not hold them either: streaming (this tiny model's other weights may not leave it room)
-    try:
-        p = plan(w, memory_budget=g.routed_bytes + RUNTIME_OVERHEAD - 1, gpu_memory=int(small / 0.9) + 1)
-        assert p.mode == "streaming"
-    except ForgeError as exc:
-        assert "too small to stream" in str(exc)
+    # the host does not hold them either: hybrid, the CPU's experts streamed through a host expert cache
+    budget = g.routed_bytes + RUNTIME_OVERHEAD - 1
+    p = plan(w, memory_budget=budget, gpu_memory=int(small / 0.9) + 1)
+    assert (
+        p.mode == "hybrid"
+        and p.cache_experts == (budget - RUNTIME_OVERHEAD - g.scratch_bytes) // g.slot_bytes
+    )
+    assert "host expert cache" in p.describe() and "do not fit" in p.describe()
+    p = plan(w, "streaming", memory_budget=1 << 40, cache_experts=40, gpu_cache_bytes=4 * g.slot_bytes)
+    assert p.mode == "hybrid" and p.cache_experts == 40
+    with pytest.raises(ForgeError, match="below the floor"):
+        plan(
+            w, "streaming", memory_budget=1 << 40, cache_experts=g.floor - 1, gpu_cache_bytes=4 * g.slot_bytes
+        )
     p = plan(w, gpu_cache_bytes=4 * g.slot_bytes, memory_budget=1 << 40)
     assert p.mode == "hybrid" and p.gpu_cache_bytes == 4 * g.slot_bytes
     with pytest.raises(ForgeError, match="at least one expert"):
@@ -307,7 +315,7 @@ def test_planner_chooses_by_gpu_and_host_memory(q8: Path) -> None:
     ("args", "message"),
     [
         (["--gpu-expert-cache", "1G"], "--gpu-expert-cache needs --device cuda"),
-        (["--gpu-expert-cache", "1G", "--ssd-streaming"], "excludes --resident and --ssd-streaming"),
+        (["--gpu-expert-cache", "1G", "--resident"], "--gpu-expert-cache excludes --resident"),
     ],
 )
 def test_cli_fails_closed(q8: Path, args: list[str], message: str) -> None:
@@ -395,3 +403,18 @@ def test_misses_streamed_through_a_host_expert_cache(q8: Path, rates: str) -> No
     s, c = h.stats, w.expert_cache.stats
     assert s.cpu_pairs > 0 and s.gpu_pairs > 0 and (s.upload_pairs > 0) == (rates == "always")
     assert c.misses > 0 and c.bytes_read == c.misses * layers[0].record_bytes
+
+
+def test_planned_hybrid_over_a_host_cache(q8: Path) -> None:
+    """``--gpu-expert-cache`` with ``--ssd-streaming --cache-experts``, through the planner's loader."""
+    from runtime.planner import load_planned_model
+
+    record = GGUFWeights(q8).expert_layers()[0].record_bytes
+    said: list[str] = []
+    m, p = load_planned_model(
+        q8, "cpu", "streaming", cache_experts=40, gpu_cache_bytes=8 * record, log=said.append
+    )
+    assert p is not None and p.mode == "hybrid" and m.hybrid.capacity == 8  # type: ignore[attr-defined]
+    assert m.weights.expert_cache.capacity == 40 and "host expert cache of 40 experts" in said[0]  # type: ignore[union-attr]
+    _close(_logits(m), _logits(load_model(q8)))
+    assert "GPU hits" in model_stats(m)
