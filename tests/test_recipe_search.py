@@ -173,6 +173,8 @@ def test_proxy_is_the_weighted_error_per_expert(
 
 
 def test_proxy_validation_leaves_each_candidate_out(tmp_path: Path) -> None:
+    import numpy as np
+
     from forge.search.proxy import calibrate, proxy_costs, sample, spearman
 
     groups = _two_family_groups()
@@ -184,7 +186,11 @@ def test_proxy_validation_leaves_each_candidate_out(tmp_path: Path) -> None:
         for lb, p in proxy[g.name].items()
     }
     v = calibrate(groups, proxy, truth)
-    assert v.scales == pytest.approx({"attn": 0.01, "ffn_exps": 0.001})
+    assert v.scales == pytest.approx({"attn_q": 0.01, "attn_k": 0.01, "ffn_up_exps": 0.001})
+    # a role with fewer than two measured candidates takes its family's scale
+    some = {k: x for k, x in truth.items() if k[0] != "blk.0.attn_k"}
+    some[("blk.0.attn_k", "Q2_K")] = 5 * truth[("blk.0.attn_k", "Q2_K")]
+    assert calibrate(groups, proxy, some).scales["attn_k"] == pytest.approx(np.median([0.01, 0.01, 0.05]))
     assert v.rho == pytest.approx(1.0) and v.rho_raw < 0.9  # unscaled, the families interleave wrongly
     costs = proxy_costs(groups, proxy, {}, v.scales)
     assert costs[0] == pytest.approx([0.1, 0.01]) and costs[3] == pytest.approx([0.04, 0.004])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,30 +102,41 @@ class Validation:
     sampled: int
     rho_raw: float  # the unscaled proxy vs measured KLD
     rho: float  # the family-scaled proxy, each candidate left out of its own scale
-    scales: dict[str, float]  # KLD per unit of proxy, per family
+    scales: dict[str, float]  # KLD per unit of proxy, per role
+
+
+def role_key(group: Group) -> str:
+    """``attn_q``, ``ffn_down_exps``... (per-tensor groups) or the family (family-layer groups), layer dropped."""
+    return re.sub(r"^blk\.\d+\.", "", group.name)
 
 
 def calibrate(groups: list[Group], proxy: dict, measured: dict[tuple[str, str], float]) -> Validation:
-    """Per-family KLD/proxy scales from the measured sample, and how well the scaled proxy ranks it."""
-    fam = {g.name: family_key(g) for g in groups}
-    items = [(fam[gn], proxy[gn][lb], kld) for (gn, lb), kld in measured.items() if proxy[gn][lb] > 0]
+    """KLD/proxy scales from the measured sample: per role (the median ratio of its sampled candidates, when
+    it has two or more), else per family, else over the whole sample; and how well the scaled proxy ranks it."""
+    by_name = {g.name: g for g in groups}
+    items = [(role_key(by_name[gn]), family_key(by_name[gn]), proxy[gn][lb], kld)
+             for (gn, lb), kld in measured.items() if proxy[gn][lb] > 0]  # fmt: skip
     if not items:
         return Validation(len(measured), math.nan, math.nan, {})
 
-    def scale_of(family: str, skip: int | None = None) -> float:
-        ratios = [k / p for i, (f, p, k) in enumerate(items) if f == family and i != skip]
-        if not ratios:
-            ratios = [k / p for i, (_, p, k) in enumerate(items) if i != skip]
-        return float(np.median(ratios)) if ratios else 0.0
+    def scale_of(role: str, family: str, skip: int | None = None) -> float:
+        rest = [(r, f, k / p) for i, (r, f, p, k) in enumerate(items) if i != skip]
+        for ratios, enough in (([x for r, _, x in rest if r == role], 2), ([x for _, f, x in rest if f == family], 1),
+                               ([x for _, _, x in rest], 1)):  # fmt: skip
+            if len(ratios) >= enough:
+                return float(np.median(ratios))
+        return 0.0
 
-    scales = {f: scale_of(f) for f in sorted(set(fam.values()))}
-    loo = [p * scale_of(f, i) for i, (f, p, _) in enumerate(items)]
-    truth = [k for _, _, k in items]
-    return Validation(len(measured), spearman([p for _, p, _ in items], truth), spearman(loo, truth), scales)
+    scales = {role_key(g): scale_of(role_key(g), family_key(g)) for g in groups}
+    loo = [p * scale_of(r, f, i) for i, (r, f, p, _) in enumerate(items)]
+    truth = [k for _, _, _, k in items]
+    return Validation(
+        len(measured), spearman([p for _, _, p, _ in items], truth), spearman(loo, truth), scales
+    )
 
 
 def proxy_costs(groups: list[Group], proxy: dict, measured: dict[tuple[str, str], float],
                 scales: dict[str, float]) -> list[list[float]]:  # fmt: skip
     """KLD where measured, else the family-scaled proxy."""
-    return [[measured.get((g.name, o.label), proxy[g.name][o.label] * scales[family_key(g)]) for o in g.options]
+    return [[measured.get((g.name, o.label), proxy[g.name][o.label] * scales[role_key(g)]) for o in g.options]
             for g in groups]  # fmt: skip
