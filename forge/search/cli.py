@@ -136,7 +136,7 @@ def search_cmd(
     if res.proxy is not None:
         p = res.proxy
         out.print(f"proxy: {res.measured} candidates measured; rank correlation with measured KLD "
-                  f"{p['spearman']:.3f} (family-scaled, leave-one-out; unscaled {p['spearman_unscaled']:.3f}, "
+                  f"{p['spearman']:.3f} (scaled per role, leave-one-out; unscaled {p['spearman_unscaled']:.3f}, "
                   f"{p['sampled']} measured)")  # fmt: skip
     if res.calib_kld is not None:
         scales = ", ".join(f"{k} {v:.2f}" for k, v in sorted(res.scales.items()))

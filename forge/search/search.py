@@ -384,7 +384,7 @@ def _proxy_costs(
                 if store.get(g.name, o.label) is not None}  # fmt: skip
     v = calibrate(groups, store.proxy, measured)  # type: ignore[arg-type]
     line = (f"proxy: rank correlation with the KLD of {v.sampled} measured candidates {v.rho:.3f} "
-            f"(family-scaled, each left out of its scale; unscaled {v.rho_raw:.3f})")  # fmt: skip
+            f"(scaled per role, each left out of its scale; unscaled {v.rho_raw:.3f})")  # fmt: skip
     if not v.rho >= REFUSE_BELOW:
         raise ForgeError(f"{line}: below {REFUSE_BELOW}, the proxy cannot stand for the measured KLD here; "
                          "search without --proxy")  # fmt: skip
