@@ -101,7 +101,7 @@ def spearman(x: list[float], y: list[float]) -> float:
 class Validation:
     sampled: int
     rho_raw: float  # the unscaled proxy vs measured KLD
-    rho: float  # the family-scaled proxy, each candidate left out of its own scale
+    rho: float  # the proxy scaled per role, each candidate left out of its own scale
     scales: dict[str, float]  # KLD per unit of proxy, per role
 
 
@@ -137,6 +137,6 @@ def calibrate(groups: list[Group], proxy: dict, measured: dict[tuple[str, str], 
 
 def proxy_costs(groups: list[Group], proxy: dict, measured: dict[tuple[str, str], float],
                 scales: dict[str, float]) -> list[list[float]]:  # fmt: skip
-    """KLD where measured, else the family-scaled proxy."""
+    """KLD where measured, else the proxy scaled per role."""
     return [[measured.get((g.name, o.label), proxy[g.name][o.label] * scales[role_key(g)]) for o in g.options]
             for g in groups]  # fmt: skip
