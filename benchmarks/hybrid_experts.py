@@ -57,9 +57,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from routing_locality import FIXTURES, record  # noqa: E402
 from runtime_speed import run_llama_bench  # noqa: E402
-from streaming import drop_cache  # noqa: E402
+from streaming import drop_cache, read_ceiling  # noqa: E402
 
 from runtime import hybrid  # noqa: E402
+from runtime.experts import ExpertCache  # noqa: E402
 from runtime.layers import rms_norm_row  # noqa: E402
 from runtime.models import build_model  # noqa: E402
 from runtime.planner import geometry  # noqa: E402
@@ -138,8 +139,10 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(model: Any, routing: Routing | None, device: str, args: argparse.Namespace, path: Path) -> dict:
-    """Warm up (one prefill, ``--warmup`` decode steps), then the best pp and tg of ``--reps`` runs."""
+def timed(model: Any, routing: Routing | None, device: str, args: argparse.Namespace, path: Path,
+          bytes_read: Any = None) -> dict:  # fmt: skip
+    """Warm up (one prefill, ``--warmup`` decode steps), then the best pp and tg of ``--reps`` runs;
+    ``bytes_read``: a counter of file bytes read, reported per decoded token."""
     gen = torch.Generator().manual_seed(0)
     toks = torch.randint(0, model.vocab_size, (max(args.pp, args.tg, args.warmup) + 1,), generator=gen).to(
         device
@@ -166,6 +169,7 @@ def timed(model: Any, routing: Routing | None, device: str, args: argparse.Names
         _sync(device)
         best_pp = max(best_pp, args.pp / (time.perf_counter() - t0))
         advance(args.pp)
+    read0 = bytes_read() if bytes_read else 0
     for _ in range(args.reps):
         st = model.new_state(args.tg + 1)
         if args.cold:
@@ -177,7 +181,10 @@ def timed(model: Any, routing: Routing | None, device: str, args: argparse.Names
             advance(1)
         _sync(device)
         best_tg = max(best_tg, args.tg / (time.perf_counter() - t0))
-    return {"pp": round(best_pp, 1), "tg": round(best_tg, 1)}
+    out = {"pp": round(best_pp, 1), "tg": round(best_tg, 1)}
+    if bytes_read:
+        out["tg_bytes_read_per_token"] = round((bytes_read() - read0) / (args.reps * args.tg))
+    return out
 
 
 # rows ----------------------------------------------------------------------------------------------------
@@ -205,14 +212,26 @@ def row_resident(path: Path, device: str, args: argparse.Namespace) -> dict:
         _free(model)
 
 
-def row_hybrid(path: Path, gib: float, routing: Routing, args: argparse.Namespace) -> dict:
+def row_hybrid(
+    path: Path, gib: float, routing: Routing, args: argparse.Namespace, host_gib: float = 0
+) -> dict:
+    """``host_gib``: the CPU side's experts streamed from the file through a host expert cache of that size,
+    every range read dropped from the page cache again (each miss a disk read)."""
     w = load_weights(path, "cuda", 0, verify_experts=False)
     w.host_experts = True
+    counter = None
+    if host_gib:
+        layers, used = w.expert_layers(), int(w.hparam("expert_used_count"))
+        slot = max(lay.record_bytes for lay in layers.values())
+        n = max(len(layers) * used + 1, int(host_gib * GIB) // slot)
+        w.expert_cache = ExpertCache(path, layers, n, used, "lfu", "cpu", drop_pages=True)
+        counter = lambda: w.expert_cache.stats.bytes_read  # noqa: E731
+        drop_cache(path)
     model = build_model(w)
     route_by(model, routing)
     h = hybrid.attach(model, int(gib * GIB), args.profile)
     try:
-        r = timed(model, routing, "cuda", args, path)
+        r = timed(model, routing, "cuda", args, path, counter)
         s = h.stats
         tokens = args.pp + args.warmup + args.reps * (args.pp + args.tg)
         layers = len(model.routed_layers())
@@ -329,6 +348,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, help="layers of a synthesized FILE (default: all 40)")
     ap.add_argument("--caches-gib", default="1,4,8")
     ap.add_argument("--stream-gib", type=float, default=4.0)
+    ap.add_argument(
+        "--host-cache-gib", type=float, default=0.0,
+        help="also run hybrid 4 GiB with the CPU's experts streamed through a host cache of this size, pages dropped",
+    )  # fmt: skip
     ap.add_argument("--routing", default="trace,uniform")
     ap.add_argument("--trace-model", type=Path, default=ROOT / "examples" / "tiny-qwen3moe")
     ap.add_argument("--text", type=Path, default=FIXTURES / "text" / "val.txt")
@@ -379,6 +402,21 @@ def main() -> None:
                 rows.append(guarded(f"hybrid {gib:g} GiB", kind, row_hybrid, path, gib, Routing(table), args))
             rows.append(guarded(f"SSD streaming {args.stream_gib:g} GiB", kind, row_streaming, path, "cuda",
                                 args.stream_gib, Routing(table), args))  # fmt: skip
+            if args.host_cache_gib:
+                cached = next(
+                    (r for r in rows if r["mode"] == "hybrid 4 GiB" and r["routing"] == kind and "tg" in r),
+                    None,
+                )
+                r = guarded(f"hybrid 4 GiB, host {args.host_cache_gib:g} GiB", kind, row_hybrid, path, 4.0,
+                            Routing(table), args, args.host_cache_gib)  # fmt: skip
+                if "tg" in r:
+                    ceiling = machine.setdefault("disk_read_gb_s", round(read_ceiling(path) / 1e9, 2)) * 1e9
+                    expect = r["tg_bytes_read_per_token"] / ceiling + (1 / cached["tg"] if cached else 0.0)
+                    r["expected_tg"] = round(1 / expect, 1) if expect else None
+                    r["note"] = (f"{r['tg_bytes_read_per_token'] / 1e6:,.1f} MB read per token; bound (read / "
+                                 f"disk + compute of the cached row) {r['expected_tg']} tok/s, ratio "
+                                 f"{r['expected_tg'] / r['tg']:.2f}" if r["expected_tg"] and cached else "")  # fmt: skip
+                rows.append(r)
     else:
         notes.append(
             "no CUDA device: the GPU rows (resident GPU, hybrid) are skipped; forge's rows run on the CPU"
