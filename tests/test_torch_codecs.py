@@ -298,3 +298,20 @@ def test_quantize_device_cuda_without_cuda_is_one_error_line(example_bf16, tmp_p
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "no CUDA device" in proc.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_first_absmax_is_numpys_on_ties_and_nans(device: str) -> None:
+    """Equal magnitudes of both signs take the first; a NaN column its first NaN: numpy's argmax semantics,
+    computed without argmax (whose pick among equal values is the reduction's, and differs on CUDA)."""
+    from forge.quant import numerics
+    from forge.quant.torch_codecs import ops
+
+    rng = np.random.default_rng(5)
+    x = rng.integers(-2, 3, (32, 64)).astype(np.float32)
+    x[:, 0] = 0
+    x[5, 1], x[9, 1] = np.nan, np.nan
+    want = numerics.first_absmax(x)
+    got = ops.first_absmax(torch.from_numpy(x).to(device)).cpu().numpy()
+    np.testing.assert_array_equal(got, want)
+    assert np.signbit(got[2:]).any() and not np.signbit(got[2:]).all()  # both signs were chosen somewhere

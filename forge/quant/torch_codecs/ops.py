@@ -248,8 +248,15 @@ def make_qp_quants_t(x: torch.Tensor, nmax: int, w: torch.Tensor) -> tuple[torch
 
 
 def first_absmax(x: torch.Tensor) -> torch.Tensor:
-    """The element of largest magnitude of each column (first one on ties), keeping its sign."""
-    return x.gather(0, x.abs().argmax(dim=0)[None])[0]
+    """The element of largest magnitude of each column (first one on ties), keeping its sign; a column with
+    a NaN gives its first NaN (numpy's argmax). The first index is taken as the smallest matching position,
+    not by ``argmax``, whose choice among equal values differs between CPU and CUDA reductions."""
+    a = x.abs()
+    nan = torch.isnan(a)
+    hit = torch.where(nan.any(dim=0), nan, a == a.amax(dim=0))
+    pos = torch.arange(x.shape[0], device=x.device).view(-1, *([1] * (x.dim() - 1)))
+    first = torch.where(hit, pos, x.shape[0]).amin(dim=0)
+    return x.gather(0, first[None])[0]
 
 
 def make_qx_quants_t(
