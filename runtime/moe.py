@@ -303,6 +303,8 @@ class ExpertSource:
         self.up: ExpertTensor | None = None
         if weights.has(p + "ffn_gate_up_exps.weight"):
             self.gate_up = weights.experts(p + "ffn_gate_up_exps.weight")
+        elif (stacked := _cuda_gate_up(weights, list(self.names[:2]))) is not None:
+            self.gate_up = stacked  # on CUDA, one launch for both (decode and prefill)
         else:
             self.gate, self.up = weights.experts(self.names[0]), weights.experts(self.names[1])
         self.down = weights.experts(self.names[2])
@@ -404,6 +406,13 @@ class ExpertSource:
         encoded = self._encoded_records()
         assert encoded is not None
         yield encoded, ids
+
+
+def _cuda_gate_up(weights: Weights, names: list[str]) -> ExpertTensor | None:
+    """Separate gate and up experts as one stacked tensor of their file rows on the GPU, where the cuda
+    kernels compute them (``Weights.cuda_expert_stack``); else None."""
+    stack = getattr(weights, "cuda_expert_stack", None)
+    return stack(names) if stack is not None and weights.device.type == "cuda" else None
 
 
 def encoded_experts(

@@ -382,6 +382,26 @@ class GGUFWeights(Weights):
                 self._raw.pop(n, None)
         return stacked.contiguous(), qtype
 
+    def cuda_expert_stack(self, names: list[str]) -> ExpertTensor | None:
+        """Routed-expert tensors of one type the cuda kernels compute, each expert's rows stacked: (n_expert,
+        sum of rows, row_bytes) on the GPU, so that one launch computes them all (gate and up); None when
+        they are not all such, or when the experts are streamed or held in host memory."""
+        if self.host_experts or any(n in self._raw for n in names):
+            return None
+        cache = self.expert_cache
+        if cache is not None and any(_routed_parts(n)[0] in cache.layers for n in names):
+            return None
+        qtypes, shapes = {self.qtype(n) for n in names}, {tuple(self.shape(n)[::2]) for n in names}
+        if len(qtypes) != 1 or len(shapes) != 1 or len(next(iter(shapes))) != 2:
+            return None
+        (qtype,) = qtypes
+        if not self.cuda_computes(qtype):
+            return None
+        stacked = torch.cat([self.raw(n) for n in names], dim=1)
+        for n in names:
+            self._raw.pop(n, None)
+        return ExpertTensor(stacked, qtype, self.shape(names[0])[-1])
+
     def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         self._require(name)
         if name not in self._dense and self.shape(name)[0] * self.shape(name)[-1] * 4 <= SMALL_TABLE_BYTES:
