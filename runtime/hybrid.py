@@ -84,14 +84,27 @@ class HybridStats:
 @dataclass(frozen=True)
 class Rates:
     """What a batch's copy of a missed expert costs against computing it on the CPU: ``upload_bps`` bytes/s
-    to the fast device, ``cpu_expert_s`` + n x ``cpu_pair_s`` seconds for an expert's n pairs on the CPU."""
+    to the fast device (records gathered), ``cpu_expert_s`` + n x ``cpu_pair_s`` seconds for an expert's n
+    pairs on the CPU; ``whole_bps``: bytes/s of copying a layer's whole experts as the file holds them (one
+    copy per part, no gather: canonical files in host memory; 0: never)."""
 
     upload_bps: float
     cpu_expert_s: float
     cpu_pair_s: float
+    whole_bps: float = 0.0
 
     def upload_pays(self, record_bytes: int, pairs: np.ndarray) -> np.ndarray:
         return record_bytes / self.upload_bps < self.cpu_expert_s + pairs * self.cpu_pair_s
+
+    def cpu_seconds(self, pairs: np.ndarray) -> float:
+        """The CPU side's time for experts of ``pairs`` pairs each."""
+        return float(np.sum(self.cpu_expert_s + pairs * self.cpu_pair_s))
+
+    def whole_pays(self, layer_bytes: int, gathered_bytes: int, cpu_seconds: float) -> bool:
+        """Copying the layer's experts whole beats gathering ``gathered_bytes`` of them while the CPU
+        computes the others in ``cpu_seconds``."""
+        alternative = max(gathered_bytes / self.upload_bps, cpu_seconds)
+        return self.whole_bps > 0 and layer_bytes / self.whole_bps < alternative
 
     #: never copy for a batch (every miss on the CPU)
     @classmethod
@@ -234,6 +247,10 @@ class HybridLayer:
         self.fast_backend = cuda_backend if self.pooled.device_parts() is not None else torch_backend
         lay = executor.layers[layer]
         self.base, self.record_bytes, self.n_expert = executor.key_base[layer], lay.record_bytes, lay.experts
+        # a batch may copy the layer's experts whole: each part one contiguous tensor in host memory
+        self.whole = source.kind == "per-use" and all(
+            getattr(source, c.role).raw.is_contiguous() for c in pool.components
+        )
 
     def routed_ffn(
         self,
@@ -483,8 +500,17 @@ class HybridExperts:
         tok = np.repeat(np.arange(n_tok), k)
         upload = np.zeros_like(hit)
         missed, inverse, pairs = np.unique(ids_n[~hit], return_inverse=True, return_counts=True)
+        whole = False
         if n_tok > 1 and missed.size:
-            upload[~hit] = self.rates.upload_pays(layer.record_bytes, pairs)[inverse]
+            pays = self.rates.upload_pays(layer.record_bytes, pairs)
+            upload[~hit] = pays[inverse]
+            whole = layer.whole and self.rates.whole_pays(
+                layer.record_bytes * layer.n_expert,
+                int(pays.sum()) * layer.record_bytes,
+                self.rates.cpu_seconds(pairs[~pays]),
+            )
+            if whole:  # the whole layer goes over anyway: every miss is computed there
+                upload[~hit] = True
         on_cpu = ~hit & ~upload
         observers = taps.observers
 
@@ -509,7 +535,7 @@ class HybridExperts:
             self.stats.gpu_hits += np.unique(slots[sel]).size
         uploaded = None
         if upload.any():
-            y, rec, uploaded = self._batch_upload(layer, x, tok, ids_n, w_h, upload, observers)
+            y, rec, uploaded = self._batch_upload(layer, x, tok, ids_n, w_h, upload, observers, whole)
             out = out + y
             fast_taps += [rec] if rec is not None else []
         if job is not None:
@@ -545,26 +571,32 @@ class HybridExperts:
         return y, time.perf_counter() - t0
 
     def _batch_upload(self, layer: HybridLayer, x: torch.Tensor, tok: np.ndarray, ids: np.ndarray,
-                      w: torch.Tensor, upload: np.ndarray, observers: list[Any]
+                      w: torch.Tensor, upload: np.ndarray, observers: list[Any], whole: bool = False
                       ) -> tuple[torch.Tensor, _Recorder | None, dict[int, dict[str, torch.Tensor]]]:  # fmt: skip
-        """The pairs ``upload`` of a batch: their experts copied to the device for this batch and computed
-        there. Returns their sum per token, the recorded observer inputs and the copies by key."""
+        """The pairs ``upload`` of a batch: their experts copied to the device for this batch (``whole``: the
+        layer's experts whole, one copy per part) and computed there. Returns their sum per token, the
+        recorded observer inputs and the copies by key."""
         dev = x.device
         sel = np.flatnonzero(upload)
         experts, index = np.unique(ids[sel], return_inverse=True)
         e_t = torch.from_numpy(experts)
-        parts = {c.role: ExpertTensor(t, c.qtype, c.cols) for c, t in zip(layer.pool.components, _upload(layer, e_t, dev), strict=True)}  # fmt: skip
+        if whole:
+            copied = [_to_device(getattr(layer.host, c.role).raw, dev) for c in layer.pool.components]
+            index, slot_of = ids[sel], experts  # the copies are indexed by expert id
+        else:
+            copied, slot_of = _upload(layer, e_t, dev), np.arange(len(experts))
+        parts = {c.role: ExpertTensor(t, c.qtype, c.cols) for c, t in zip(layer.pool.components, copied, strict=True)}  # fmt: skip
         source = _over(layer.host, parts)
         backend = cuda_backend if source.device_parts() is not None else torch_backend
-        rec = _Recorder(observers, _to(dev, experts)[0]) if observers else None
+        rec = _Recorder(observers, None if whole else _to(dev, experts)[0]) if observers else None
         pair_tok, pair_index, pair_w = _to(dev, tok[sel], index, w[sel])
         y = _partial(backend, source, rec or _NO_TAPS, x, pair_tok, pair_index, pair_w)
         self.stats.upload_experts += experts.size
         self.stats.upload_pairs += sel.size
-        self.stats.bytes_uploaded += experts.size * layer.record_bytes
+        self.stats.bytes_uploaded += (layer.n_expert if whole else experts.size) * layer.record_bytes
         copies = {
             int(layer.base + e): {role: t.raw[j] for role, t in parts.items()}
-            for j, e in enumerate(experts.tolist())
+            for j, e in zip(slot_of.tolist(), experts.tolist(), strict=True)
         }
         return y, rec, copies
 
@@ -595,6 +627,11 @@ def host_records(layer: HybridLayer, experts: torch.Tensor, out: list[torch.Tens
             block = rows[:, part.slot_offset : part.slot_offset + part.expert_bytes]
             dst[a : a + len(rows)] = block.reshape(len(rows), *dst.shape[1:])
     return out
+
+
+def _to_device(raw: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A contiguous host tensor on ``device`` (one copy; the host tensor itself on a CPU)."""
+    return raw if device.type == "cpu" else raw.to(device, non_blocking=True)
 
 
 def _upload(layer: HybridLayer, experts: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
@@ -676,6 +713,10 @@ def measure_rates(executor: HybridExperts, layer: HybridLayer, repeat: int = 5) 
     # a batch's copy as it is made: 16 experts gathered from host memory, then copied
     some = torch.arange(min(16, layer.n_expert))
     copy_s = best(lambda: _upload(layer, some, dev))
+    whole_bps = 0.0
+    if layer.whole:  # one part of the layer, whole (the first copy also faults the mapping in)
+        part = layer.host.down.raw
+        whole_bps = part.nbytes / max(best(lambda: _to_device(part, dev)), 1e-9)
     n_embd = layer.host.down.rows
     x = torch.randn(32, n_embd, generator=torch.Generator().manual_seed(0)) * 0.1
 
@@ -691,7 +732,7 @@ def measure_rates(executor: HybridExperts, layer: HybridLayer, repeat: int = 5) 
     t2, t32 = best(cpu(2)), best(cpu(32))
     cpu_kernels.use_threads(torch.get_num_threads())
     pair = max(t32 - t2, 0.0) / 30
-    return Rates(len(some) * layer.record_bytes / max(copy_s, 1e-9), max(t2 - 2 * pair, 0.0), pair)
+    return Rates(len(some) * layer.record_bytes / max(copy_s, 1e-9), max(t2 - 2 * pair, 0.0), pair, whole_bps)
 
 
 def attach(model: Any, cache_bytes: int, profile: Path | None = None, device: torch.device | str | None = None,

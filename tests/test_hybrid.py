@@ -112,6 +112,26 @@ def test_logits_match_resident(q8: Path, rates: str, share: int) -> None:
     )
 
 
+def test_batch_copies_the_layer_whole(q8: Path, tmp_path: Path) -> None:
+    """When copying a layer's experts whole beats gathering the missed ones, a batch's misses all go to the
+    fast side over the whole copy (canonical files only: an expert-major file's parts are strided)."""
+    want = _logits(load_model(q8))
+    whole = Rates(1.0, 1.0, 0.0, float("inf"))  # gathering never pays, the CPU is slow, a whole copy is free
+    m, h = _hybrid(q8, rates=whole)
+    assert all(layer.whole for layer in h.hybrid_layers.values())
+    _close(_logits(m), want)
+    s, n = h.stats, len(m.routed_layers())
+    layer = next(iter(h.hybrid_layers.values()))
+    assert s.upload_pairs > 0 and s.bytes_uploaded >= n * layer.n_expert * layer.record_bytes
+    assert s.cpu_pairs + s.gpu_pairs + s.upload_pairs == _pairs(m, PREFILL + DECODE)
+    assert s.cpu_pairs <= _pairs(m, DECODE)  # the prefill's misses all went over
+    major = tmp_path / "major.gguf"
+    convert(q8, major, "v2")
+    m, h = _hybrid(major, rates=whole)
+    assert not any(layer.whole for layer in h.hybrid_layers.values())
+    _close(_logits(m), want)
+
+
 def test_llamacpp_q4_k_m_logits(tmp_path: Path) -> None:
     path = _llamacpp("tiny-qwen3moe", "tiny-qwen3moe-Q4_K_M-imat.gguf")
     m, _ = _hybrid(path)
