@@ -686,8 +686,8 @@ _NO_TAPS = _NoTaps()
 def _to(device: torch.device, *rows: np.ndarray | torch.Tensor) -> list[torch.Tensor]:
     """Index rows (exact in float32) and weights to ``device`` in one copy: the integer ones as int64."""
     packed = torch.stack([torch.as_tensor(r, dtype=torch.float32) for r in rows])
-    if device.type != "cpu":
-        packed = packed.to(device)
+    if device.type != "cpu":  # pinned: an asynchronous copy, which does not wait for the queued kernels
+        packed = packed.pin_memory().to(device, non_blocking=True)
     return [r if isinstance(src, torch.Tensor) and src.is_floating_point() else r.long()
             for r, src in zip(packed.unbind(0), rows, strict=True)]  # fmt: skip
 
