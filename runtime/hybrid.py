@@ -2,7 +2,8 @@
 from the host's copy of the file, both at once.
 
 The routed experts stay the file's encoded bytes in host memory (``Weights.host_experts``: the mapped file,
-canonical or expert-major). A fixed pool of slots on the fast device holds the encoded records (gate, up and
+canonical or expert-major), or, for a file beyond host memory, are streamed into a host ``ExpertCache``
+(``runtime.experts``) that the CPU side reads from. A fixed pool of slots on the fast device holds the encoded records (gate, up and
 down rows as the file stores them) of the hot experts; layers whose experts share one geometry share one
 pool, so the hot set is chosen across layers. Per routed layer, after routing (``runtime.moe.Router``), the
 expert ids come to the host once; then
@@ -10,7 +11,8 @@ expert ids come to the host once; then
 - the (token, expert) pairs whose expert is in the pool are computed by the fast device's backend on the
   pool (the cuda kernels: one ``moe_linear`` launch per projection over slot ids),
 - in a prefill batch, a missed expert routed to enough tokens that its copy costs less than computing it on
-  the CPU (``Rates``, measured at load) is copied for this batch and computed there too,
+  the CPU (``Rates``, measured at load) is copied for this batch and computed there too (or the layer's
+  experts are copied whole, when that is faster than the gathered copies and the CPU's share),
 - the remaining pairs are computed by the CPU backend (numba kernels on the encoded records, which release
   the GIL) in a worker thread at the same time,
 
