@@ -142,47 +142,72 @@ class Frequency:
 
 
 class SlotPool:
-    """Slots on the fast device for the records of experts of one geometry: per role an (slots, rows, row
-    bytes) uint8 tensor (contiguous, as ``moe_linear`` reads it)."""
+    """Slots on the fast device for the records of experts of one geometry: per part an (slots, rows, row
+    bytes) uint8 tensor (contiguous, as ``moe_linear`` reads it). Gate and up of one type are one part, the
+    up rows after the gate rows (one launch computes both, as ``runtime.weights`` stacks them on CUDA)."""
 
     def __init__(self, components: tuple[Component, ...], n_slots: int, device: torch.device) -> None:
         self.components = components
         self.record_bytes = sum(c.expert_bytes for c in components)
+        role = {c.role: c for c in components}
+        gate, up = role["gate"], role["up"]
+        fused = gate.qtype == up.qtype and gate.cols == up.cols
+        groups = (
+            {"gate_up": (gate, up), "down": (role["down"],)} if fused else {c.role: (c,) for c in components}
+        )
+        self.where: dict[str, tuple[str, int, int]] = {}  # role -> (part, its first row, past its last row)
+        self.kind: dict[str, Component] = {}  # part -> a component of it (type and columns)
+        shapes = {}
+        for part, comps in groups.items():
+            rows = 0
+            for c in comps:
+                self.where[c.role] = (part, rows, rows + c.rows)
+                rows += c.rows
+            self.kind[part] = comps[0]
+            shapes[part] = (rows, comps[0].expert_bytes // comps[0].rows)
         self.parts = {
-            c.role: torch.empty((n_slots, c.rows, c.expert_bytes // c.rows), dtype=torch.uint8, device=device)
-            for c in components
+            p: torch.empty((n_slots, *shape), dtype=torch.uint8, device=device) for p, shape in shapes.items()
         }
         self.key = np.full(n_slots, -1, np.int64)  # the key each slot holds (or is being filled with)
         self.pending: list[tuple[int, int, Any]] = []  # (slot, key, copy done event)
         self.device = device
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None
-        self.stage = {  # pinned host records for admissions in flight, and the events that free them
-            c.role: torch.empty(
-                (STAGING_RECORDS, *self.parts[c.role].shape[1:]), dtype=torch.uint8, pin_memory=cuda
-            )
-            for c in components
+        # pinned host records for admissions in flight, and the copier's job using each
+        self.stage = {
+            p: torch.empty((STAGING_RECORDS, *shape), dtype=torch.uint8, pin_memory=cuda)
+            for p, shape in shapes.items()
         }
-        self.staging: list[Any] = [None] * STAGING_RECORDS  # the copier's job using each staging record
+        self.staging: list[Any] = [None] * STAGING_RECORDS
 
     @property
     def n_slots(self) -> int:
         return len(self.key)
 
+    def view(self, tensors: dict[str, torch.Tensor], role: str, index: int | slice) -> torch.Tensor:
+        """``role``'s rows of record ``index`` in ``tensors`` (``parts`` or ``stage``)."""
+        part, first, last = self.where[role]
+        return tensors[part][index, first:last]
+
     def tensors(self) -> dict[str, ExpertTensor]:
-        return {c.role: ExpertTensor(self.parts[c.role], c.qtype, c.cols) for c in self.components}
+        return {p: ExpertTensor(t, self.kind[p].qtype, self.kind[p].cols) for p, t in self.parts.items()}
 
 
 def _geometry(lay: LayerExperts) -> tuple[tuple[str, int, int, int], ...]:
     return tuple((c.role, int(c.qtype), c.rows, c.cols) for c in lay.components)
 
 
+def _shape(c: Component) -> tuple[int, int]:
+    return c.rows, c.expert_bytes // c.rows
+
+
 def _over(source: Any, parts: dict[str, ExpertTensor]) -> Any:
-    """A copy of an ``ExpertSource`` whose experts are ``parts`` (gate, up, down), held per use."""
+    """A copy of an ``ExpertSource`` whose experts are ``parts`` (gate_up or gate and up, then down), held
+    per use."""
     s = copy.copy(source)
-    s.gate, s.up, s.down = parts["gate"], parts["up"], parts["down"]
-    s.gate_up, s.fused, s.resident, s.kind = None, None, False, "per-use"
-    s.parts = (s.gate, s.up, s.down)
+    s.gate_up, s.gate, s.up, s.down = parts.get("gate_up"), parts.get("gate"), parts.get("up"), parts["down"]
+    s.fused, s.resident, s.kind = None, False, "per-use"
+    s.parts = (s.gate_up, s.down) if s.gate_up is not None else (s.gate, s.up, s.down)
     s.cache = s.cache_layer = s._rows = s._encoded = None
     return s
 
@@ -457,7 +482,7 @@ class HybridExperts:
         if pool.stream is None:  # a host "device": copied now
             records = host_records(layer, torch.tensor([expert]))
             for c, rec in zip(pool.components, records, strict=True):
-                pool.parts[c.role][slot] = rec[0]
+                pool.view(pool.parts, c.role, slot).copy_(rec[0])
             return None
         queued = torch.cuda.Event()
         queued.record()  # the kernels queued so far may read the slot's old expert: the copy waits for them
@@ -465,7 +490,7 @@ class HybridExperts:
             with torch.cuda.stream(pool.stream):
                 pool.stream.wait_event(queued)
                 for c in pool.components:
-                    pool.parts[c.role][slot].copy_(on_device[c.role], non_blocking=True)
+                    pool.view(pool.parts, c.role, slot).copy_(on_device[c.role], non_blocking=True)
                     on_device[c.role].record_stream(pool.stream)  # not reused before the copy is done
                 done = torch.cuda.Event()
                 done.record(pool.stream)
@@ -612,9 +637,7 @@ def host_records(layer: HybridLayer, experts: torch.Tensor, out: list[torch.Tens
     ``out`` if given: gathered from the mapped file, or (a layer streamed through a host expert cache) its
     records as the cache reads them, a cache's worth at a time."""
     comps = layer.pool.components
-    out = out or [
-        torch.empty((len(experts), *layer.pool.parts[c.role].shape[1:]), dtype=torch.uint8) for c in comps
-    ]
+    out = out or [torch.empty((len(experts), *_shape(c)), dtype=torch.uint8) for c in comps]
     if layer.host.kind != "streamed":
         for c, dst in zip(comps, out, strict=True):
             torch.index_select(getattr(layer.host, c.role).raw, 0, experts, out=dst)
@@ -641,7 +664,7 @@ def _upload(layer: HybridLayer, experts: torch.Tensor, device: torch.device) -> 
     straight into pinned memory, then one asynchronous copy each."""
     if device.type != "cuda":
         return host_records(layer, experts)
-    staged = [torch.empty((len(experts), *layer.pool.parts[c.role].shape[1:]), dtype=torch.uint8, pin_memory=True)
+    staged = [torch.empty((len(experts), *_shape(c)), dtype=torch.uint8, pin_memory=True)
               for c in layer.pool.components]  # fmt: skip
     return [t.to(device, non_blocking=True) for t in host_records(layer, experts, staged)]
 
@@ -663,11 +686,15 @@ def _finished(copied: Any, wait: bool = False) -> bool:
 def _stage_and_copy(pool: SlotPool, i: int, slot: int, layer: HybridLayer, expert: int, queued: Any) -> Any:
     """The copier thread: expert ``expert``'s record from host memory into staging record ``i`` (pinned),
     then into ``slot`` on the pool's side stream after the kernels ``queued`` marks. Returns its event."""
-    host_records(layer, torch.tensor([expert]), [pool.stage[c.role][i : i + 1] for c in pool.components])
+    host_records(
+        layer,
+        torch.tensor([expert]),
+        [pool.view(pool.stage, c.role, slice(i, i + 1)) for c in pool.components],
+    )
     with torch.cuda.stream(pool.stream):
         pool.stream.wait_event(queued)
-        for c in pool.components:
-            pool.parts[c.role][slot].copy_(pool.stage[c.role][i], non_blocking=True)
+        for part, slots in pool.parts.items():
+            slots[slot].copy_(pool.stage[part][i], non_blocking=True)
         done = torch.cuda.Event()
         done.record(pool.stream)
     return done

@@ -100,6 +100,7 @@ def test_logits_match_resident(q8: Path, rates: str, share: int) -> None:
     layers = GGUFWeights(q8).expert_layers()
     slots = sum(lay.experts for lay in layers.values()) // share
     m, h = _hybrid(q8, slots, getattr(Rates, rates)())
+    assert all(layer.pooled.gate_up is not None for layer in h.hybrid_layers.values())  # one part, one launch
     _close(_logits(m), want)
     s = h.stats
     assert s.gpu_pairs + s.upload_pairs + s.cpu_pairs == _pairs(m, PREFILL + DECODE)
@@ -215,6 +216,32 @@ def test_misses_are_admitted_then_hit(q8: Path) -> None:
     _close(_logits(m), first, 1e-5)
     assert h.stats.cpu_pairs == cpu_pairs and h.stats.evictions == 0
     assert h.stats.gpu_pairs - gpu_pairs == _pairs(m, PREFILL + DECODE)
+
+
+def test_pool_parts(q8: Path) -> None:
+    """Gate and up of one type share a part (rows stacked), else each role has its own."""
+    import dataclasses
+
+    from gguf import GGMLQuantizationType as Q
+
+    from runtime.hybrid import SlotPool
+
+    comps = GGUFWeights(q8).expert_layers()[0].components
+    by = {c.role: c for c in comps}
+    pool = SlotPool(comps, 3, torch.device("cpu"))
+    assert sorted(pool.parts) == ["down", "gate_up"]
+    assert pool.parts["gate_up"].shape[1] == by["gate"].rows + by["up"].rows
+    pool.parts["gate_up"].zero_()
+    pool.view(pool.parts, "up", 1).fill_(7)
+    assert (pool.parts["gate_up"][1, by["gate"].rows :] == 7).all() and not (
+        pool.parts["gate_up"][1, :1] == 7
+    ).all()
+    mixed = tuple(dataclasses.replace(c, qtype=Q.Q4_0) if c.role == "up" else c for c in comps)
+    pool = SlotPool(mixed, 3, torch.device("cpu"))
+    assert (
+        sorted(pool.parts) == ["down", "gate", "up"]
+        and pool.view(pool.stage, "up", slice(0, 1)).shape[0] == 1
+    )
 
 
 def test_a_hotter_miss_evicts_the_coldest_slot(q8: Path) -> None:
