@@ -594,7 +594,8 @@ class HybridExperts:
     ) -> tuple[torch.Tensor, float]:
         t0 = time.perf_counter()
         cpu_kernels.use_threads(self.cpu_threads)
-        y = _partial(layer.host_backend, layer.host, taps or _NO_TAPS, x, tok, ids, w)
+        with torch.inference_mode():  # as the model's forward pass (the mode is per thread)
+            y = _partial(layer.host_backend, layer.host, taps or _NO_TAPS, x, tok, ids, w)
         return y, time.perf_counter() - t0
 
     def _batch_upload(self, layer: HybridLayer, x: torch.Tensor, tok: np.ndarray, ids: np.ndarray,
@@ -683,6 +684,7 @@ def _finished(copied: Any, wait: bool = False) -> bool:
     return bool(copied.query())
 
 
+@torch.inference_mode()  # as the model's forward pass (the mode is per thread)
 def _stage_and_copy(pool: SlotPool, i: int, slot: int, layer: HybridLayer, expert: int, queued: Any) -> Any:
     """The copier thread: expert ``expert``'s record from host memory into staging record ``i`` (pinned),
     then into ``slot`` on the pool's side stream after the kernels ``queued`` marks. Returns its event."""
