@@ -3,7 +3,8 @@
     python benchmarks/hybrid_experts.py FILE.gguf [--caches-gib 1,4,8] [--stream-gib 4]
         [--routing trace,uniform] [--trace-model DIR|GGUF] [--text FILE] [--trace-tokens 2048]
         [--pp 512] [--tg 64] [--reps 2] [--warmup 64] [--threads N] [--profile PROFILE.json]
-        [--llama-bench PATH] [--cold] [--layers N] [--json OUT]
+        [--llama-bench PATH] [--cold] [--host-cache-gib G] [--rows resident,hybrid,streaming,llama]
+        [--layers N] [--json OUT]
 
 FILE is e.g. the Qwen3.6-35B-A3B-geometry Q4_K file; when absent it is written
 (``runtime.synth``, ``--layers`` fewer layers). Per row, decode (tg: ``--tg`` one-token steps from an
@@ -366,8 +367,13 @@ def main() -> None:
     ap.add_argument(
         "--cold", action="store_true", help="drop the file from the page cache before each timed run"
     )
+    ap.add_argument("--rows", default="resident,hybrid,streaming,llama",
+                    help="which rows: resident, hybrid, streaming, llama (a device's time limit: split a run)")  # fmt: skip
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    want = {r.strip() for r in args.rows.split(",") if r.strip()}
+    if not want or want - {"resident", "hybrid", "streaming", "llama"}:
+        raise SystemExit("--rows: resident, hybrid, streaming and/or llama")
     args.routing = [r.strip() for r in args.routing.split(",") if r.strip()]
     if not args.routing or any(r not in ("trace", "uniform") for r in args.routing):
         raise SystemExit("--routing: trace and/or uniform")
@@ -389,19 +395,22 @@ def main() -> None:
     else:
         machine["page_cache_read_gb_s"] = round(warm_page_cache(path) / 1e9, 2)
     n_tokens = args.pp + args.warmup + args.reps * (args.pp + args.tg) + 1
-    tables = routing_tables(args, path, min(n_tokens, 1 << 14))
+    forge_rows = want & {"hybrid", "streaming"} or (not cuda and "resident" in want) or args.host_cache_gib
+    tables = routing_tables(args, path, min(n_tokens, 1 << 14)) if forge_rows else {}
     rows: list[dict] = []
     if cuda:
         free = torch.cuda.mem_get_info()[0]
-        if path.stat().st_size + (2 << 30) <= free:
+        fits = path.stat().st_size + (2 << 30) <= free
+        if "resident" in want and fits:
             rows.append(guarded("resident GPU", "file", row_resident, path, "cuda", args))
-        else:
+        elif "resident" in want:
             rows.append({"mode": "resident GPU", "routing": "file", "note": f"skipped: the file does not fit in {free / GIB:.0f} GiB free"})  # fmt: skip
         for kind, table in tables.items():
-            for gib in caches:
+            for gib in caches if "hybrid" in want else ():
                 rows.append(guarded(f"hybrid {gib:g} GiB", kind, row_hybrid, path, gib, Routing(table), args))
-            rows.append(guarded(f"SSD streaming {args.stream_gib:g} GiB", kind, row_streaming, path, "cuda",
-                                args.stream_gib, Routing(table), args))  # fmt: skip
+            if "streaming" in want:
+                rows.append(guarded(f"SSD streaming {args.stream_gib:g} GiB", kind, row_streaming, path, "cuda",
+                                    args.stream_gib, Routing(table), args))  # fmt: skip
             if args.host_cache_gib:
                 cached = next(
                     (r for r in rows if r["mode"] == "hybrid 4 GiB" and r["routing"] == kind and "tg" in r),
@@ -422,10 +431,12 @@ def main() -> None:
             "no CUDA device: the GPU rows (resident GPU, hybrid) are skipped; forge's rows run on the CPU"
         )
         for kind, table in tables.items():
-            rows.append(guarded("CPU, mapped file", kind, row_cpu, path, Routing(table), args))
-            rows.append(guarded(f"SSD streaming {args.stream_gib:g} GiB", kind, row_streaming, path, "cpu",
-                                args.stream_gib, Routing(table), args))  # fmt: skip
-    if args.llama_bench is not None:
+            if "resident" in want:
+                rows.append(guarded("CPU, mapped file", kind, row_cpu, path, Routing(table), args))
+            if "streaming" in want:
+                rows.append(guarded(f"SSD streaming {args.stream_gib:g} GiB", kind, row_streaming, path, "cpu",
+                                    args.stream_gib, Routing(table), args))  # fmt: skip
+    if args.llama_bench is not None and "llama" in want:
         modes = [("llama.cpp -ot exps=CPU", ("-ot", "exps=CPU")), ("llama.cpp all on GPU", ())] if cuda else [("llama.cpp CPU", ())]  # fmt: skip
         for label, extra in modes:
             print(f"  running {label} ...", file=sys.stderr, flush=True)
