@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from forge.errors import ForgeError
+from forge.fileio import drop_pages
 
 #: safetensors dtype -> (numpy storage dtype, itemsize). BF16 is kept as its uint16 bit pattern.
 _DTYPES = {
@@ -71,6 +72,11 @@ class HFTensor:
             return np.zeros(self.shape, _DTYPES[self.dtype])
         dtype = _DTYPES[self.dtype]
         return _shard_map(self.shard)[self.offset : self.offset + self.nbytes].view(dtype).reshape(self.shape)
+
+    def release(self) -> None:
+        """Drop this tensor's pages from the process's resident set (``fileio.drop_pages``)."""
+        if self.nbytes:
+            drop_pages(_shard_map(self.shard), self.offset, self.nbytes)
 
     def float32(self) -> np.ndarray:
         data = self.raw()

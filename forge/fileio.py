@@ -1,15 +1,19 @@
-"""Reading a user's text file with one clear error, and byte copies between files that stay in the kernel
-where the OS allows (copy_file_range)."""
+"""Reading a user's text file with one clear error, byte copies between files that stay in the kernel
+where the OS allows (copy_file_range), and dropping a read-only mapping's pages once they are read."""
 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
+
 _CHUNK = 64 << 20
+_FAULT_AROUND = 64 << 10
 
 
 def read_text(path: str | os.PathLike[str]) -> str:
@@ -25,6 +29,20 @@ def read_text(path: str | os.PathLike[str]) -> str:
         return p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise ForgeError(f"{p}: not UTF-8 text") from None
+
+
+def drop_pages(mapping: np.memmap, offset: int, nbytes: int) -> None:
+    """Take the pages of ``mapping[offset : offset + nbytes]`` out of this process's resident set (a read-only
+    file mapping: the OS page cache keeps them, and a later read maps them again). A quantize that has read
+    a tensor drops it, so its RSS stays bounded by what it holds, not by the size of the source it has read."""
+    mm = getattr(mapping, "_mmap", None)
+    if mm is None or nbytes <= 0 or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    # a read fault maps the pages around it too (Linux's fault-around, 64 KiB): those go with the range
+    start = max(0, (offset - _FAULT_AROUND) // mmap.PAGESIZE * mmap.PAGESIZE)
+    end = min(len(mm), -(-(offset + nbytes + _FAULT_AROUND) // mmap.PAGESIZE) * mmap.PAGESIZE)
+    if end > start:
+        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def copy_ranges(dst: BinaryIO, ranges: Sequence[tuple[str | Path, int, int]]) -> None:

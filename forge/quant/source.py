@@ -14,8 +14,10 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from forge.arch.base import OutTensor
 from forge.convert import ModelSource, encode_float, float_type_for
 from forge.errors import ForgeError
+from forge.fileio import drop_pages
 from forge.gguf_file import KV, GGUFFile, open_gguf
 from forge.quant.reuse import CONVERTER_VERSION, content_digest
 
@@ -94,14 +96,26 @@ class HFQuantSource(QuantSource):
         src = t.produce()
         if float_type_for(t, GGMLQuantizationType.BF16) == GGMLQuantizationType.BF16 and src.dtype != "BF16":
             # what llama-quantize would see after a bf16 conversion
-            return gguf.quants.dequantize(
+            values = gguf.quants.dequantize(
                 encode_float(t, GGMLQuantizationType.BF16), GGMLQuantizationType.BF16
             )
-        return src.float32()
+        else:
+            values = src.float32()
+        return self._released(t, values)
 
     def stored(self, name: str) -> np.ndarray:
         t = self._by_name[name]
-        return encode_float(t, float_type_for(t, GGMLQuantizationType.BF16))
+        return self._released(t, encode_float(t, float_type_for(t, GGMLQuantizationType.BF16)))
+
+    @staticmethod
+    def _released(t: OutTensor, values: np.ndarray) -> np.ndarray:
+        """``values`` as an array of its own, the source pages they were read from dropped from the resident
+        set (a float32 source's values may be a view of the mapping: copied first)."""
+        if any(np.may_share_memory(values, p.raw()) for p in t.sources if p.nbytes):
+            values = values.copy()
+        for p in t.sources:
+            p.release()
+        return values
 
     def hparam(self, key: str, default: int = 0) -> int:
         kv = next((k for k in self._kvs if k.key == f"{self.arch}.{key}"), None)
@@ -116,7 +130,10 @@ class HFQuantSource(QuantSource):
                 for p in parts
             ]
             return content_digest([np.frombuffer(f"{head}:{stats}".encode(), np.uint8)])
-        return content_digest([np.frombuffer(head.encode(), np.uint8), *(p.raw() for p in parts)])
+        digest = content_digest([np.frombuffer(head.encode(), np.uint8), *(p.raw() for p in parts)])
+        for p in parts:
+            p.release()
+        return digest
 
 
 class GGUFQuantSource(QuantSource):
@@ -144,7 +161,15 @@ class GGUFQuantSource(QuantSource):
             raise ForgeError(
                 f"{self.ref.path}: cannot decode tensor {name} of type {t.ggml_type.name}"
             ) from None
-        return values.reshape(t.shape).astype(np.float32, copy=False)
+        values = values.reshape(t.shape).astype(np.float32, copy=False)
+        if np.may_share_memory(values, raw):  # an F32 source: a view of the mapping
+            values = values.copy()
+        self._release(name)
+        return values
+
+    def _release(self, name: str) -> None:
+        info = self.file.tensors[name]
+        drop_pages(self.file.mapped(), info.offset, info.nbytes)
 
     def stored(self, name: str) -> np.ndarray:
         return np.asarray(self.file.raw(name))
@@ -158,7 +183,9 @@ class GGUFQuantSource(QuantSource):
             st = self.file.path.stat()
             stats = (self.file.path.name, st.st_size, int(st.st_mtime), info.offset, info.nbytes)
             return content_digest([np.frombuffer(f"gguf:{name}:{stats}".encode(), np.uint8)])
-        return content_digest([np.frombuffer(f"gguf:{name}".encode(), np.uint8), self.file.raw(name)])
+        digest = content_digest([np.frombuffer(f"gguf:{name}".encode(), np.uint8), self.file.raw(name)])
+        self._release(name)
+        return digest
 
 
 def source_ref(path: str | Path, mtp: bool = True) -> SourceRef:

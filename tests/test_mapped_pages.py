@@ -1,0 +1,67 @@
+"""A quantize that has read a tensor from its mapped source drops those pages from its resident set
+(``fileio.drop_pages``), so its RSS is bounded by what it holds, not by how much of the source it has read."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from forge.fileio import drop_pages
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+
+
+def _mapping_rss(path: Path) -> int:
+    """Resident bytes of this process's mappings of ``path`` (/proc/self/smaps)."""
+    rss, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isalnum() and "-" in line.split()[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            rss += int(line.split()[1]) * 1024
+    return rss
+
+
+@linux
+def test_dropped_pages_leave_the_resident_set_and_read_back_the_same(tmp_path: Path) -> None:
+    path = tmp_path / "source.bin"
+    data = np.random.default_rng(0).integers(0, 256, 32 << 20, dtype=np.uint8)
+    data.tofile(path)
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    assert int(mm[::4096].sum()) >= 0  # touch every page
+    assert _mapping_rss(path) >= 30 << 20
+    drop_pages(mm, 1000, (16 << 20) - 1000)  # the first half, from an unaligned offset
+    assert _mapping_rss(path) <= (17 << 20)
+    drop_pages(mm, 16 << 20, 16 << 20)
+    assert _mapping_rss(path) <= (1 << 20)
+    np.testing.assert_array_equal(np.asarray(mm), data)  # read again from the page cache
+
+
+def test_arrays_that_are_not_mappings_are_left_alone() -> None:
+    a = np.arange(10, dtype=np.uint8)
+    drop_pages(a, 0, 10)
+    assert a.tolist() == list(range(10))
+
+
+@linux
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+def test_a_quantize_source_drops_what_it_read(kind: str, example_bf16: Path) -> None:
+    """Every tensor of the bundled model read as float32 and digested, as a quantize does, from the Hugging
+    Face folder and from its bf16 GGUF: what stays resident of the source's mappings is a small remainder
+    (pages the kernel maps around a fault), not the source (before: all of it)."""
+    from conftest import EXAMPLE
+
+    from forge.quant.jobs import open_source
+    from forge.quant.source import source_ref
+
+    where = EXAMPLE if kind == "hf" else example_bf16
+    src = open_source(source_ref(where))
+    for t in src.tensors():
+        src.digest(t.name)
+        src.float32(t.name)
+    files = sorted(EXAMPLE.glob("*.safetensors")) if kind == "hf" else [example_bf16]
+    total = sum(f.stat().st_size for f in files)
+    assert sum(_mapping_rss(f) for f in files) < total // 10
