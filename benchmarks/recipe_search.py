@@ -167,12 +167,19 @@ def main() -> None:
                   f"{r['spearman_unsampled']:.3f} on every other candidate; costs {cost:.0f} s (proxy "
                   f"{r['proxy_seconds']:.0f} s + sample {r['sample_seconds']:.0f} s) vs {r['full_measure_seconds']:.0f} s "
                   f"measuring all: {r['full_measure_seconds'] / cost:.1f}x")  # fmt: skip
-        print(f"each preset vs the largest {kind} ({g}) file no larger than it (held-out KLD):")
+        print(f"each preset vs the largest {kind} ({g}) file with no more bits per weight (tensor data; the files' "
+              "metadata differ by a few hundred bytes), held-out KLD:")  # fmt: skip
         wins = losses = 0
+        top = max(r["bpw"] for r in searched)
         for p in presets:
-            fit = [r for r in searched if r["bytes"] <= p["bytes"]]
+            fit = [r for r in searched if r["bpw"] <= p["bpw"] + 1e-9]
             if not fit:
                 print(f"  {p['name']:<10}{p['bpw']:.3f} bpw {p['kld']:.6f}: no searched file this small")
+                continue
+            if p["bpw"] > top + 0.5:
+                print(
+                    f"  {p['name']:<10}{p['bpw']:.3f} bpw {p['kld']:.6f}: beyond the largest budget ({top:.3f} bpw)"
+                )
                 continue
             r = fit[-1]
             won = r["kld"] < p["kld"]
