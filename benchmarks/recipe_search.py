@@ -53,6 +53,8 @@ def main() -> None:
     ap.add_argument("--granularity", default="tensor", help="tensor, family-layer or both (comma-separated)")
     ap.add_argument("--compare-uncorrected", action="store_true",
                     help="also search without the interaction correction (rows 'uncorrected')")  # fmt: skip
+    ap.add_argument("--seeds", action="store_true",
+                    help="also search with every bundled preset as a measured alternative (rows 'seeded')")  # fmt: skip
     ap.add_argument("--proxy-sample", type=int, default=0,
                     help="also search with --proxy (this many candidates measured; rows 'proxy')")  # fmt: skip
     ap.add_argument("--plot-with", type=Path, action="append", default=[],
@@ -110,7 +112,6 @@ def main() -> None:
         if kept.is_file():
             shutil.copy(kept, recipe.with_name(recipe.name + ".search.json"))
         for b in [float(x) for x in a.budgets.split(",") if x]:
-            kind = "searched" if corr else "uncorrected"
             name = f"{g}-{b:g}"
             if (kind, name) in done:
                 keep(done[(kind, name)])
@@ -119,12 +120,13 @@ def main() -> None:
             out = a.work / f"{kind}-{name}.gguf"
             res = search(bf16, recipe, a.calib, a.imatrix, target_bpw=b, types=a.types, granularity=g,
                          ctx=a.calib_ctx, chunks=a.calib_chunks, quantize_out=out, correction=corr,
+                         seeds=["all"] if kind == "seeded" else None,
                          log=lambda s: print("  " + s, flush=True))  # fmt: skip
             row = {"kind": kind, "name": name, "granularity": g, "budget": b, "bytes": res.measured_bytes,
                    "bpw": res.measured_bpw, "predicted_bytes": res.predicted_bytes,
                    "predicted_kld_calib": res.predicted_kld, "corrected_kld_calib": res.corrected_kld,
                    "measured_kld_calib": res.measured_kld, "uncorrected_kld_calib": res.uncorrected_kld,
-                   "scales": res.scales, "rounds": res.rounds, "search_seconds": round(time.perf_counter() - t0, 1),
+                   "scales": res.scales, "rounds": res.rounds, "chosen_by": res.chosen_by, "search_seconds": round(time.perf_counter() - t0, 1),
                    "seconds": res.seconds, "measured_now": res.measured, "candidates": res.measurements,
                    **judge(res.quantized)}  # fmt: skip
             (a.work / "search" / f"{kind}-{name}.toml").write_text(recipe.read_text())
@@ -254,7 +256,7 @@ def proxy_rows(
                "proxy_seconds": res.seconds.get("proxy", 0.0), "sample_seconds": per_candidate * len(picks),
                "full_measure_seconds": full_row["seconds"]["measure"], "predicted_kld_calib": res.predicted_kld,
                "corrected_kld_calib": res.corrected_kld, "measured_kld_calib": res.measured_kld,
-               "uncorrected_kld_calib": res.uncorrected_kld, "scales": res.scales, "rounds": res.rounds,
+               "uncorrected_kld_calib": res.uncorrected_kld, "scales": res.scales, "rounds": res.rounds, "chosen_by": res.chosen_by,
                "seconds": res.seconds, "search_seconds": round(time.perf_counter() - t0, 1),
                **judge(res.quantized)}  # fmt: skip
         out.unlink()
@@ -282,7 +284,7 @@ def plot(panels: list[tuple[str, list[dict]]], png: Path) -> None:
             s = sorted(
                 (r for r in rows if r["kind"] == kind and r["granularity"] == g), key=lambda r: r["bpw"]
             )
-            label = f"searched, {g}" + ("" if kind == "searched" else ", no correction")
+            label = f"{kind}, {g}"
             ax.plot(
                 [r["bpw"] for r in s],
                 [r["kld"] for r in s],

@@ -137,6 +137,40 @@ def test_family_scales_fit_the_whole_model_and_change_the_choice(tmp_path: Path)
     assert again.solution.choice == pick.solution.choice and len(calls) == n
 
 
+def test_seed_recipes_are_measured_alternatives(source_and_imatrix, tmp_path: Path) -> None:  # noqa: ANN001
+    """A known recipe the groups express is measured where it fits and kept when it measures lower than the
+    knapsack's answers (the per-group costs misjudge it); one that does not fit is not measured."""
+    from gguf import GGMLQuantizationType as Q
+
+    from forge.search.measure import Measurements, choice_key, make_groups
+    from forge.search.search import _choose, seed_choices
+
+    source, im = source_and_imatrix
+    fam, _ = make_groups(source, ["Q2_K", "Q4_K", "Q8_0"], im, "family-layer")
+    seeds = seed_choices(source, fam, im, ["moe_4bit", "q4_k_m", "q8_0"])
+    assert set(seeds) == {"moe_4bit", "q8_0"}  # q4_k_m mixes types inside a family-layer group
+    for g, j in zip(fam, seeds["moe_4bit"], strict=True):
+        assert g.options[j].types[0] == (Q.Q4_K if g.name.endswith("ffn_exps") else Q.Q8_0)
+    with pytest.raises(ForgeError, match="unknown recipe"):
+        seed_choices(source, fam, im, ["moe_9bit"])
+
+    groups = _two_family_groups()
+    costs = [[0.10, 0.02], [0.10, 0.02], [0.15, 0.01], [0.15, 0.01]]
+    sizes = [[o.size for o in g.options] for g in groups]
+    store = Measurements(tmp_path / "m.json", {})
+    measured: list[tuple[int, ...]] = []
+
+    def whole(choice: list[int]) -> float:  # the seed [1, 1, 0, 0] measures far lower than its costs say
+        measured.append(tuple(choice))
+        kld = 0.01 if list(choice) == [1, 1, 0, 0] else sum(c[j] for c, j in zip(costs, choice, strict=True))
+        store.put_point(choice_key(groups, choice), kld)
+        return kld
+
+    pick = _choose(groups, sizes, costs, 60, 0, whole, store, {"known": [1, 1, 0, 0], "big": [1, 1, 1, 1]})
+    assert pick.solution.choice == [1, 1, 0, 0] and pick.chosen_by == "seed known" and pick.measured == 0.01
+    assert (1, 1, 1, 1) not in measured  # 80 bytes: over the budget, never measured
+
+
 # --- the proxy -------------------------------------------------------------------------------------------
 
 

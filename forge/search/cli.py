@@ -70,6 +70,13 @@ def search_cmd(
         str | None,
         typer.Option(help="Ray cluster HOST:PORT or auto (default: $RAY_ADDRESS or a private one)"),
     ] = None,
+    seeds: Annotated[
+        str,
+        typer.Option(
+            help="known recipes measured as alternatives where the groups express them and they fit: "
+            "all (the bundled presets), none, or a comma-separated list"
+        ),
+    ] = "all",
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """The recipe with the least measured KL divergence within a size budget (llama.cpp's types).
@@ -121,7 +128,8 @@ def search_cmd(
 
     res = search(model, output, text, imatrix, target_bpw, size, types, granularity, ctx, chunks,
                  quantize_out, log, None if as_json else progress, correction,
-                 proxy_sample if proxy else None, executor, ray_address)  # fmt: skip
+                 proxy_sample if proxy else None, executor, ray_address,
+                 None if seeds == "none" else [x.strip() for x in seeds.split(",") if x.strip()])  # fmt: skip
     if as_json:
         sys.stdout.write(json.dumps(res.to_json(), indent=1) + "\n")
         return
@@ -141,7 +149,8 @@ def search_cmd(
     if res.calib_kld is not None:
         scales = ", ".join(f"{k} {v:.2f}" for k, v in sorted(res.scales.items()))
         out.print(f"corrected: mean KLD {res.corrected_kld:.6f} (family scales: {scales}); whole model "
-                  f"measured: {res.calib_kld:.6f} (the uncorrected knapsack's answer: {res.uncorrected_kld:.6f}; "
+                  f"measured: {res.calib_kld:.6f}, from the {res.chosen_by} (the uncorrected knapsack's answer: "
+                  f"{res.uncorrected_kld:.6f}; "
                   f"{res.points} whole models measured, {res.points_measured} now)")  # fmt: skip
     if res.quantized is not None:
         out.print(f"measured:  {res.measured_bytes:,} bytes, {res.measured_bpw:.4f} bpw, "

@@ -81,6 +81,8 @@ class SearchResult:
     rounds: int | None = None
     points: int | None = None
     points_measured: int | None = None
+    chosen_by: str | None = None  # knapsack, corrected knapsack (round k), or seed NAME
+    seeds: list | None = None  # the known recipes the groups can express (measured where they fit)
     proxy: dict | None = None  # --proxy: the sample, its rank correlations, the family scales
 
     def to_json(self) -> dict:
@@ -147,6 +149,7 @@ def search(
     proxy_sample: int | None = None,
     executor: str = "local",
     ray_address: str | None = None,
+    seeds: list[str] | None = None,
 ) -> SearchResult:
     from forge.distributed.cluster import check_executor, choose_executor
     from forge.imatrix.formats import read_imatrix
@@ -279,18 +282,26 @@ def search(
     if validation is None:
         costs = cost_table(groups, store)
     t0 = time.perf_counter()
+    seed_map = {}
+    if correction and seeds:
+        from forge.quant.recipe import available_recipes
+        from forge.search.measure import quiet_importance
+
+        with quiet_importance():
+            seed_map = seed_choices(source, groups, im, available_recipes() if seeds == ["all"] else seeds)
     if correction:
         for lb in used:  # the anchors: one type everywhere, for each candidate type
             whole([uniform_choice(g, lb) for g in groups])
     capacity = budget.capacity
     for _ in range(8):
-        pick = _choose(groups, sizes, costs, capacity, fixed, whole if correction else None, store)
+        pick = _choose(groups, sizes, costs, capacity, fixed, whole if correction else None, store, seed_map)
         sol = pick.solution
         header = [
             f"forge recipe search: {model.name}, target {_target_text(budget)}, {len(groups)} groups "
             f"({granularity}), types {','.join(labels).lower()}",
             f"calibration {text.name}: {chunks} x {ctx} tokens; mean KLD predicted {pick.predicted:.6f} "
-            f"(sum of the per-group costs), corrected {pick.corrected:.6f}, measured {pick.measured:.6f}"
+            f"(sum of the per-group costs), corrected {pick.corrected:.6f}, measured {pick.measured:.6f} "
+            f"({pick.chosen_by})"
             if correction else
             f"calibration {text.name}: {chunks} x {ctx} tokens; predicted mean KLD {sol.cost:.6f} "
             "(sum of the measured per-group costs)",
@@ -338,6 +349,7 @@ def search(
     if correction:
         res.corrected_kld, res.calib_kld = pick.corrected, pick.measured
         res.uncorrected_kld, res.scales, res.rounds = pick.uncorrected, pick.scales, pick.rounds
+        res.chosen_by, res.seeds = pick.chosen_by, sorted(seed_map)
         res.points = len(store.points)
         res.points_measured = len(store.points) - points_before
 
@@ -405,6 +417,7 @@ class Pick:
     uncorrected: float = math.nan  # the whole model the uncorrected knapsack picks, measured
     scales: dict = field(default_factory=dict)
     rounds: int = 0
+    chosen_by: str = "knapsack"
 
 
 def _choose(
@@ -415,17 +428,20 @@ def _choose(
     fixed: int,
     whole: Callable[[list[int]], float] | None,
     store: Measurements | None = None,
+    seeds: dict[str, list[int]] | None = None,
 ) -> Pick:
     """The knapsack's answer; with ``whole`` (measures a whole model), the interaction correction: refit
     the family scales on every measured point, re-solve with the scaled costs and measure the answer,
-    until an answer repeats (at most ROUNDS times); the answer with the least measured KLD is kept, so
-    the correction can only improve on the uncorrected answer on the calibration text."""
+    until an answer repeats (at most ROUNDS times). ``seeds`` (known recipes as choices) that fit are
+    measured too: the per-group costs can misjudge a whole mix (they add up what partly cancels), and a
+    known recipe is a measured alternative. The answer with the least measured KLD is kept, so the search
+    can only improve on the uncorrected answer, and on every seed that fits, on the calibration text."""
     sol = solve(sizes, costs, capacity)
     if sol is None:  # pragma: no cover - the bounds were checked before
         raise ForgeError("no recipe fits the budget")
     if whole is None or store is None:
         return Pick(sol, sol.cost, sol.cost)
-    tried = {tuple(sol.choice): (sol, whole(sol.choice), {}, 0)}
+    tried = {tuple(sol.choice): (sol, whole(sol.choice), {}, 0, "knapsack")}
     scales: dict = {}
     for k in range(1, ROUNDS + 1):
         pts = _points(groups, store)
@@ -435,12 +451,49 @@ def _choose(
         assert nxt is not None
         if tuple(nxt.choice) in tried:
             break
-        tried[tuple(nxt.choice)] = (nxt, whole(nxt.choice), scales, k)
-    best, measured, best_scales, rounds = min(tried.values(), key=lambda t: (t[1], t[0].size))
+        tried[tuple(nxt.choice)] = (nxt, whole(nxt.choice), scales, k, f"corrected knapsack (round {k})")
+    for name, choice in (seeds or {}).items():
+        size = sum(s[j] for s, j in zip(sizes, choice, strict=True))
+        if size <= capacity and tuple(choice) not in tried:
+            cost = sum(c[j] for c, j in zip(costs, choice, strict=True))
+            tried[tuple(choice)] = (
+                Solution(list(choice), size, cost, 0),
+                whole(choice),
+                {},
+                0,
+                f"seed {name}",
+            )
+    best, measured, best_scales, rounds, how = min(tried.values(), key=lambda t: (t[1], t[0].size))
     final = best_scales or scales
     pred = sum(c[j] for c, j in zip(costs, best.choice, strict=True))
     corr = sum(c[j] for c, j in zip(corrected(groups, costs, final), best.choice, strict=True))
-    return Pick(best, pred, corr, measured, tried[tuple(sol.choice)][1], final, rounds)
+    return Pick(best, pred, corr, measured, tried[tuple(sol.choice)][1], final, rounds, how)
+
+
+def seed_choices(
+    source: object, groups: list[Group], imatrix: object, names: list[str]
+) -> dict[str, list[int]]:
+    """The recipes among ``names`` that the groups can express exactly (every group's tensors planned to
+    one of its options' types), as choices; the others are left out."""
+    from forge.quant.plan import make_plan
+    from forge.quant.recipe import load_recipe
+
+    out = {}
+    for name, recipe in [(n, load_recipe(n)) for n in names]:  # an unknown name is an error, before any work
+        try:
+            plan = {p.name: p.out_type for p in make_plan(source, recipe, imatrix=imatrix)}  # type: ignore[arg-type]
+        except ForgeError:  # e.g. an IQ preset without an imatrix
+            continue
+        choice = []
+        for g in groups:
+            want = tuple(plan.get(n) for n in g.tensors)
+            j = next((j for j, o in enumerate(g.options) if o.types == want), None)
+            if j is None:
+                break
+            choice.append(j)
+        else:
+            out[name] = choice
+    return out
 
 
 def _points(groups: list[Group], store: Measurements) -> list[tuple[list[int], float]]:
