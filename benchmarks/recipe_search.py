@@ -98,12 +98,11 @@ def main() -> None:
               f"{row['top1']:>8.2%}", flush=True)  # fmt: skip
 
     print(f"{'kind':<9}{'name':<12}{'bytes':>12}{'bpw':>8}{'mean KLD':>11}{'top-1':>8}")
-    variants = [
-        (g, c)
-        for g in a.granularity.split(",")
-        for c in ((True, False) if a.compare_uncorrected else (True,))
-    ]
-    for g, corr in variants:
+    kinds = (
+        ["searched"] + (["uncorrected"] if a.compare_uncorrected else []) + (["seeded"] if a.seeds else [])
+    )
+    for g, kind in [(g, k) for g in a.granularity.split(",") for k in kinds]:
+        corr = kind != "uncorrected"
         # one -o for all budgets: one set of measurements and type files; each granularity's measurements are
         # kept aside (measurements-G.json) and put back before its searches
         recipe = a.work / "search" / "best.toml"
