@@ -249,8 +249,8 @@ def make_qp_quants_t(x: torch.Tensor, nmax: int, w: torch.Tensor) -> tuple[torch
 
 def first_absmax(x: torch.Tensor) -> torch.Tensor:
     """The element of largest magnitude of each column (first one on ties), keeping its sign; a column with
-    a NaN gives its first NaN (numpy's argmax). The first index is taken as the smallest matching position,
-    not by ``argmax``, whose choice among equal values differs between CPU and CUDA reductions."""
+    a NaN gives its first NaN (numpy's argmax). The first index is the smallest matching position, so the
+    choice does not depend on how a device's reduction visits equal values."""
     a = x.abs()
     nan = torch.isnan(a)
     hit = torch.where(nan.any(dim=0), nan, a == a.amax(dim=0))
