@@ -177,7 +177,7 @@ def main() -> None:
             if not fit:
                 print(f"  {p['name']:<10}{p['bpw']:.3f} bpw {p['kld']:.6f}: no searched file this small")
                 continue
-            if p["bpw"] > top + 0.5:
+            if p["bpw"] > top + 0.8:
                 print(
                     f"  {p['name']:<10}{p['bpw']:.3f} bpw {p['kld']:.6f}: beyond the largest budget ({top:.3f} bpw)"
                 )
