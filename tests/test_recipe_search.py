@@ -169,6 +169,9 @@ def test_seed_recipes_are_measured_alternatives(source_and_imatrix, tmp_path: Pa
     pick = _choose(groups, sizes, costs, 60, 0, whole, store, {"known": [1, 1, 0, 0], "big": [1, 1, 1, 1]})
     assert pick.solution.choice == [1, 1, 0, 0] and pick.chosen_by == "seed known" and pick.measured == 0.01
     assert (1, 1, 1, 1) not in measured  # 80 bytes: over the budget, never measured
+    # later searches (no seeds) keep it: a whole model measured before that fits is an answer too
+    again = _choose(groups, sizes, costs, 65, 0, whole, store)
+    assert again.solution.choice == [1, 1, 0, 0] and again.measured == 0.01
 
 
 # --- the proxy -------------------------------------------------------------------------------------------

@@ -434,8 +434,9 @@ def _choose(
     the family scales on every measured point, re-solve with the scaled costs and measure the answer,
     until an answer repeats (at most ROUNDS times). ``seeds`` (known recipes as choices) that fit are
     measured too: the per-group costs can misjudge a whole mix (they add up what partly cancels), and a
-    known recipe is a measured alternative. The answer with the least measured KLD is kept, so the search
-    can only improve on the uncorrected answer, and on every seed that fits, on the calibration text."""
+    known recipe is a measured alternative. The answer with the least measured KLD among these and every
+    whole model measured before that fits is kept, so the search can only improve on the uncorrected
+    answer, on every seed and on every earlier answer that fits, on the calibration text."""
     sol = solve(sizes, costs, capacity)
     if sol is None:  # pragma: no cover - the bounds were checked before
         raise ForgeError("no recipe fits the budget")
@@ -462,6 +463,17 @@ def _choose(
                 {},
                 0,
                 f"seed {name}",
+            )
+    for choice, kld in _points(groups, store):  # whole models measured before (other budgets, runs) that fit
+        size = sum(s[j] for s, j in zip(sizes, choice, strict=True))
+        if size <= capacity and tuple(choice) not in tried:
+            cost = sum(c[j] for c, j in zip(costs, choice, strict=True))
+            tried[tuple(choice)] = (
+                Solution(list(choice), size, cost, 0),
+                kld,
+                {},
+                0,
+                "whole model measured before",
             )
     best, measured, best_scales, rounds, how = min(tried.values(), key=lambda t: (t[1], t[0].size))
     final = best_scales or scales
