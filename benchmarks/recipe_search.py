@@ -279,7 +279,13 @@ def plot(panels: list[tuple[str, list[dict]]], png: Path) -> None:
             ax.annotate(
                 r["name"], (r["bpw"], r["kld"]), fontsize=6, xytext=(3, 3), textcoords="offset points"
             )
-        for kind, g in sorted({(r["kind"], r["granularity"]) for r in rows if r["kind"] != "preset"}):
+        shown = {
+            ("searched", "tensor"),
+            ("searched", "family-layer"),
+            ("seeded", "family-layer"),
+            ("proxy", "family-layer"),
+        }
+        for kind, g in sorted({(r["kind"], r["granularity"]) for r in rows if r["kind"] != "preset"} & shown):
             s = sorted(
                 (r for r in rows if r["kind"] == kind and r["granularity"] == g), key=lambda r: r["bpw"]
             )
