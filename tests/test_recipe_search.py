@@ -371,6 +371,12 @@ def test_partial_forward_equals_the_full_forward(
     head = meter.variant({"output.weight": w})
     assert meter.kld(head, 4) == pytest.approx(meter.kld(head, -1), rel=1e-4)
     assert meter.kld_of_file(q) > max(partial, meter.kld(head, 4))  # both groups at once
+    # variants share the base's decoded matrices: a variant built on a warm cache equals one built cold
+    assert meter.shared  # only base decodes: an overlaid tensor is decoded by its variant
+    cold = KldMeter(example_bf16, ids, 32, 2)
+    assert cold.kld(cold.variant({"blk.2.attn_v.weight": w}), -1) == meter.kld(
+        meter.variant({"blk.2.attn_v.weight": w}), -1
+    )
 
 
 def test_measurements_of_other_settings_are_not_used(tmp_path: Path) -> None:

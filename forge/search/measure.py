@@ -244,9 +244,21 @@ def _mixed_weights_class() -> type:
     class MixedWeights(GGUFWeights):
         """The base file's weights, with some tensors taken from other files (same names and shapes)."""
 
-        def __init__(self, path: Path, overlay: dict[str, GGUFWeights]) -> None:
+        def __init__(self, path: Path, overlay: dict[str, GGUFWeights], shared: dict | None = None) -> None:
             super().__init__(path, "cpu", verify_experts=False)
             self.overlay = overlay
+            self.shared = {} if shared is None else shared
+
+        def columns(self, names: list[str], order=None):  # noqa: ANN001, ANN202 - torch.Tensor
+            """The base's decoded matrices are decoded once for all variants (``shared``, kept by the meter):
+            a variant decodes only the tensors it changes. On a 35B-shaped layer, rebuilding the float32
+            copies of every unchanged matrix (the LM head above all) was most of a candidate's cost."""
+            if order is not None or any(n in self.overlay for n in names):
+                return super().columns(names, order)
+            key = tuple(names)
+            if key not in self.shared:
+                self.shared[key] = super().columns(names)
+            return self.shared[key]
 
         def qtype(self, name: str) -> Q:
             o = self.overlay.get(name)
@@ -269,6 +281,7 @@ class KldMeter:
         from runtime.weights import load_weights
 
         self.base = base
+        self.shared: dict = {}  # the base's decoded matrices, shared by every variant (MixedWeights.columns)
         self.n_ctx = n_ctx
         self.first = n_ctx // 2
         weights = load_weights(base, "cpu", verify_experts=False)
@@ -341,7 +354,7 @@ class KldMeter:
     def variant(self, overlay: dict[str, object]) -> object:
         from runtime.models import build_model
 
-        return build_model(_mixed_weights_class()(self.base, overlay))
+        return build_model(_mixed_weights_class()(self.base, overlay, self.shared))
 
 
 def measure(
