@@ -17,6 +17,10 @@ Three measurements:
    and one calibration chunk of T tokens; a candidate in layer L reruns layers L.. and the head, so the
    seconds are fitted as  (sum over candidates of the layers they rerun) x t_layer + candidates x t_head;
 3. the knapsack: `knapsack.solve` on random costs with the group and option counts of a 35B search.
+`--per-layer T` times a candidate's parts directly (a layer rerun, the head, the build, at T tokens, on the
+2-layer model once the shared decoded matrices are warm) and extrapolates from those: since candidates share
+the base's decoded matrices, the fixed part of the fit above is mostly gone and 1-2 layers no longer separate
+it from noise.
 The extrapolation multiplies these out for 40 layers, 12 types and 4 x 512 calibration tokens, on this machine,
 with each cost linear in the tokens (fitted from the two token counts) and its fixed part paid once per
 candidate or once per chunk (the two ends of the range printed).
@@ -81,7 +85,25 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/forge-search-cost"))
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--from-json", type=Path, default=None, help="only redo the extrapolation of a --json")
+    ap.add_argument("--per-layer", type=int, default=0, metavar="T",
+                    help="only time a layer rerun, the head and a build at T tokens on the 2-layer model (after a "
+                    "measuring run left its type files), and extrapolate from those")  # fmt: skip
     a = ap.parse_args()
+    if a.per_layer:
+        import torch
+
+        torch.set_num_threads(a.threads)
+        parts = per_layer(a.work, a.per_layer, a.experts, a.vocab)
+        n_layer, per_layer_groups, n_types, chunks = 40, 7, 12, 4
+        for name, groups in (("tensor", per_layer_groups), ("family-layer", 2)):
+            cands = (n_layer * groups + 2) * n_types
+            reruns = sum(groups * n_types * (n_layer - layer) for layer in range(n_layer)) + n_types * n_layer
+            hours = (
+                chunks * (reruns * parts["layer_s"] + cands * parts["head_s"]) + cands * parts["build_s"]
+            ) / 3600
+            print(f"35B-shaped, {name}: {cands} candidates, {reruns} layer reruns x {chunks} chunks of "
+                  f"{a.per_layer}: {hours:.0f} h of measuring in one process")  # fmt: skip
+        return
     if a.from_json:
         out = json.loads(a.from_json.read_text())
         extrapolate(out)
@@ -166,6 +188,34 @@ def main() -> None:
     extrapolate(out)
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
+
+
+def per_layer(work: Path, tokens: int, experts: int, vocab: int | None) -> dict:
+    """One candidate's parts on the 2-layer model at ``tokens`` tokens (one chunk, the scored half through
+    the head), after the shared decoded matrices are warm: a layer rerun (a layer-0 candidate minus a layer-1
+    one), the head, and a candidate's model build. Best of two."""
+    from forge.search.measure import KldMeter
+    from runtime.weights import GGUFWeights
+
+    model = bf16_model(work, 2, experts=experts, **({"vocab": vocab} if vocab else {}))
+    typed = work / "l2" / "best.toml.search" / "Q4_K.gguf"  # left by the measuring runs
+    meter = KldMeter(model, list(range(100, 100 + 2 * tokens)), tokens, 1)
+    w = GGUFWeights(typed, "cpu", verify_experts=False)
+    meter.kld(meter.variant({"blk.1.attn_k.weight": w}), 1)  # warm
+    best: dict[str, float] = {}
+    for _ in range(2):
+        for key, name, layer in (("from_0", "blk.0.attn_q.weight", 0), ("from_1", "blk.1.attn_q.weight", 1)):
+            t0 = time.perf_counter()
+            v = meter.variant({name: w})
+            t1 = time.perf_counter()
+            meter.kld(v, layer)
+            t2 = time.perf_counter()
+            best[key] = min(best.get(key, math.inf), t2 - t1)
+            best["build"] = min(best.get("build", math.inf), t1 - t0)
+    out = {"tokens": tokens, "layer_s": best["from_0"] - best["from_1"], "head_s": 2 * best["from_1"] - best["from_0"],
+           "build_s": best["build"]}  # fmt: skip
+    print(json.dumps(out), flush=True)
+    return out
 
 
 def extrapolate(out: dict) -> None:
