@@ -325,6 +325,8 @@ def test_bad_budgets_are_errors_before_any_work(example_bf16: Path, tmp_path: Pa
         search(example_bf16, out, CALIB, target_bpw=4.0, target_size=1 << 24, **kw)
     with pytest.raises(ForgeError, match="unknown"):
         search(example_bf16, out, CALIB, target_bpw=4.0, imatrix=IMATRIX, types="q4_k,q9_z")
+    with pytest.raises(ForgeError, match="unknown recipe 'moe_9bit'"):
+        search(example_bf16, out, CALIB, target_bpw=4.0, seeds=["moe_9bit"], **kw)
     assert not out.exists() and not (tmp_path / "best.toml.search.json").exists()
 
 

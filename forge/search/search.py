@@ -160,6 +160,11 @@ def search(
     if (target_bpw is None) == (target_size is None):
         raise ForgeError("give exactly one of --target-bpw or --target-size")
     check_executor(executor, ray_address)
+    if seeds and seeds != ["all"]:
+        from forge.quant.recipe import load_recipe
+
+        for name in seeds:  # an unknown recipe is an error before any work
+            load_recipe(name)
     encode_on = choose_executor(executor, 1, ray_address, log) if executor == "ray" else None
     body = read_text(text)
     labels = parse_types(types)
