@@ -480,6 +480,11 @@ class AttentionConfig:
         )
 
 
+# The fused one-token attention walks a head's slots in one program; past this many slots (an estimate, not
+# measured) the step takes torch's batched products, which spread the slots over the GPU.
+FUSED_ATTENTION_SLOTS = 1024
+
+
 class GQAttention:
     """Attention with q/k RMSNorm; ``gated``: q_proj also yields a per-head output gate (Qwen3.5/Next).
     Without ``attn_q_norm`` / ``attn_k_norm`` tensors q and k are not normalized; ``attn_{q,k,v}.bias``
@@ -616,7 +621,7 @@ class GQAttention:
                 notify_matmul(self.observers, name, x)
         y = self.w_in(x)[0] if self.w_in.encoded is not None else torch.mm(x, self.w_in_t)[0]
         n_q, n_k, n_gate, _ = self.sizes
-        if self.fused_step:
+        if self.fused_step and max(pos + 1, cache.span) <= FUSED_ATTENTION_SLOTS:
             return self.out.step(self._fused_attention(y, cache, pos), h)
         qk = y[: n_q + n_k].view(c.n_head + c.n_head_kv, c.head_dim)
         qk = self.rope.step(rms_norm_heads(qk, self.qk_norm, self.qk_eps), pos, cache.at, cache.span)
