@@ -54,6 +54,77 @@ def bits_f32(typingctx, x):  # noqa: ANN001, ANN201
     return types.float32(x), codegen
 
 
+@intrinsic
+def at(typingctx, arr, i):  # noqa: ANN001, ANN201
+    """``arr[i]`` of a 1-D contiguous array without numba's wraparound of negative indices (``0 <= i < len``
+    is the caller's promise): a plain load, so a loop over ``at(arr, base + lane)`` vectorizes into vector
+    loads where an index numba cannot prove non-negative becomes a gather. (A slice per block would do the
+    same at the cost of two atomic reference-count updates per slice.)"""
+    if not (
+        isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == "C" and isinstance(i, types.Integer)
+    ):
+        return None
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        index = context.cast(builder, args[1], signature.args[1], types.intp)
+        return builder.load(builder.gep(ary.data, [index], inbounds=True))
+
+    return arr.dtype(arr, i), codegen
+
+
+@intrinsic
+def prefetch(typingctx, arr, i):  # noqa: ANN001, ANN201
+    """Ask the CPU to bring the cache line of ``arr[i]`` (a 1-D contiguous array) into the caches, for reading."""
+    if not (
+        isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == "C" and isinstance(i, types.Integer)
+    ):
+        return None
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        index = context.cast(builder, args[1], signature.args[1], types.intp)
+        ptr = builder.bitcast(builder.gep(ary.data, [index], inbounds=True), ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
+        fn = builder.module.declare_intrinsic("llvm.prefetch", (), fnty)
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(arr, i), codegen
+
+
+@intrinsic
+def u8_field(typingctx, v, shift, mask):  # noqa: ANN001, ANN201
+    """float32((v >> shift) & mask) of a byte ``v`` (uint8), computed on 8-bit integers.
+
+    numba widens integer arithmetic to 64 bits, which makes LLVM vectorize a loop over bytes 8 lanes at a
+    time with 64-bit conversions; this keeps the bit field in 8 bits (16 or 32 lanes a vector)."""
+    if v != types.uint8 or not isinstance(shift, types.Integer) or not isinstance(mask, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        byte = ir.IntType(8)
+        field = builder.and_(
+            builder.lshr(args[0], builder.trunc(args[1], byte)), builder.trunc(args[2], byte)
+        )
+        return builder.uitofp(field, ir.FloatType())
+
+    return types.float32(v, shift, mask), codegen
+
+
+@intrinsic
+def i8_f32(typingctx, v):  # noqa: ANN001, ANN201
+    """float32 of a byte (uint8) read as int8, converted on 8 bits (see ``u8_field``)."""
+    if v != types.uint8:
+        return None
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        return builder.sitofp(args[0], ir.FloatType())
+
+    return types.float32(v), codegen
+
+
 @njit(inline="always", **JIT)
 def nearest_int(f: float) -> int:
     """ggml ``nearest_int``: round half to even through the 1.5*2**23 trick (wraps like ggml beyond 2**22)."""

@@ -23,7 +23,7 @@ from numba import config as numba_config
 from numba import get_num_threads, njit, prange, set_num_threads
 
 from forge.jit import enabled as numba_enabled
-from runtime.cpu_rows import decode_row, dot_row, group_sums
+from runtime.cpu_rows import decode_row, dot_row, group_sums, prefetch_row
 
 _FASTMATH = {"reassoc", "contract"}  # vectorized sums and FMA; no assumptions about NaN or infinity
 # weights (elements) from which a product is split across threads: below it, waking them costs more
@@ -97,6 +97,8 @@ def _gemv_encoded(
     for c in prange((n + _ROW_CHUNK - 1) // _ROW_CHUNK):
         buf = np.empty(x.shape[0], np.float32)
         for r in range(c * _ROW_CHUNK, min(n, (c + 1) * _ROW_CHUNK)):
+            if r + 1 < n:
+                prefetch_row(w[r + 1])
             s = dot_row(w[r], qtype, x, x_sums, buf)
             out[r] = s + res[r] if has_res else s
 
@@ -136,24 +138,33 @@ def _routed_ffn_encoded(
     k, n_ff = act.shape
     x_sums = np.empty(x.shape[0] // 32, np.float32)
     group_sums(x, x_sums)
-    for r in prange(k * n_ff):
-        i = r // n_ff
-        f = r - i * n_ff
-        e = ids[i]
+    rows = k * n_ff
+    for c in prange((rows + _ROW_CHUNK - 1) // _ROW_CHUNK):
         row = np.empty(x.shape[0], np.float32)
-        g = dot_row(_encoded_row(gate, meta, 0, e, f), meta[0, 4], x, x_sums, row)
-        act[i, f] = _silu(g) * dot_row(_encoded_row(up, meta, 1, e, f), meta[1, 4], x, x_sums, row)
+        for r in range(c * _ROW_CHUNK, min(rows, (c + 1) * _ROW_CHUNK)):
+            i = r // n_ff
+            f = r - i * n_ff
+            e = ids[i]
+            if f + 1 < n_ff:
+                prefetch_row(_encoded_row(gate, meta, 0, e, f + 1))
+                prefetch_row(_encoded_row(up, meta, 1, e, f + 1))
+            g = dot_row(_encoded_row(gate, meta, 0, e, f), meta[0, 4], x, x_sums, row)
+            act[i, f] = _silu(g) * dot_row(_encoded_row(up, meta, 1, e, f), meta[1, 4], x, x_sums, row)
     act_sums = np.empty((k, n_ff // 32), np.float32)
     for i in range(k):
         group_sums(act[i], act_sums[i])
-    for d in prange(out.shape[0]):
+    n_out = out.shape[0]
+    for c in prange((n_out + _ROW_CHUNK - 1) // _ROW_CHUNK):
         row = np.empty(n_ff, np.float32)
-        s = np.float32(0)
-        for i in range(k):
-            s += weights[i] * dot_row(
-                _encoded_row(down, meta, 2, ids[i], d), meta[2, 4], act[i], act_sums[i], row
-            )
-        out[d] = h[d] + s
+        for d in range(c * _ROW_CHUNK, min(n_out, (c + 1) * _ROW_CHUNK)):
+            s = np.float32(0)
+            for i in range(k):
+                if d + 1 < n_out:
+                    prefetch_row(_encoded_row(down, meta, 2, ids[i], d + 1))
+                s += weights[i] * dot_row(
+                    _encoded_row(down, meta, 2, ids[i], d), meta[2, 4], act[i], act_sums[i], row
+                )
+            out[d] = h[d] + s
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
@@ -412,6 +423,8 @@ def _decode_rows(
 ) -> None:
     """Rows first .. first + n - 1 of an expert's part (see ``_encoded_row``) decoded into out[:n]."""
     for i in range(n):
+        if i + 1 < n:
+            prefetch_row(_encoded_row(buf, meta, part, expert, first + i + 1))
         decode_row(_encoded_row(buf, meta, part, expert, first + i), meta[part, 4], out[i])
 
 

@@ -317,3 +317,19 @@ def test_routed_ffn_encoded_equals_decoded(types: tuple[str, str, str]) -> None:
     if fused is not None:
         halves = ck.EncodedExperts(fused[:, :n_ff], qt[0], fused[:, n_ff:], qt[1], down, qt[2])
         assert torch.equal(ck.routed_ffn_encoded(x, ids, w, halves, h)[0], out)
+
+
+@pytest.mark.parametrize("name", [t.name for t in ggml_types.types_with("cpu_rows")])
+def test_gemv_encoded_equals_decoded_product(name: str) -> None:
+    """Every row type's dot products straight from the bytes (vectorized over a block's lanes, the next row
+    prefetched), over more rows than one parallel work item and a row of several blocks."""
+    from gguf import GGMLQuantizationType as Q
+
+    from runtime.dequant import dequantize
+
+    qtype, n, rows = Q[name], 768, 150
+    raw = _encoded_rows(qtype, rows, n, seed=47)
+    w = dequantize(torch.from_numpy(raw), qtype, n).double()
+    x, res = _rand(1, n, seed=48), _rand(1, rows, seed=49)
+    _close(ck.gemv_encoded(x, raw, int(qtype)), (x.double() @ w.T).float())
+    _close(ck.gemv_encoded(x, raw, int(qtype), res), (x.double() @ w.T + res.double()).float())
