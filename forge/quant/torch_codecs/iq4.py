@@ -119,7 +119,7 @@ def encode_iq4_xs(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.
     scales_l = (ls_u[0::2] & 15) | ((ls_u[1::2] & 15) << 4)  # (4, S)
     nib = _pack_nibbles(levels).reshape(8, n_super, 16).permute(1, 0, 2).reshape(n_super, 128)
     parts = [
-        ops.fp16_bytes(d),
+        ops.fp16_bytes(d, nan_negated=True),  # d = -max_scale / 32
         torch.stack([scales_h & 0xFF, scales_h >> 8], dim=1).to(torch.uint8),
         scales_l.t().to(torch.uint8),
         nib,

@@ -91,9 +91,21 @@ def fp16_round(v: torch.Tensor) -> torch.Tensor:
     return v.to(torch.float16).to(torch.float32)
 
 
-def fp16_bytes(v: torch.Tensor) -> torch.Tensor:
-    """float32 (B,) -> the little-endian fp16 bytes (B, 2) uint8."""
+#: the fp16 bits of x86's default NaN (0xFFC00000, what an invalid operation such as inf / inf gives) and of
+#: its negation, as numpy converts them
+X86_NAN_FP16, X86_NEGATED_NAN_FP16 = 0xFE00, 0x7E00
+
+
+def fp16_bytes(v: torch.Tensor, nan_negated: bool = False) -> torch.Tensor:
+    """float32 (B,) -> the little-endian fp16 bytes (B, 2) uint8.
+
+    A NaN is written with the bits the CPU codec writes there. The rows are finite, so a NaN field was made
+    by an invalid operation: x86's default NaN, negative, which later operations carry with its sign (and a
+    negation flips: ``nan_negated`` for a field computed from a negated value). CUDA makes a positive
+    canonical NaN and converts it to fp16 as 0x7FFF, so the bits are set here rather than converted.
+    """
     bits = v.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    bits = torch.where(torch.isnan(v), X86_NEGATED_NAN_FP16 if nan_negated else X86_NAN_FP16, bits)
     return torch.stack([bits & 0xFF, bits >> 8], dim=-1).to(torch.uint8)
 
 
