@@ -74,6 +74,24 @@ def at(typingctx, arr, i):  # noqa: ANN001, ANN201
 
 
 @intrinsic
+def put(typingctx, arr, i, v):  # noqa: ANN001, ANN201
+    """``arr[i] = v`` without the wraparound check (see ``at``); v is cast to the array's type."""
+    if not (
+        isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == "C" and isinstance(i, types.Integer)
+    ):
+        return None
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        index = context.cast(builder, args[1], signature.args[1], types.intp)
+        value = context.cast(builder, args[2], signature.args[2], signature.args[0].dtype)
+        builder.store(value, builder.gep(ary.data, [index], inbounds=True))
+        return context.get_dummy_value()
+
+    return types.none(arr, i, v), codegen
+
+
+@intrinsic
 def prefetch(typingctx, arr, i):  # noqa: ANN001, ANN201
     """Ask the CPU to bring the cache line of ``arr[i]`` (a 1-D contiguous array) into the caches, for reading."""
     if not (

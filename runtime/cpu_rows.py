@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 from numba import njit
 
 from forge import ggml_types
-from forge.jit import at, bits_f32, fp16_to_f32, i8_f32, prefetch, u8_field
+from forge.jit import at, bits_f32, fp16_to_f32, i8_f32, prefetch, put, u8_field
 
 # the types whose rows ``decode_row`` decodes and ``dot_row`` multiplies (the float types, those of the
 # common K-quant mixes and MXFP4), registered in the type table (kind ``cpu_rows``) under the id they take
@@ -69,14 +69,19 @@ def _decode_k4(b: np.ndarray, out: np.ndarray, block_bytes: int, qs_at: int, qh_
             d1, m1 = d * F32(sc), dmin * F32(m)
             sc, m = _scale_min_k4(2 * j + 1, b, o + 4)
             d2, m2 = d * F32(sc), dmin * F32(m)
-            for lane in range(32):
-                q = np.int64(b[o + qs_at + 32 * j + lane])
-                lo, hi = q & 0xF, q >> 4
-                if qh_at >= 0:
-                    bits = np.int64(b[o + qh_at + lane]) >> (2 * j)
-                    lo, hi = lo | ((bits & 1) << 4), hi | ((bits & 2) << 3)
-                out[y + 64 * j + lane] = d1 * F32(lo) - m1
-                out[y + 64 * j + 32 + lane] = d2 * F32(hi) - m2
+            q, ya = o + qs_at + 32 * j, y + 64 * j
+            if qh_at >= 0:
+                for lane in range(32):
+                    v, h = at(b, q + lane), at(b, o + qh_at + lane)
+                    lo = u8_field(v, 0, 15) + F32(16) * u8_field(h, 2 * j, 1)  # exact: small integers
+                    hi = u8_field(v, 4, 15) + F32(16) * u8_field(h, 2 * j + 1, 1)
+                    put(out, ya + lane, d1 * lo - m1)
+                    put(out, ya + 32 + lane, d2 * hi - m2)
+            else:
+                for lane in range(32):
+                    v = at(b, q + lane)
+                    put(out, ya + lane, d1 * u8_field(v, 0, 15) - m1)
+                    put(out, ya + 32 + lane, d2 * u8_field(v, 4, 15) - m2)
 
 
 @njit(inline="always", **_JIT)
@@ -103,8 +108,7 @@ def decode_row(b: np.ndarray, qtype: int, out: np.ndarray) -> None:
             o = 34 * blk
             d = fp16_to_f32(_u16(b, o))
             for j in range(32):
-                q = np.int64(b[o + 2 + j])
-                out[32 * blk + j] = F32(_i8(q)) * d
+                put(out, 32 * blk + j, i8_f32(at(b, o + 2 + j)) * d)
     elif qtype == _Q4_K:
         _decode_k4(b, out, 144, 16, -1)
     elif qtype == _Q5_K:
@@ -115,15 +119,28 @@ def decode_row(b: np.ndarray, qtype: int, out: np.ndarray) -> None:
             d = fp16_to_f32(_u16(b, o + 208))
             for half in range(2):
                 ql, qh, sc, yh = o + 64 * half, o + 128 + 32 * half, o + 192 + 8 * half, y + 128 * half
-                for lane in range(32):
-                    i = lane // 16
-                    a, c, h = np.int64(b[ql + lane]), np.int64(b[ql + lane + 32]), np.int64(b[qh + lane])
-                    for part, q in enumerate(
-                        ((a & 0xF) | ((h & 3) << 4), (c & 0xF) | (((h >> 2) & 3) << 4),
-                         (a >> 4) | (((h >> 4) & 3) << 4), (c >> 4) | (((h >> 6) & 3) << 4))
-                    ):  # fmt: skip
-                        s = np.int64(b[sc + i + 2 * part])
-                        out[yh + 32 * part + lane] = d * F32(_i8(s)) * F32(q - 32)
+                for g in range(2):  # lanes 16 g .. 16 g + 15 of each of the four 32-value parts share a scale
+                    c1, c2 = d * i8_f32(b[sc + g]), d * i8_f32(b[sc + g + 2])
+                    c3, c4 = d * i8_f32(b[sc + g + 4]), d * i8_f32(b[sc + g + 6])
+                    la, lh, yg = ql + 16 * g, qh + 16 * g, yh + 16 * g
+                    for lane in range(16):
+                        a, c, h = at(b, la + lane), at(b, la + 32 + lane), at(b, lh + lane)
+                        put(out, yg + lane, c1 * (u8_field(a, 0, 15) + F32(16) * u8_field(h, 0, 3) - F32(32)))
+                        put(
+                            out,
+                            yg + 32 + lane,
+                            c2 * (u8_field(c, 0, 15) + F32(16) * u8_field(h, 2, 3) - F32(32)),
+                        )
+                        put(
+                            out,
+                            yg + 64 + lane,
+                            c3 * (u8_field(a, 4, 15) + F32(16) * u8_field(h, 4, 3) - F32(32)),
+                        )
+                        put(
+                            out,
+                            yg + 96 + lane,
+                            c4 * (u8_field(c, 4, 15) + F32(16) * u8_field(h, 6, 3) - F32(32)),
+                        )
     elif qtype == _MXFP4:
         for blk in range(n // 32):
             o = 17 * blk
