@@ -52,12 +52,6 @@ def _scale_min_k4(j: int, s: np.ndarray, base: int) -> tuple[int, int]:
     return sc, m
 
 
-@njit(inline="always", **_JIT)
-def _i8(v: int) -> int:
-    """A byte read as int8."""
-    return v - ((v >> 7) << 8)
-
-
 @njit(**_JIT)
 def _decode_k4(b: np.ndarray, out: np.ndarray, block_bytes: int, qs_at: int, qh_at: int) -> None:
     """Q4_K (qh_at < 0) and Q5_K rows: fp16 d, dmin, 12 scale bytes, [32 high-bit bytes at qh_at], nibbles."""
