@@ -16,11 +16,13 @@ does not invalidate the kernels here that call it: delete ``runtime/__pycache__/
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from numba import config as numba_config
-from numba import get_num_threads, njit, prange, set_num_threads
+from numba import get_num_threads, njit, prange, set_num_threads, types
+from numba.extending import overload
 
 from forge.jit import enabled as numba_enabled
 from runtime.cpu_rows import decode_row, dot_row, group_sums, prefetch_row
@@ -60,55 +62,92 @@ def _rms_norm(h: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) ->
         out[j] = h[j] * scale * weight[j]
 
 
+def _row_dot(
+    w: np.ndarray, index: np.ndarray, r: int, x: np.ndarray, xsum: np.ndarray, scratch: np.ndarray
+) -> float:
+    """Row r of w times x, where w holds float32 rows (n_out, n_in), or encoded rows back to back (uint8,
+    row r's bytes ``w[index[r, 0] : index[r, 1]]`` of ggml type ``index[r, 2]``, see ``Rows``); compiled per
+    kind of w (``overload``), so the kernels below take either."""
+    raise NotImplementedError("compiled code only")
+
+
+@overload(_row_dot, inline="always", jit_options={"fastmath": _FASTMATH})
+def _row_dot_compiled(w, index, r, x, xsum, scratch):  # noqa: ANN001, ANN202
+    if isinstance(w, types.Array) and w.dtype == types.float32:
+        return lambda w, index, r, x, xsum, scratch: _dot(w[r], x)
+    return lambda w, index, r, x, xsum, scratch: dot_row(
+        w[index[r, 0] : index[r, 1]], index[r, 2], x, xsum, scratch
+    )
+
+
+def _prefetch(w: np.ndarray, index: np.ndarray, r: int) -> None:
+    """``prefetch_row`` of row r of w (see ``_row_dot``)."""
+    raise NotImplementedError("compiled code only")
+
+
+@overload(_prefetch, inline="always")
+def _prefetch_compiled(w, index, r):  # noqa: ANN001, ANN202
+    if isinstance(w, types.Array) and w.dtype == types.float32:
+        return lambda w, index, r: prefetch_row(w[r])
+    return lambda w, index, r: prefetch_row(w[index[r, 0] : index[r, 1]])
+
+
+@njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
+def _x_sums(x: np.ndarray) -> np.ndarray:
+    out = np.empty(x.shape[0] // 32, np.float32)
+    group_sums(x, out)
+    return out
+
+
 @njit(fastmath=_FASTMATH, nogil=True, cache=True)
-def _gemv_serial(x: np.ndarray, w: np.ndarray, res: np.ndarray, has_res: bool, out: np.ndarray) -> None:
-    for r in range(w.shape[0]):
-        out[r] = _dot(w[r], x) + res[r] if has_res else _dot(w[r], x)
+def _gemv_serial(
+    x: np.ndarray, w: np.ndarray, index: np.ndarray, res: np.ndarray, has_res: bool, out: np.ndarray
+) -> None:
+    """out[r] = w's row r . x (+ res[r]); w, index: float32 rows or encoded rows (see ``_row_dot``)."""
+    xsum, scratch = _x_sums(x), np.empty(x.shape[0], np.float32)
+    n = out.shape[0]
+    for r in range(n):
+        if r + 1 < n:
+            _prefetch(w, index, r + 1)
+        s = _row_dot(w, index, r, x, xsum, scratch)
+        out[r] = s + res[r] if has_res else s
+
+
+_ROW_CHUNK = 64  # rows per parallel work item (one scratch row each)
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
-def _gemv_parallel(x: np.ndarray, w: np.ndarray, res: np.ndarray, has_res: bool, out: np.ndarray) -> None:
-    for r in prange(w.shape[0]):
-        out[r] = _dot(w[r], x) + res[r] if has_res else _dot(w[r], x)
-
-
-@njit(fastmath=_FASTMATH, nogil=True, cache=True)
-def _norm_gemv(
-    h: np.ndarray, norm: np.ndarray, eps: float, w: np.ndarray, xn: np.ndarray, out: np.ndarray, threads: bool
+def _gemv_parallel(
+    x: np.ndarray, w: np.ndarray, index: np.ndarray, res: np.ndarray, has_res: bool, out: np.ndarray
 ) -> None:
-    _rms_norm(h, norm, eps, xn)
-    if threads:
-        _gemv_parallel(xn, w, out, False, out)
-    else:
-        _gemv_serial(xn, w, out, False, out)
-
-
-_ROW_CHUNK = 64  # encoded rows per parallel work item (one scratch row each)
-
-
-@njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
-def _gemv_encoded(
-    x: np.ndarray, w: np.ndarray, qtype: int, res: np.ndarray, has_res: bool, out: np.ndarray
-) -> None:
-    """out[r] = (w's encoded row r of ``qtype``) . x (+ res[r]); w: (n_out, row bytes) uint8."""
-    x_sums = np.empty(x.shape[0] // 32, np.float32)
-    group_sums(x, x_sums)
-    n = w.shape[0]
+    """``_gemv_serial`` with the rows spread over the threads."""
+    xsum = _x_sums(x)
+    n = out.shape[0]
     for c in prange((n + _ROW_CHUNK - 1) // _ROW_CHUNK):
-        buf = np.empty(x.shape[0], np.float32)
+        scratch = np.empty(x.shape[0], np.float32)
         for r in range(c * _ROW_CHUNK, min(n, (c + 1) * _ROW_CHUNK)):
             if r + 1 < n:
-                prefetch_row(w[r + 1])
-            s = dot_row(w[r], qtype, x, x_sums, buf)
+                _prefetch(w, index, r + 1)
+            s = _row_dot(w, index, r, x, xsum, scratch)
             out[r] = s + res[r] if has_res else s
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True)
-def _norm_gemv_encoded(
-    h: np.ndarray, norm: np.ndarray, eps: float, w: np.ndarray, qtype: int, xn: np.ndarray, out: np.ndarray
+def _norm_gemv(
+    h: np.ndarray,
+    norm: np.ndarray,
+    eps: float,
+    w: np.ndarray,
+    index: np.ndarray,
+    xn: np.ndarray,
+    out: np.ndarray,
+    threads: bool,
 ) -> None:
     _rms_norm(h, norm, eps, xn)
-    _gemv_encoded(xn, w, qtype, out, False, out)
+    if threads:
+        _gemv_parallel(xn, w, index, out, False, out)
+    else:
+        _gemv_serial(xn, w, index, out, False, out)
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
@@ -203,6 +242,7 @@ def _attention_step(
     norm: np.ndarray,
     eps: float,
     w_in: np.ndarray,
+    i_in: np.ndarray,
     n_head: int,
     n_gate: int,
     qk_norm: np.ndarray,
@@ -212,6 +252,7 @@ def _attention_step(
     values: np.ndarray,
     pos: int,
     w_out: np.ndarray,
+    i_out: np.ndarray,
     x: np.ndarray,
     att: np.ndarray,
     out: np.ndarray,
@@ -220,13 +261,13 @@ def _attention_step(
     the normed h, att the attention (the projections' inputs).
 
     w_in's rows: q heads, k heads, n_gate output-gate rows, v heads; qk_norm: the q and k heads' RMSNorm
-    weights (q's carrying the score scale); NEOX RoPE over the first 2 * len(cos) dims of each head.
+    weights (q's carrying the score scale); NEOX RoPE over the first 2 * len(cos) dims of each head. w_in and
+    w_out (with i_in / i_out): float32 rows or encoded rows (see ``_row_dot``).
     """
     n_kv, _, head_dim = keys.shape
     _rms_norm(h, norm, eps, x)
-    y = np.empty(w_in.shape[0], np.float32)
-    for r in prange(w_in.shape[0]):
-        y[r] = _dot(w_in[r], x)
+    y = np.empty(i_in.shape[0], np.float32)
+    _gemv_parallel(x, w_in, i_in, y, False, y)
     n_qk = n_head + n_kv
     qk = y[: n_qk * head_dim].reshape(n_qk, head_dim)
     half = cos.shape[0]
@@ -262,8 +303,7 @@ def _attention_step(
             gate = y[n_qk * head_dim + i * head_dim : n_qk * head_dim + (i + 1) * head_dim]
             for d in range(head_dim):
                 o[d] /= np.float32(1) + np.exp(-gate[d])
-    for r in prange(w_out.shape[0]):
-        out[r] = h[r] + _dot(w_out[r], att)
+    _gemv_parallel(att, w_out, i_out, h, True, out)
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
@@ -277,6 +317,7 @@ def _deltanet_step(
     norm: np.ndarray,
     eps: float,
     w_in: np.ndarray,
+    i_in: np.ndarray,
     n_k: int,
     conv_state: np.ndarray,
     conv_w: np.ndarray,
@@ -285,6 +326,7 @@ def _deltanet_step(
     out_norm: np.ndarray,
     recurrent: np.ndarray,
     w_out: np.ndarray,
+    i_out: np.ndarray,
     x: np.ndarray,
     o: np.ndarray,
     out: np.ndarray,
@@ -294,14 +336,14 @@ def _deltanet_step(
     projections' inputs).
 
     w_in's rows: conv channels (q, k, v), z (n_v * d_v), beta (n_v), alpha (n_v); conv_w (kernel, channels).
+    w_in and w_out (with i_in / i_out): float32 rows or encoded rows (see ``_row_dot``).
     """
     n_v, d_k, d_v = recurrent.shape
     channels, kernel = conv_state.shape[1], conv_w.shape[0]
     key_dim = n_k * d_k
     _rms_norm(h, norm, eps, x)
-    y = np.empty(w_in.shape[0], np.float32)
-    for r in prange(w_in.shape[0]):
-        y[r] = _dot(w_in[r], x)
+    y = np.empty(i_in.shape[0], np.float32)
+    _gemv_parallel(x, w_in, i_in, y, False, y)
     conv = np.empty(channels, np.float32)
     for c in range(channels):
         acc = y[c] * conv_w[kernel - 1, c]
@@ -347,24 +389,34 @@ def _deltanet_step(
         _rms_norm(oh, out_norm, eps, oh)
         for j in range(d_v):
             oh[j] *= _silu(y[z0 + hv * d_v + j])
-    for r in prange(w_out.shape[0]):
-        out[r] = h[r] + _dot(w_out[r], o)
+    _gemv_parallel(o, w_out, i_out, h, True, out)
 
 
-@njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
+@njit(fastmath=_FASTMATH, nogil=True, cache=True)
 def _shared_ffn(
-    x: np.ndarray, w_in: np.ndarray, w_down: np.ndarray, h: np.ndarray, act: np.ndarray, out: np.ndarray
+    x: np.ndarray,
+    w_in: np.ndarray,
+    i_in: np.ndarray,
+    w_down: np.ndarray,
+    i_down: np.ndarray,
+    h: np.ndarray,
+    act: np.ndarray,
+    out: np.ndarray,
 ) -> None:
     """out = h + sigmoid(gate_inp . x) * w_down @ (silu(gate @ x) * (up @ x)); act receives the SwiGLU output.
 
-    w_in's rows: gate (n_ff), up (n_ff), the one-row gate input.
+    w_in's rows: gate (n_ff), up (n_ff), the one-row gate input; w_in and w_down: float32 rows or encoded rows
+    (with i_in / i_down; see ``_row_dot``).
     """
     n_ff = act.shape[0]
-    for f in prange(n_ff):
-        act[f] = _silu(_dot(w_in[f], x)) * _dot(w_in[n_ff + f], x)
-    scale = np.float32(1) / (np.float32(1) + np.exp(-_dot(w_in[2 * n_ff], x)))
-    for r in prange(w_down.shape[0]):
-        out[r] = h[r] + scale * _dot(w_down[r], act)
+    y = np.empty(i_in.shape[0], np.float32)
+    _gemv_parallel(x, w_in, i_in, y, False, y)
+    for f in range(n_ff):
+        act[f] = _silu(y[f]) * y[n_ff + f]
+    scale = np.float32(1) / (np.float32(1) + np.exp(-y[2 * n_ff]))
+    _gemv_parallel(act, w_down, i_down, out, False, out)
+    for r in range(out.shape[0]):
+        out[r] = h[r] + scale * out[r]
 
 
 # rows of one expert's matrix that one parallel work item of the batch kernel decodes (then multiplies)
@@ -517,43 +569,92 @@ def _vec(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy().reshape(-1)
 
 
-def gemv(x: torch.Tensor, w: np.ndarray, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x (1, n_in) float32 -> (1, n_out): x @ w.T (+ residual (1, n_out)); w (n_out, n_in) C-contiguous."""
-    out = torch.empty(1, w.shape[0])
+class Rows(NamedTuple):
+    """A matrix the kernels multiply row by row: float32 rows (n_out, n_in), or encoded rows of ggml types
+    ``runtime.cpu_rows`` reads, their bytes back to back in ``data`` (uint8), row r at
+    ``data[index[r, 0] : index[r, 1]]`` of type ``index[r, 2]``: one weight's file rows (a view of the mapped
+    file), or several weights' of any such types stacked (q, k and v of a layer whose v has another type).
+    ``index`` (n_out, 3) int64 also comes with float32 rows (zeros), so every kernel reads n_out from it."""
+
+    data: np.ndarray
+    index: np.ndarray
+
+    @classmethod
+    def floats(cls, w: np.ndarray) -> Rows:
+        return cls(np.ascontiguousarray(w, np.float32), np.zeros((w.shape[0], 3), np.int64))
+
+    @classmethod
+    def encoded_parts(cls, parts: list[tuple[np.ndarray, int]], order: np.ndarray | None = None) -> Rows:
+        """Encoded matrices (rows, row bytes) uint8 (a 1-D one is one row) with their types, stacked by rows,
+        rows permuted by ``order``; one C-contiguous matrix is used in place, not copied."""
+        mats = [(m.reshape(1, -1) if m.ndim == 1 else m, t) for m, t in parts]
+        if len(mats) == 1 and mats[0][0].flags.c_contiguous:
+            data = mats[0][0].reshape(-1)
+        else:
+            data = np.concatenate([np.ascontiguousarray(m).reshape(-1) for m, _ in mats])
+        sizes = np.concatenate([np.full(m.shape[0], m.shape[1], np.int64) for m, _ in mats])
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        index = np.stack(
+            [starts, starts + sizes, np.concatenate([np.full(m.shape[0], t) for m, t in mats])], 1
+        )
+        return cls(data, np.ascontiguousarray(index if order is None else index[order], np.int64))
+
+    @property
+    def encoded(self) -> bool:
+        return self.data.dtype == np.uint8
+
+    @property
+    def n_out(self) -> int:
+        return self.index.shape[0]
+
+    def threaded(self, n_in: int) -> bool:
+        """Worth spreading over the threads: at least ``PARALLEL_MIN`` weights."""
+        return self.n_out * n_in >= PARALLEL_MIN
+
+
+def gemv(x: torch.Tensor, w: Rows, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x (1, n_in) float32 -> (1, n_out): x @ W.T (+ residual (1, n_out))."""
+    out = torch.empty(1, w.n_out)
     o = out.numpy()[0]
     res = o if residual is None else _vec(residual)
-    kernel = _gemv_parallel if w.size >= PARALLEL_MIN else _gemv_serial
-    kernel(_vec(x), w, res, residual is not None, o)
+    kernel = _gemv_parallel if w.threaded(x.shape[-1]) else _gemv_serial
+    kernel(_vec(x), w.data, w.index, res, residual is not None, o)
     return out
 
 
-def gemv_encoded(
-    x: torch.Tensor, w: np.ndarray, qtype: int, residual: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``gemv`` with w's rows kept encoded: w (n_out, row bytes) uint8 of ggml type ``qtype`` (a type the row
-    kernels of ``runtime.cpu_rows`` read), each dot product taken from the bytes."""
-    out = torch.empty(1, w.shape[0])
-    o = out.numpy()[0]
-    _gemv_encoded(_vec(x), w, int(qtype), o if residual is None else _vec(residual), residual is not None, o)
+def norm_gemv(h: torch.Tensor, norm: np.ndarray, eps: float, w: Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """h (1, n) -> (rms_norm(h) * norm, that @ W.T), both (1, .)."""
+    xn, out = torch.empty(1, h.shape[-1]), torch.empty(1, w.n_out)
+    _norm_gemv(_vec(h), norm, eps, w.data, w.index, xn.numpy()[0], out.numpy()[0], w.threaded(h.shape[-1]))
+    return xn, out
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _decode_rows_into(w: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
+    """out[i] = encoded row i of (w, index) (see ``Rows``), decoded."""
+    for r in prange(index.shape[0]):
+        decode_row(w[index[r, 0] : index[r, 1]], index[r, 2], out[r])
+
+
+# float32 elements of the decoded rows that a batch product holds at a time
+_DECODE_CHUNK_ELEMS = 1 << 22
+
+
+def product(x: torch.Tensor, w: Rows) -> torch.Tensor:
+    """x (T, n_in) @ W.T for any number of rows T: one row by the kernels, a batch by torch's matmul over
+    float32 rows, encoded rows decoded a chunk at a time (memory stays bounded)."""
+    if x.shape[0] == 1:
+        return gemv(x, w)
+    if not w.encoded:
+        return torch.mm(x, torch.from_numpy(w.data).T)
+    out = x.new_empty(x.shape[0], w.n_out)
+    step = max(1, _DECODE_CHUNK_ELEMS // x.shape[-1])
+    buf = np.empty((min(step, w.n_out), x.shape[-1]), np.float32)
+    for r0 in range(0, w.n_out, step):
+        n = min(step, w.n_out - r0)
+        _decode_rows_into(w.data, w.index[r0 : r0 + n], buf[:n])
+        torch.mm(x, torch.from_numpy(buf[:n]).T, out=out[:, r0 : r0 + n])
     return out
-
-
-def norm_gemv_encoded(
-    h: torch.Tensor, norm: np.ndarray, eps: float, w: np.ndarray, qtype: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``norm_gemv`` with w's rows kept encoded (see ``gemv_encoded``)."""
-    xn, out = torch.empty(1, h.shape[-1]), torch.empty(1, w.shape[0])
-    _norm_gemv_encoded(_vec(h), norm, eps, w, int(qtype), xn.numpy()[0], out.numpy()[0])
-    return xn, out
-
-
-def norm_gemv(
-    h: torch.Tensor, norm: np.ndarray, eps: float, w: np.ndarray
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """h (1, n) -> (rms_norm(h) * norm, that @ w.T), both (1, .)."""
-    xn, out = torch.empty(1, h.shape[-1]), torch.empty(1, w.shape[0])
-    _norm_gemv(_vec(h), norm, eps, w, xn.numpy()[0], out.numpy()[0], w.size >= PARALLEL_MIN)
-    return xn, out
 
 
 def routed_ffn_encoded(
@@ -629,7 +730,7 @@ def attention_step(
     h: torch.Tensor,
     norm: torch.Tensor,
     eps: float,
-    w_in: np.ndarray,
+    w_in: Rows,
     n_head: int,
     n_gate: int,
     qk_norm: np.ndarray,
@@ -637,18 +738,18 @@ def attention_step(
     keys: torch.Tensor,
     values: torch.Tensor,
     pos: int,
-    w_out: np.ndarray,
+    w_out: Rows,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h (1, n_embd) + the attention block's output for the token at ``pos`` (see ``_attention_step``);
     rope: that position's (cos, sin) rows; keys/values: the (n_kv, capacity, head_dim) cache, written at pos.
     Returns that, and the inputs of the two projections: the normed h (1, n_embd), the attention (1, n_head * d).
     """
     out, x = torch.empty_like(h), torch.empty_like(h)
-    att = torch.empty(1, w_out.shape[1])
+    att = torch.empty(1, n_head * keys.shape[2])
     cos, sin = rope
     _attention_step(
-        _vec(h), _vec(norm), eps, w_in, n_head, n_gate, qk_norm, cos.numpy(), sin.numpy(),
-        keys.numpy(), values.numpy(), pos, w_out, x.numpy()[0], att.numpy()[0], out.numpy()[0],
+        _vec(h), _vec(norm), eps, w_in.data, w_in.index, n_head, n_gate, qk_norm, cos.numpy(), sin.numpy(),
+        keys.numpy(), values.numpy(), pos, w_out.data, w_out.index, x.numpy()[0], att.numpy()[0], out.numpy()[0],
     )  # fmt: skip
     return out, x, att
 
@@ -657,7 +758,7 @@ def deltanet_step(
     h: torch.Tensor,
     norm: torch.Tensor,
     eps: float,
-    w_in: np.ndarray,
+    w_in: Rows,
     n_k: int,
     conv_state: torch.Tensor,
     conv_w: np.ndarray,
@@ -665,24 +766,30 @@ def deltanet_step(
     a: torch.Tensor,
     out_norm: torch.Tensor,
     recurrent: torch.Tensor,
-    w_out: np.ndarray,
+    w_out: Rows,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h (1, n_embd) + the Gated DeltaNet mixer's output (see ``_deltanet_step``; the states advance in
     place). Returns that, the normed h (1, n_embd) and the output projection's input (1, n_v * d_v)."""
-    out, x, o = torch.empty_like(h), torch.empty_like(h), torch.empty(1, w_out.shape[1])
+    out, x, o = (
+        torch.empty_like(h),
+        torch.empty_like(h),
+        torch.empty(1, recurrent.shape[0] * recurrent.shape[2]),
+    )
     _deltanet_step(
-        _vec(h), _vec(norm), eps, w_in, n_k, conv_state.numpy(), conv_w, _vec(dt_bias), _vec(a),
-        _vec(out_norm), recurrent.numpy(), w_out, x.numpy()[0], o.numpy()[0], out.numpy()[0],
+        _vec(h), _vec(norm), eps, w_in.data, w_in.index, n_k, conv_state.numpy(), conv_w, _vec(dt_bias), _vec(a),
+        _vec(out_norm), recurrent.numpy(), w_out.data, w_out.index, x.numpy()[0], o.numpy()[0], out.numpy()[0],
     )  # fmt: skip
     return out, x, o
 
 
 def shared_ffn(
-    x: torch.Tensor, w_in: np.ndarray, w_down: np.ndarray, h: torch.Tensor
+    x: torch.Tensor, w_in: Rows, w_down: Rows, h: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h + the sigmoid-gated shared expert on x (1, n_embd) (see ``_shared_ffn``); also its SwiGLU output (1, n_ff)."""
-    act, out = torch.empty(1, w_down.shape[1]), torch.empty_like(h)
-    _shared_ffn(_vec(x), w_in, w_down, _vec(h), act.numpy()[0], out.numpy()[0])
+    act, out = torch.empty(1, (w_in.n_out - 1) // 2), torch.empty_like(h)
+    _shared_ffn(
+        _vec(x), w_in.data, w_in.index, w_down.data, w_down.index, _vec(h), act.numpy()[0], out.numpy()[0]
+    )
     return out, act
 
 
@@ -692,8 +799,7 @@ def cached_on_disk() -> bool:
         _gemv_serial,
         _gemv_parallel,
         _norm_gemv,
-        _gemv_encoded,
-        _norm_gemv_encoded,
+        _decode_rows_into,
         _routed_ffn,
         _routed_ffn_encoded,
         _routed_ffn_batch,
@@ -709,28 +815,33 @@ def cached_on_disk() -> bool:
 
 
 def warm_up() -> None:
-    """Load (or, after an install, compile) every kernel now, so that no decode step pays for it."""
+    """Load (or, after an install, compile) every kernel now, so that no decode step pays for it: each for
+    float32 rows and for encoded rows (here float32 bytes, type 0, which compile the same code)."""
     one = torch.ones(1, 64)
-    rows = np.ones((64, 64), np.float32)
-    gemv(one, rows)
-    gemv(one, np.ones((PARALLEL_MIN // 64, 64), np.float32), torch.ones(1, PARALLEL_MIN // 64))
-    norm_gemv(one, rows[0], 1e-6, rows)
     ids, weights = torch.tensor([1, 0]), torch.full((2,), 0.5)
     routed_ffn(one, ids, weights, np.ones((4, 64, 64), np.float32), np.ones((4, 64, 32), np.float32), one)
     kv = torch.zeros(1, 2, 32)
-    attention_step(
-        one, one[0], 1e-6, np.ones((4 * 32, 64), np.float32), 2, 0, np.ones((3, 32), np.float32),
-        (torch.ones(16), torch.zeros(16)), kv, kv.clone(), 0, np.ones((64, 64), np.float32),
-    )  # fmt: skip
-    deltanet_step(
-        one, one[0], 1e-6, np.ones((4 * 16 + 2, 64), np.float32), 1, torch.zeros(3, 48),
-        np.ones((4, 48), np.float32), torch.zeros(1), -torch.ones(1), torch.ones(16), torch.zeros(1, 16, 16),
-        np.ones((64, 16), np.float32),
-    )  # fmt: skip
-    shared_ffn(one, np.ones((65, 64), np.float32), np.ones((64, 32), np.float32), one)
+    for encoded in (False, True):
+
+        def m(*shape: int, encoded: bool = encoded) -> Rows:
+            if encoded:  # float32 values as bytes (type 0): n_in * 4 bytes a row
+                return Rows.encoded_parts([(np.zeros((*shape[:-1], 4 * shape[-1]), np.uint8), 0)])
+            return Rows.floats(np.ones(shape, np.float32))
+
+        gemv(one, m(64, 64))
+        gemv(one, m(PARALLEL_MIN // 64, 64), torch.ones(1, PARALLEL_MIN // 64))
+        norm_gemv(one, np.ones(64, np.float32), 1e-6, m(64, 64))
+        product(torch.ones(2, 64), m(64, 64))
+        attention_step(
+            one, one[0], 1e-6, m(4 * 32, 64), 2, 0, np.ones((3, 32), np.float32),
+            (torch.ones(16), torch.zeros(16)), kv, kv.clone(), 0, m(64, 64),
+        )  # fmt: skip
+        deltanet_step(
+            one, one[0], 1e-6, m(4 * 16 + 2, 64), 1, torch.zeros(3, 48), np.ones((4, 48), np.float32),
+            torch.zeros(1), -torch.ones(1), torch.ones(16), torch.zeros(1, 16, 16), m(64, 16),
+        )  # fmt: skip
+        shared_ffn(one, m(65, 64), m(64, 32), one)
     experts = np.zeros((4, 64, 256), np.uint8)  # float32 rows (type 0) of 64 values
-    gemv_encoded(one, experts[0], 0, one)
-    norm_gemv_encoded(one, rows[0], 1e-6, experts[0], 0)
     encoded = EncodedExperts(experts, 0, experts, 0, experts, 0)
     routed_ffn_encoded(one, ids, weights, encoded, one)
     batch = torch.ones(2, 64)

@@ -17,10 +17,9 @@ from forge import ggml_types
 from runtime import cpu_kernels
 from runtime.backends import cuda_fused, cuda_kernels
 from runtime.observers import Observer, notify_matmul
-from runtime.weights import Weights, dequantize
+from runtime.weights import Weights
 
 _FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
-_DECODE_CHUNK_ELEMS = 1 << 22  # weights decoded at once by a batch product on encoded CPU rows
 
 # ggml's CPU matmul first converts the activations to the weight type's "vec_dot" type; with
 # ``ggml_numerics`` the runtime rounds activations the same way, to reproduce llama.cpp's figures closely.
@@ -93,46 +92,57 @@ def _cuda_computes_stacks(weights: Weights) -> bool:
     return weights.device.type == "cuda" and not weights.ggml_numerics and hasattr(weights, "cuda_stack")
 
 
-def _cpu_encoded(weights: Weights, name: str) -> tuple[np.ndarray, Q] | None:
-    """A quantized 2-D weight's file rows (mapped, not copied) and type, when the compiled CPU kernels read
-    its type from the bytes and no ggml numerics are asked for; else None."""
+def _cpu_rows(
+    weights: Weights, names: list[str], order: torch.Tensor | None = None
+) -> cpu_kernels.Rows | None:
+    """Weights' file rows (one weight: the mapped bytes, not copied; several: stacked, rows permuted by
+    ``order``), when the compiled CPU kernels compute the model, read every one's type from the bytes and
+    no ggml numerics are asked for; else None (float32 rows, or torch)."""
     if not weights.cpu_kernels or weights.ggml_numerics or not hasattr(weights, "raw"):
         return None
-    qtype = weights.qtype(name)
-    # float types stay float32 (at most 2x their bytes, and a float32 row's dot product is the fastest)
-    if len(weights.shape(name)) != 2 or qtype in _FLOAT_TYPES or not ggml_types.supports("cpu_rows", qtype):
+    qtypes = [weights.qtype(n) for n in names]
+    if any(len(weights.shape(n)) > 2 for n in names) or not all(
+        ggml_types.supports("cpu_rows", q) for q in qtypes
+    ):
         return None
-    return weights.raw(name).numpy(), qtype
+    # float weights alone stay float32 (at most 2x their bytes, and a float32 row's dot product is the fastest)
+    if all(q in _FLOAT_TYPES for q in qtypes):
+        return None
+    parts = [(weights.raw(n).numpy(), int(q)) for n, q in zip(names, qtypes, strict=True)]
+    return cpu_kernels.Rows.encoded_parts(parts, None if order is None else order.cpu().numpy())
+
+
+def _n_rows(weights: Weights, name: str) -> int:
+    """A weight's output rows (a 1-D weight is one), without decoding it where the shape is known."""
+    shape = weights.shape(name) if hasattr(weights, "shape") else tuple(weights.dense(name).shape)
+    return shape[0] if len(shape) == 2 else 1
 
 
 class Linear:
-    """x @ W.T for a weight decoded at load (on CUDA, for the types the kernels decode: kept as the file
-    bytes, and decoded to float32 only if a caller asks for ``weight``), reporting its input to the observers.
+    """x @ W.T for a weight decoded at load, reporting its input to the observers. Kept as the file bytes
+    instead where kernels read them: on CUDA for the types the cuda kernels decode, on the CPU for those the
+    compiled row kernels read (one token: dot products from the bytes; a batch: decoded in row chunks per
+    call). Decoded to float32 only if a caller asks for ``weight``."""
 
-    ``keep_encoded``: on the CPU too, keep the file rows when the compiled kernels read their type (one
-    token: dot products from the bytes; a batch: decoded in row chunks per call). For the LM head, whose
-    float32 copy would be 7x its Q4_K bytes and read whole at every token."""
-
-    def __init__(
-        self, weights: Weights, name: str, observers: list[Observer], keep_encoded: bool = False
-    ) -> None:
+    def __init__(self, weights: Weights, name: str, observers: list[Observer]) -> None:
         self.name, self.observers = name, observers
         self.encoded = _cuda_encoded(weights, [name])  # (file bytes on the GPU, type) for the cuda kernels
-        self.cpu_encoded = _cpu_encoded(weights, name) if keep_encoded and self.encoded is None else None
+        # rows for the compiled CPU kernels: the file's, or float32 ones (below)
+        self.rows = _cpu_rows(weights, [name]) if self.encoded is None else None
         self._weights, self._weight_t = weights, None
-        if self.encoded is None and self.cpu_encoded is None:
+        if self.encoded is None and self.rows is None:
             # held transposed ((n_in, n_out) contiguous; ``weight`` is the (n_out, n_in) view): faster for one
             # token on CPU. A one-output projection may be stored 1-D (ffn_gate_inp_shexp): one row.
             self.weight_t = weights.columns([name])
+            if weights.cpu_kernels:
+                self.rows = cpu_kernels.Rows.floats(self.weight.numpy())
         if self.encoded is not None:
             self.n_out = self.encoded[0].shape[0]
-        elif self.cpu_encoded is not None:
-            self.n_out = self.cpu_encoded[0].shape[0]
+        elif self.rows is not None:
+            self.n_out = self.rows.n_out
         else:
             self.n_out = self.weight.shape[0]
         self.rounding = ggml_input_rounding(weights.qtype(name)) if weights.ggml_numerics else None
-        # float32 rows for the compiled one-token path
-        self.rows = self.weight.numpy() if weights.cpu_kernels and self.cpu_encoded is None else None
 
     @property
     def weight_t(self) -> torch.Tensor:
@@ -159,22 +169,9 @@ class Linear:
             x = self.rounding(x)
         if self.encoded is not None:
             return cuda_kernels.linear(x, *self.encoded)
-        if self.cpu_encoded is not None:
-            return self._encoded_batch(x)
+        if self.rows is not None and self.rows.encoded:
+            return cpu_kernels.product(x.reshape(-1, x.shape[-1]), self.rows).view(*x.shape[:-1], -1)
         return F.linear(x, self.weight)
-
-    def _encoded_batch(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., n_in) @ W.T with W's rows decoded a chunk at a time (memory stays bounded)."""
-        raw, qtype = self.cpu_encoded  # type: ignore[misc]
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] == 1:
-            return cpu_kernels.gemv_encoded(x2, raw, qtype).view(*x.shape[:-1], -1)
-        out = x2.new_empty(x2.shape[0], raw.shape[0])
-        step = max(1, _DECODE_CHUNK_ELEMS // x2.shape[-1])
-        for r0 in range(0, raw.shape[0], step):
-            rows = dequantize(torch.from_numpy(raw[r0 : r0 + step]), qtype, x2.shape[-1])
-            torch.mm(x2, rows.T, out=out[:, r0 : r0 + rows.shape[0]])
-        return out.view(*x.shape[:-1], -1)
 
     def step(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """One token (no ggml numerics): x (1, n_in) -> (1, n_out), plus ``residual`` (1, n_out) if given."""
@@ -182,8 +179,6 @@ class Linear:
             notify_matmul(self.observers, self.name, x)
         if self.rows is not None:
             return cpu_kernels.gemv(x, self.rows, residual)
-        if self.cpu_encoded is not None:
-            return cpu_kernels.gemv_encoded(x, *self.cpu_encoded, residual)
         if self.encoded is not None:
             y = cuda_kernels.linear(x, *self.encoded)
             return y if residual is None else y.add_(residual)
@@ -197,11 +192,6 @@ class Linear:
         self, h: torch.Tensor, norm: torch.Tensor, eps: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``normed_step``, also returning its input rms_norm(h) * norm."""
-        if self.cpu_encoded is not None:
-            x, y = cpu_kernels.norm_gemv_encoded(h, norm.numpy(), float(eps), *self.cpu_encoded)
-            if self.observers:
-                notify_matmul(self.observers, self.name, x)
-            return x, y
         if self.rows is None:
             x = rms_norm_row(h, norm, eps)
             return x, self.step(x)
@@ -212,16 +202,22 @@ class Linear:
 
 
 class RowStack:
-    """Weight rows computed as one product: file bytes the cuda kernels read, or a float32 matrix."""
+    """Weight rows computed as one product: file bytes the cuda kernels read, file rows the CPU kernels read,
+    or a float32 matrix."""
 
     def __init__(
-        self, encoded: tuple[torch.Tensor, Q] | None = None, weight: torch.Tensor | None = None
+        self,
+        encoded: tuple[torch.Tensor, Q] | None = None,
+        weight: torch.Tensor | None = None,
+        rows: cpu_kernels.Rows | None = None,
     ) -> None:
-        self.encoded, self.weight = encoded, weight
+        self.encoded, self.weight, self.rows = encoded, weight, rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.encoded is not None:
             return cuda_kernels.linear(x, *self.encoded)
+        if self.rows is not None and self.rows.encoded:
+            return cpu_kernels.product(x, self.rows)
         assert self.weight is not None
         return F.linear(x, self.weight)
 
@@ -254,22 +250,25 @@ class FusedLinear:
         self.names, self.observers = names, observers
         self.separate: list[Linear] | None = None
         self.segments: list[RowStack] | None = None
+        self.rows: cpu_kernels.Rows | None = None
         if weights.ggml_numerics:  # each weight with its own input rounding
             self.separate = [Linear(weights, n, observers) for n in names]
             self.sizes = [lin.weight.shape[0] for lin in self.separate]
         else:
             # on CUDA: runs of names of one type the kernels compute, each kept as its stacked file rows
             self.segments = _cuda_segments(weights, names)
-            if self.segments is None:
-                self.sizes = [1 if weights.dense(n).dim() == 1 else weights.dense(n).shape[0] for n in names]
+            self.sizes = [_n_rows(weights, n) for n in names]
+            self.rows = _cpu_rows(weights, names) if self.segments is None else None  # the CPU kernels' rows
+            if self.segments is None and self.rows is None:
                 self.weight_t = weights.columns(names)  # (n_in, total rows)
                 self.weight = self.weight_t.T
-            else:
-                self.sizes = [weights.shape(n)[0] if len(weights.shape(n)) == 2 else 1 for n in names]
-            self.rows = self.weight.numpy() if weights.cpu_kernels else None
+                if weights.cpu_kernels:
+                    self.rows = cpu_kernels.Rows.floats(self.weight.numpy())
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, n_in) -> (T, total rows)."""
+        if self.rows is not None and self.rows.encoded:
+            return cpu_kernels.product(x, self.rows)
         if self.segments is None:
             return F.linear(x, self.weight)
         parts = [seg(x) for seg in self.segments]
@@ -289,6 +288,8 @@ class FusedLinear:
         if self.observers:
             for name in self.names:
                 notify_matmul(self.observers, name, x)
+        if self.rows is not None:
+            return torch.split(cpu_kernels.gemv(x, self.rows)[0], self.sizes)
         if self.segments is not None:
             return torch.split(self._product(x)[0], self.sizes)
         return torch.split(torch.mm(x, self.weight_t)[0], self.sizes)
@@ -526,11 +527,15 @@ class GQAttention:
                 kv = torch.arange(q_rows, q_rows + 2 * kv_rows)
                 parts = [per_head[:, 0].reshape(-1), kv[:kv_rows], per_head[:, 1].reshape(-1), kv[kv_rows:]]
                 order = torch.cat(parts).to(weights.device)
-            self.w_in = RowStack(encoded=_cuda_encoded(weights, self.in_names, order))
-            if self.w_in.encoded is None:
+            encoded = _cuda_encoded(weights, self.in_names, order)
+            self.w_in = RowStack(
+                encoded=encoded, rows=None if encoded else _cpu_rows(weights, self.in_names, order)
+            )
+            if self.w_in.encoded is None and self.w_in.rows is None:
                 self.w_in_t = weights.columns(self.in_names, order)
                 self.w_in.weight = self.w_in_t.T
-            self.w_in_rows = self.w_in.weight.numpy() if weights.cpu_kernels else None
+                if weights.cpu_kernels:
+                    self.w_in.rows = cpu_kernels.Rows.floats(self.w_in.weight.numpy())
         q_dim = cfg.n_head * cfg.head_dim
         self.sizes = (q_dim, kv_rows, q_dim if gated else 0, kv_rows)  # q, k, gate, v in w_in's rows
         self.out = Linear(weights, p + "attn_output.weight", observers)
@@ -602,12 +607,12 @@ class GQAttention:
         weight, eps a (1, 1) tensor -> h + attention."""
         assert self.w_in is not None and self.normed and self.bias is None, "no one-token path here"
         c = self.cfg
-        if self.w_in_rows is not None:
+        if self.w_in.rows is not None:
             kv = h.new_empty(c.n_head_kv, c.head_dim)
             keys, values = cache.reserve(pos + 1, kv, kv)
             cache.length = pos + 1
             out, x, att = cpu_kernels.attention_step(
-                h, norm, c.eps, self.w_in_rows, c.n_head, self.sizes[2], self.qk_norm_rows, self.rope.row(pos),
+                h, norm, c.eps, self.w_in.rows, c.n_head, self.sizes[2], self.qk_norm_rows, self.rope.row(pos),
                 keys, values, pos, self.out.rows,
             )  # fmt: skip
             if self.observers:

@@ -76,7 +76,7 @@ class Router:
         kept.weight = rows if full.weight.is_contiguous() else rows.T.contiguous().T
         kept.weight_t = kept.weight.T
         kept.encoded = None  # the surviving rows only: the torch product
-        kept.rows = None if full.rows is None else rows.numpy()
+        kept.rows = None if full.rows is None else cpu_kernels.Rows.floats(rows.numpy())
         self.kept_proj = kept
 
     def _scatter(self, part: torch.Tensor) -> torch.Tensor:

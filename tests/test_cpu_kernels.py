@@ -28,13 +28,33 @@ def _close(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-5) -> None:
     assert (got - want).abs().max() <= rtol * want.abs().max(), (got - want).abs().max()
 
 
+def _rows(w: torch.Tensor, kind: str) -> tuple[ck.Rows, torch.Tensor]:
+    """w as the kernels' rows of ``kind`` (F32: float32 rows; a ggml type: w encoded in it, kept as bytes) and
+    the weight those rows hold (w, or its encoding decoded). A width the type's blocks do not divide stays F32."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as Q
+
+    from forge.quant.types import get_type
+    from runtime.dequant import dequantize
+
+    if kind == "F32" or w.shape[-1] % GGML_QUANT_SIZES[Q[kind]][0]:
+        return ck.Rows.floats(w.numpy()), w
+    raw = get_type(kind).encode(w.numpy(), None)
+    return ck.Rows.encoded_parts([(raw, int(Q[kind]))]), dequantize(
+        torch.from_numpy(raw), Q[kind], w.shape[-1]
+    )
+
+
+ROW_KINDS = ["F32", "Q8_0", "Q4_K"]
+
+
 @pytest.mark.parametrize("rows", [1, 7, 64, 512, 3000])  # serial and threaded variants
 @pytest.mark.parametrize("residual", [False, True])
 def test_gemv_equals_matmul(rows: int, residual: bool) -> None:
     n_in = 96
     w, x = _rand(rows, n_in, seed=1), _rand(1, n_in, seed=2)
     res = _rand(1, rows, seed=3) if residual else None
-    got = ck.gemv(x, w.numpy(), res)
+    got = ck.gemv(x, ck.Rows.floats(w.numpy()), res)
     want = (x.double() @ w.double().T + (0 if res is None else res.double())).float()
     _close(got, want)
 
@@ -42,7 +62,7 @@ def test_gemv_equals_matmul(rows: int, residual: bool) -> None:
 @pytest.mark.parametrize("rows", [32, 4096])
 def test_norm_gemv_equals_rms_norm_then_matmul(rows: int) -> None:
     h, norm, w = _rand(1, 256, seed=4, scale=30.0), _rand(256, seed=5), _rand(rows, 256, seed=6)
-    x, y = ck.norm_gemv(h, norm.numpy(), 1e-6, w.numpy())
+    x, y = ck.norm_gemv(h, norm.numpy(), 1e-6, ck.Rows.floats(w.numpy()))
     want_x = _rms(h, norm, 1e-6)
     _close(x, want_x)
     _close(y, (want_x.double() @ w.double().T).float())
@@ -109,15 +129,18 @@ def _attention_reference(h, norm, eps, w_in, n_head, n_gate, qk_norm, cos, sin, 
     return (h.double() + att @ w_out.double().T).float(), x, att.float()
 
 
+@pytest.mark.parametrize("kind", ROW_KINDS)
 @pytest.mark.parametrize(
     ("n_head", "n_kv", "n_rot", "gated", "pos"),
     [(4, 2, 64, False, 0), (4, 2, 32, True, 37), (8, 8, 64, False, 200)],
 )
-def test_attention_step_equals_reference(n_head: int, n_kv: int, n_rot: int, gated: bool, pos: int) -> None:
-    d, n_embd = 64, 128
+def test_attention_step_equals_reference(
+    n_head: int, n_kv: int, n_rot: int, gated: bool, pos: int, kind: str
+) -> None:
+    d, n_embd = 64, 256
     n_gate = n_head * d if gated else 0
-    w_in = _rand((n_head + 2 * n_kv) * d + n_gate, n_embd, seed=14, scale=0.1)
-    w_out = _rand(n_embd, n_head * d, seed=15, scale=0.1)
+    rows_in, w_in = _rows(_rand((n_head + 2 * n_kv) * d + n_gate, n_embd, seed=14, scale=0.1), kind)
+    rows_out, w_out = _rows(_rand(n_embd, n_head * d, seed=15, scale=0.1), kind)
     h, norm = _rand(1, n_embd, seed=16), _rand(n_embd, seed=17)
     qk_norm = _rand(n_head + n_kv, d, seed=18)
     ang = torch.rand(n_rot // 2, generator=torch.Generator().manual_seed(19)) * 6
@@ -128,7 +151,7 @@ def test_attention_step_equals_reference(n_head: int, n_kv: int, n_rot: int, gat
         h,
         norm,
         1e-6,
-        w_in.numpy(),
+        rows_in,
         n_head,
         n_gate,
         qk_norm.numpy(),
@@ -136,7 +159,7 @@ def test_attention_step_equals_reference(n_head: int, n_kv: int, n_rot: int, gat
         keys,
         values,
         pos,
-        w_out.numpy(),
+        rows_out,
     )
     want, want_x, want_att = _attention_reference(
         h, norm, 1e-6, w_in, n_head, n_gate, qk_norm, cos, sin, ref_k, ref_v, pos, w_out
@@ -180,12 +203,13 @@ def _deltanet_reference(h, norm, eps, w_in, n_k, conv, conv_w, dt_bias, a, out_n
     return out.float(), window[1:].float(), s.float(), o.reshape(1, -1).float()
 
 
+@pytest.mark.parametrize("kind", ROW_KINDS)
 @pytest.mark.parametrize(("n_k", "n_v"), [(2, 4), (2, 2), (1, 3)])
-def test_deltanet_step_equals_reference(n_k: int, n_v: int) -> None:
-    d_k, d_v, n_embd, kernel = 16, 24, 64, 4
+def test_deltanet_step_equals_reference(n_k: int, n_v: int, kind: str) -> None:
+    d_k, d_v, n_embd, kernel = 16, 64, 256, 4
     channels = 2 * n_k * d_k + n_v * d_v
-    w_in = _rand(channels + n_v * d_v + 2 * n_v, n_embd, seed=22, scale=0.2)
-    w_out = _rand(n_embd, n_v * d_v, seed=23, scale=0.2)
+    rows_in, w_in = _rows(_rand(channels + n_v * d_v + 2 * n_v, n_embd, seed=22, scale=0.2), kind)
+    rows_out, w_out = _rows(_rand(n_embd, n_v * d_v, seed=23, scale=0.2), kind)
     h, norm = _rand(1, n_embd, seed=24), _rand(n_embd, seed=25)
     conv, conv_w = _rand(kernel - 1, channels, seed=26), _rand(kernel, channels, seed=27)
     dt_bias, a, out_norm = _rand(n_v, seed=28), -_rand(n_v, seed=29).abs(), _rand(d_v, seed=30)
@@ -194,7 +218,7 @@ def test_deltanet_step_equals_reference(n_k: int, n_v: int) -> None:
         h, norm, 1e-6, w_in, n_k, conv, conv_w, dt_bias, a, out_norm, s, w_out
     )
     out, x, o = ck.deltanet_step(
-        h, norm, 1e-6, w_in.numpy(), n_k, conv, conv_w.numpy(), dt_bias, a, out_norm, s, w_out.numpy()
+        h, norm, 1e-6, rows_in, n_k, conv, conv_w.numpy(), dt_bias, a, out_norm, s, rows_out
     )
     _close(x, _rms(h, norm, 1e-6))
     _close(conv, want_conv)
@@ -203,11 +227,13 @@ def test_deltanet_step_equals_reference(n_k: int, n_v: int) -> None:
     _close(out, want)
 
 
-def test_shared_ffn_equals_gated_swiglu() -> None:
-    n_ff, n_embd = 40, 64
-    w_in, w_down = _rand(2 * n_ff + 1, n_embd, seed=32), _rand(n_embd, n_ff, seed=33)
+@pytest.mark.parametrize("kind", ROW_KINDS)
+def test_shared_ffn_equals_gated_swiglu(kind: str) -> None:
+    n_ff, n_embd = 256, 256
+    rows_in, w_in = _rows(_rand(2 * n_ff + 1, n_embd, seed=32, scale=0.1), kind)
+    rows_down, w_down = _rows(_rand(n_embd, n_ff, seed=33, scale=0.1), kind)
     x, h = _rand(1, n_embd, seed=34), _rand(1, n_embd, seed=35)
-    out, act = ck.shared_ffn(x, w_in.numpy(), w_down.numpy(), h)
+    out, act = ck.shared_ffn(x, rows_in, rows_down, h)
     y = x.double() @ w_in.double().T
     want_act = F.silu(y[:, :n_ff]) * y[:, n_ff : 2 * n_ff]
     _close(act, want_act.float())
@@ -320,9 +346,10 @@ def test_routed_ffn_encoded_equals_decoded(types: tuple[str, str, str]) -> None:
 
 
 @pytest.mark.parametrize("name", [t.name for t in ggml_types.types_with("cpu_rows")])
-def test_gemv_encoded_equals_decoded_product(name: str) -> None:
+def test_encoded_rows_product_equals_decoded_product(name: str) -> None:
     """Every row type's dot products straight from the bytes (vectorized over a block's lanes, the next row
-    prefetched), over more rows than one parallel work item and a row of several blocks."""
+    prefetched), over more rows than one parallel work item and a row of several blocks; and a batch's
+    product (rows decoded a chunk at a time)."""
     from gguf import GGMLQuantizationType as Q
 
     from runtime.dequant import dequantize
@@ -331,5 +358,32 @@ def test_gemv_encoded_equals_decoded_product(name: str) -> None:
     raw = _encoded_rows(qtype, rows, n, seed=47)
     w = dequantize(torch.from_numpy(raw), qtype, n).double()
     x, res = _rand(1, n, seed=48), _rand(1, rows, seed=49)
-    _close(ck.gemv_encoded(x, raw, int(qtype)), (x.double() @ w.T).float())
-    _close(ck.gemv_encoded(x, raw, int(qtype), res), (x.double() @ w.T + res.double()).float())
+    rows = ck.Rows.encoded_parts([(raw, int(qtype))])
+    _close(ck.gemv(x, rows), (x.double() @ w.T).float())
+    _close(ck.gemv(x, rows, res), (x.double() @ w.T + res.double()).float())
+    batch = _rand(5, n, seed=50)
+    _close(ck.product(batch, rows), (batch.double() @ w.T).float())
+
+
+def test_rows_of_mixed_types_stacked_and_permuted() -> None:
+    """A stack of weights of different types (Q4_K, Q6_K, one F32 row stored 1-D), rows permuted: each row is
+    multiplied by its own type's kernel, one token and a batch alike."""
+    from gguf import GGMLQuantizationType as Q
+
+    from runtime.dequant import dequantize
+
+    n = 512
+    a, b = _encoded_rows(Q.Q4_K, 70, n, seed=51), _encoded_rows(Q.Q6_K, 9, n, seed=52)
+    one = _rand(n, seed=53)
+    want = torch.cat(
+        [dequantize(torch.from_numpy(a), Q.Q4_K, n), dequantize(torch.from_numpy(b), Q.Q6_K, n), one[None]]
+    )
+    order = np.random.default_rng(54).permutation(len(want))
+    rows = ck.Rows.encoded_parts(
+        [(a, int(Q.Q4_K)), (b, int(Q.Q6_K)), (one.numpy().view(np.uint8), int(Q.F32))], order
+    )
+    w = want[torch.from_numpy(order)].double()
+    x, batch = _rand(1, n, seed=55), _rand(3, n, seed=56)
+    assert rows.n_out == 80
+    _close(ck.gemv(x, rows), (x.double() @ w.T).float())
+    _close(ck.product(batch, rows), (batch.double() @ w.T).float())

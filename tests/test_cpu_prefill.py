@@ -228,10 +228,32 @@ def test_prefill_logits_on_the_kernel_equal_the_torch_path(
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
-def test_the_lm_head_stays_encoded_and_computes_the_torch_paths_logits(
+def _products(model: object) -> list[object]:
+    """Every Linear, FusedLinear and RowStack reachable from the model's attributes."""
+    from runtime.layers import FusedLinear, Linear, RowStack
+
+    seen, found, todo = set(), [], [model]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (torch.Tensor, np.ndarray, str, int, float)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (Linear, FusedLinear, RowStack)):
+            found.append(obj)
+        if isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif type(obj).__module__.startswith("runtime."):
+            todo.extend(vars(obj).values())
+    return found
+
+
+def test_quantized_dense_weights_stay_encoded_and_compute_the_torch_paths_logits(
     q4_k_m: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On the CPU a quantized LM head is held as its file rows (no float32 copy): a prefill's logits (rows
+    """On the CPU every quantized dense weight the row kernels read (attention, DeltaNet, shared expert when
+    its parts share a type, LM head) is held as its file rows, no float32 copy: a prefill's logits (rows
     decoded in chunks) and each decode step's (dot products from the bytes) are the torch path's."""
     from runtime.models import load_model
 
@@ -244,11 +266,17 @@ def test_the_lm_head_stays_encoded_and_computes_the_torch_paths_logits(
         return torch.cat(out)
 
     model = load_model(q4_k_m)
-    assert model.output.cpu_encoded is not None and model.output._weight_t is None
+    products = _products(model)
+    encoded = [p for p in products if p.rows is not None and p.rows.encoded]  # type: ignore[attr-defined]
+    assert model.output in encoded and model.blocks[0].attn.w_in in encoded  # type: ignore[attr-defined]
     got = run(model)
-    assert model.output._weight_t is None  # nothing decoded it whole
+    for p in encoded:  # nothing decoded them whole
+        assert vars(p).get("_weight_t") is None and vars(p).get("weight") is None
+    float_rows = [p.rows.data.nbytes for p in products if p.rows is not None and not p.rows.encoded]  # type: ignore[attr-defined]
+    encoded_bytes = sum(p.rows.data.nbytes for p in encoded)  # type: ignore[attr-defined]
+    assert sum(float_rows) < encoded_bytes / 4, (sum(float_rows), encoded_bytes)  # routers, norms' kin: small
     monkeypatch.setenv("FORGE_NO_NUMBA", "1")
     plain = load_model(q4_k_m)
-    assert plain.output.cpu_encoded is None
+    assert all(p.rows is None for p in _products(plain))  # type: ignore[attr-defined]
     want = run(plain)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()

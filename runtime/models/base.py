@@ -62,7 +62,7 @@ class MoeCausalLM:
             raise ForgeError(f"{weights.source}: expert_count/expert_used_count missing or invalid")
         self.output_norm = weights.dense("output_norm.weight")
         head = "output.weight" if weights.has("output.weight") else "token_embd.weight"
-        self.output = Linear(weights, head, self.observers, keep_encoded=True)
+        self.output = Linear(weights, head, self.observers)
         self.vocab_size = self.output.n_out
         if not weights.has("token_embd.weight"):
             raise ForgeError(f"{weights.source}: missing tensor token_embd.weight")
