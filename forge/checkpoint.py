@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from forge.bulk import bf16_to_f32
 from forge.errors import ForgeError
 from forge.fileio import drop_pages
 
@@ -51,8 +52,9 @@ _E4M3 = _e4m3_table()
 _E8M0 = np.append(np.exp2(np.arange(255) - 127.0), np.nan).astype(np.float32)
 
 
-def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+def bf16_bits_to_f32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """bf16 values stored as uint16 bits -> float32 (into ``out`` if given)."""
+    return bf16_to_f32(bits, out)
 
 
 @dataclass(frozen=True)

@@ -109,8 +109,8 @@ def encode_float(t: OutTensor, gtype: GGMLQuantizationType) -> np.ndarray:
     if t.encoded is not None:
         return t.encoded()
     src = t.produce()
-    if src.data.shape != t.shape:
-        raise ForgeError(f"tensor {t.name}: produced shape {src.data.shape}, planned {t.shape}")
+    if src.shape != t.shape:
+        raise ForgeError(f"tensor {t.name}: produced shape {src.shape}, planned {t.shape}")
     if gtype == GGMLQuantizationType.BF16 and src.dtype == "BF16":
         return src.data
     f32 = src.float32()

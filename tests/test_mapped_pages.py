@@ -65,3 +65,24 @@ def test_a_quantize_source_drops_what_it_read(kind: str, example_bf16: Path) -> 
     files = sorted(EXAMPLE.glob("*.safetensors")) if kind == "hf" else [example_bf16]
     total = sum(f.stat().st_size for f in files)
     assert sum(_mapping_rss(f) for f in files) < total // 10
+
+
+def test_bf16_widening_and_finite_check_on_every_core_equal_numpys() -> None:
+    """forge.bulk's threaded passes (above the size where they start threads) give numpy's results: the exact
+    float32 of every bf16 pattern (NaNs and infinities too), into a given array as well, and the finite check
+    finds a single NaN or infinity anywhere."""
+    from forge.bulk import _SMALL, all_finite, bf16_to_f32
+
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 1 << 16, size=(3, _SMALL), dtype=np.uint16)
+    want = (bits.astype(np.uint32) << 16).view(np.float32)
+    assert np.array_equal(bf16_to_f32(bits).view(np.uint32), want.view(np.uint32))
+    out = np.empty((2, *bits.shape), np.float32)
+    bf16_to_f32(bits, out[1])
+    assert np.array_equal(out[1].view(np.uint32), want.view(np.uint32))
+    x = rng.standard_normal(2 * _SMALL).astype(np.float32)
+    assert all_finite(x)
+    for bad in (np.nan, np.inf, -np.inf):
+        y = x.copy()
+        y[rng.integers(y.size)] = bad
+        assert not all_finite(y)

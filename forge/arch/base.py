@@ -28,17 +28,35 @@ GLOBAL_TENSORS: Table = {
 }
 
 
-@dataclass(frozen=True)
 class SourceArray:
-    """Tensor values as stored: BF16 kept as uint16 bits (so bf16 -> bf16 is a bit copy)."""
+    """Tensor values as stored: BF16 kept as uint16 bits (so bf16 -> bf16 is a bit copy). Given as ``parts``
+    (per-expert tensors of one stored type), the values are those stacked, and the stack is made only if
+    ``data`` is asked for: ``float32`` converts each part straight into its slot."""
 
-    data: np.ndarray
-    dtype: str  # "BF16", "F16" or "F32"
+    def __init__(self, data: np.ndarray | None, dtype: str, parts: tuple[np.ndarray, ...] = ()) -> None:
+        self._data, self.dtype, self.parts = data, dtype, parts  # dtype: "BF16", "F16" or "F32"
+
+    @property
+    def data(self) -> np.ndarray:
+        if self._data is None:
+            self._data = np.stack(self.parts)
+        return self._data
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self._data is None:
+            return (len(self.parts), *self.parts[0].shape)
+        return self._data.shape
 
     def float32(self) -> np.ndarray:
-        if self.dtype == "BF16":
-            return bf16_bits_to_f32(self.data)
-        return self.data.astype(np.float32, copy=False)
+        if self.dtype != "BF16":
+            return self.data.astype(np.float32, copy=False)
+        if self._data is not None:
+            return bf16_bits_to_f32(self._data)
+        out = np.empty(self.shape, np.float32)
+        for part, slot in zip(self.parts, out, strict=True):
+            bf16_bits_to_f32(part, slot)
+        return out
 
 
 @dataclass(frozen=True)
@@ -68,7 +86,7 @@ def raw(t: HFTensor) -> SourceArray:
 def stacked(parts: list[HFTensor]) -> SourceArray:
     dtypes = {p.dtype for p in parts}
     if len(dtypes) == 1 and parts[0].dtype in ("BF16", "F16", "F32"):
-        return SourceArray(np.stack([p.raw() for p in parts]), parts[0].dtype)
+        return SourceArray(None, parts[0].dtype, tuple(p.raw() for p in parts))
     return SourceArray(np.stack([p.float32() for p in parts]), "F32")
 
 

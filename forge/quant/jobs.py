@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from forge.bulk import all_finite
 from forge.errors import ForgeError
 from forge.quant.source import QuantSource, SourceRef
 from forge.quant.torch_codecs import encode_on_device, supported_on_device
@@ -59,7 +60,7 @@ def encode_rows(
     torch encoder (the bytes are the same), else with the CPU codec. ``importance``: one vector for all
     rows, or one per group of consecutive rows (n_mat, n_per_row), a 3-D tensor's matrices."""
     qt = get_type(qtype)
-    if not np.isfinite(rows).all():
+    if not all_finite(rows):
         raise ForgeError("non-finite values (NaN or inf) in the source weights")
     if device != "cpu" and supported_on_device(qt.name()):
         return encode_on_device(qt.name(), rows, importance, device)

@@ -12,12 +12,12 @@ ggml names kept: ``nearest_int``, ``make_qx_quants``, ``make_q3_quants``, ``make
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from forge.bulk import all_finite, encoder_threads
 from forge.errors import ForgeError
 
 F32 = np.float32
@@ -398,7 +398,7 @@ def check_rows(
     n_per_row = rows.shape[1]
     if n_per_row % block_size:
         raise ForgeError(f"{name}: row length {n_per_row} is not a multiple of the block size {block_size}")
-    if finite and rows.size and not np.isfinite(rows).all():
+    if finite and rows.size and not all_finite(rows):
         what = "NaN" if np.isnan(rows).any() else "infinite values"
         raise ForgeError(f"{name}: input contains {what}; cannot quantize non-finite weights")
     if importance is not None:
@@ -410,19 +410,6 @@ def check_rows(
         if not np.isfinite(importance).all():
             raise ForgeError(f"{name}: importance weights contain NaN or infinite values")
     return rows, importance
-
-
-def _threads() -> int:
-    """Encoder threads: ``FORGE_THREADS``, else every core this process may run on."""
-    env = os.environ.get("FORGE_THREADS", "").strip()
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise ForgeError(f"FORGE_THREADS must be a positive whole number, not {env!r}")
-        return int(env)
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # no affinity API (macOS)
-        return max(1, os.cpu_count() or 1)
 
 
 def map_row_chunks(
@@ -446,7 +433,7 @@ def map_row_chunks(
     def run(s: int) -> None:
         out[s : s + step] = encode_chunk(rows[s : s + step])
 
-    threads = min(_threads(), len(starts))
+    threads = min(encoder_threads(), len(starts))
     if threads <= 1:
         for s in starts:
             run(s)

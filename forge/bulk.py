@@ -1,0 +1,76 @@
+"""Whole-array passes of the quantizer spread over the cores: widening bf16 source values to float32 and
+checking that weights are finite. With numpy alone each is one single-threaded pass over the tensor, which on
+many cores left the encoders waiting: on 2 cores they were half of a q4_k_m quantize. Compiled kernels
+without the GIL run on a pool of Python threads, as the encoders do (``map_row_chunks``): numba's own
+parallel layer must not run in a process that later forks the ``--jobs`` workers."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from numba import njit
+
+from forge.errors import ForgeError
+from forge.jit import enabled
+
+_CHUNK = 1 << 18  # elements a thread takes at a time, at least
+_SMALL = 1 << 20  # below this many elements numpy's one pass is cheaper than waking the threads
+
+
+@njit(nogil=True, cache=True)
+def _widen_bf16(bits: np.ndarray, out: np.ndarray, start: int, stop: int) -> int:
+    for i in range(start, stop):
+        out[i] = np.uint32(bits[i]) << 16
+    return 0
+
+
+@njit(nogil=True, cache=True)
+def _count_nonfinite(x: np.ndarray, start: int, stop: int) -> int:
+    bad = 0
+    for i in range(start, stop):
+        bad += not np.isfinite(x[i])
+    return bad
+
+
+def encoder_threads() -> int:
+    """Encoder threads: ``FORGE_THREADS``, else every core this process may run on."""
+    env = os.environ.get("FORGE_THREADS", "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ForgeError(f"FORGE_THREADS must be a positive whole number, not {env!r}")
+        return int(env)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity API (macOS)
+        return max(1, os.cpu_count() or 1)
+
+
+def _chunked(kernel, *arrays: np.ndarray) -> int:  # noqa: ANN001
+    """The sum of ``kernel(*arrays, start, stop)`` over chunks of the first (flat) array's indices, on the
+    encoders' thread count (``FORGE_THREADS``, else every core)."""
+    n = arrays[0].shape[0]
+    step = max(_CHUNK, -(-n // (4 * encoder_threads())))
+    with ThreadPoolExecutor(encoder_threads()) as pool:
+        return sum(pool.map(lambda s: kernel(*arrays, s, min(n, s + step)), range(0, n, step)))
+
+
+def bf16_to_f32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """bf16 values stored as uint16 bits -> float32, same shape (exact: the bits shifted into place), into
+    ``out`` (a C-contiguous float32 array of that shape) if given."""
+    if out is None:
+        out = np.empty(bits.shape, np.float32)
+    wide = out.view(np.uint32)
+    if not enabled() or bits.size < _SMALL:
+        np.left_shift(bits, 16, out=wide, dtype=np.uint32)
+    else:
+        _chunked(_widen_bf16, np.ascontiguousarray(bits).reshape(-1), wide.reshape(-1))
+    return out
+
+
+def all_finite(x: np.ndarray) -> bool:
+    """No NaN or infinity in the float32 array ``x``."""
+    if not enabled() or x.size < _SMALL or x.dtype != np.float32:
+        return bool(np.isfinite(x).all())
+    return _chunked(_count_nonfinite, np.ascontiguousarray(x).reshape(-1)) == 0
