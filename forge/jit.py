@@ -54,21 +54,30 @@ def bits_f32(typingctx, x):  # noqa: ANN001, ANN201
     return types.float32(x), codegen
 
 
+def _flat_array(arr, i) -> bool:  # noqa: ANN001
+    return (
+        isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == "C" and isinstance(i, types.Integer)
+    )
+
+
+def _element(context, builder, signature, args):  # noqa: ANN001, ANN202
+    """LLVM pointer to ``args[0][args[1]]`` (a 1-D contiguous array and an integer index), no checks."""
+    ary = context.make_array(signature.args[0])(context, builder, args[0])
+    index = context.cast(builder, args[1], signature.args[1], types.intp)
+    return builder.gep(ary.data, [index], inbounds=True)
+
+
 @intrinsic
 def at(typingctx, arr, i):  # noqa: ANN001, ANN201
     """``arr[i]`` of a 1-D contiguous array without numba's wraparound of negative indices (``0 <= i < len``
     is the caller's promise): a plain load, so a loop over ``at(arr, base + lane)`` vectorizes into vector
     loads where an index numba cannot prove non-negative becomes a gather. (A slice per block would do the
     same at the cost of two atomic reference-count updates per slice.)"""
-    if not (
-        isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == "C" and isinstance(i, types.Integer)
-    ):
+    if not _flat_array(arr, i):
         return None
 
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        index = context.cast(builder, args[1], signature.args[1], types.intp)
-        return builder.load(builder.gep(ary.data, [index], inbounds=True))
+        return builder.load(_element(context, builder, signature, args))
 
     return arr.dtype(arr, i), codegen
 
@@ -76,16 +85,12 @@ def at(typingctx, arr, i):  # noqa: ANN001, ANN201
 @intrinsic
 def put(typingctx, arr, i, v):  # noqa: ANN001, ANN201
     """``arr[i] = v`` without the wraparound check (see ``at``); v is cast to the array's type."""
-    if not (
-        isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == "C" and isinstance(i, types.Integer)
-    ):
+    if not _flat_array(arr, i):
         return None
 
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        index = context.cast(builder, args[1], signature.args[1], types.intp)
         value = context.cast(builder, args[2], signature.args[2], signature.args[0].dtype)
-        builder.store(value, builder.gep(ary.data, [index], inbounds=True))
+        builder.store(value, _element(context, builder, signature, args))
         return context.get_dummy_value()
 
     return types.none(arr, i, v), codegen
@@ -94,15 +99,11 @@ def put(typingctx, arr, i, v):  # noqa: ANN001, ANN201
 @intrinsic
 def prefetch(typingctx, arr, i):  # noqa: ANN001, ANN201
     """Ask the CPU to bring the cache line of ``arr[i]`` (a 1-D contiguous array) into the caches, for reading."""
-    if not (
-        isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == "C" and isinstance(i, types.Integer)
-    ):
+    if not _flat_array(arr, i):
         return None
 
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        index = context.cast(builder, args[1], signature.args[1], types.intp)
-        ptr = builder.bitcast(builder.gep(ary.data, [index], inbounds=True), ir.IntType(8).as_pointer())
+        ptr = builder.bitcast(_element(context, builder, signature, args), ir.IntType(8).as_pointer())
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
         fn = builder.module.declare_intrinsic("llvm.prefetch", (), fnty)

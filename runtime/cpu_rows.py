@@ -84,6 +84,24 @@ def _e8m0_half(e: int) -> float:
     return _bits(np.int64(0x00200000) << e if e < 2 else (e - 1) << 23)
 
 
+@njit(inline="always", **_JIT)
+def _q6_scales(b: np.ndarray, sc: int, d: float) -> tuple[float, float, float, float]:
+    """Q6_K: the four 32-value parts' scales of one 16-lane group, times d (sc: the group's first scale byte)."""
+    return d * i8_f32(b[sc]), d * i8_f32(b[sc + 2]), d * i8_f32(b[sc + 4]), d * i8_f32(b[sc + 6])
+
+
+@njit(inline="always", **_JIT)
+def _q6_lane(b: np.ndarray, la: int, lh: int) -> tuple[float, float, float, float]:
+    """Q6_K: the four quants (minus 32) of one lane, from its low-nibble bytes at la, la + 32 and high bits at lh."""
+    a, c, h = at(b, la), at(b, la + 32), at(b, lh)
+    return (
+        u8_field(a, 0, 15) + F32(16) * u8_field(h, 0, 3) - F32(32),
+        u8_field(c, 0, 15) + F32(16) * u8_field(h, 2, 3) - F32(32),
+        u8_field(a, 4, 15) + F32(16) * u8_field(h, 4, 3) - F32(32),
+        u8_field(c, 4, 15) + F32(16) * u8_field(h, 6, 3) - F32(32),
+    )
+
+
 @njit(**_JIT)
 def decode_row(b: np.ndarray, qtype: int, out: np.ndarray) -> None:
     """Decode the encoded row ``b`` (uint8) of ``qtype`` (a ``cpu_rows`` type's id) into ``out`` (float32)."""
@@ -114,27 +132,14 @@ def decode_row(b: np.ndarray, qtype: int, out: np.ndarray) -> None:
             for half in range(2):
                 ql, qh, sc, yh = o + 64 * half, o + 128 + 32 * half, o + 192 + 8 * half, y + 128 * half
                 for g in range(2):  # lanes 16 g .. 16 g + 15 of each of the four 32-value parts share a scale
-                    c1, c2 = d * i8_f32(b[sc + g]), d * i8_f32(b[sc + g + 2])
-                    c3, c4 = d * i8_f32(b[sc + g + 4]), d * i8_f32(b[sc + g + 6])
+                    c1, c2, c3, c4 = _q6_scales(b, sc + g, d)
                     la, lh, yg = ql + 16 * g, qh + 16 * g, yh + 16 * g
                     for lane in range(16):
-                        a, c, h = at(b, la + lane), at(b, la + 32 + lane), at(b, lh + lane)
-                        put(out, yg + lane, c1 * (u8_field(a, 0, 15) + F32(16) * u8_field(h, 0, 3) - F32(32)))
-                        put(
-                            out,
-                            yg + 32 + lane,
-                            c2 * (u8_field(c, 0, 15) + F32(16) * u8_field(h, 2, 3) - F32(32)),
-                        )
-                        put(
-                            out,
-                            yg + 64 + lane,
-                            c3 * (u8_field(a, 4, 15) + F32(16) * u8_field(h, 4, 3) - F32(32)),
-                        )
-                        put(
-                            out,
-                            yg + 96 + lane,
-                            c4 * (u8_field(c, 4, 15) + F32(16) * u8_field(h, 6, 3) - F32(32)),
-                        )
+                        q1, q2, q3, q4 = _q6_lane(b, la + lane, lh + lane)
+                        put(out, yg + lane, c1 * q1)
+                        put(out, yg + 32 + lane, c2 * q2)
+                        put(out, yg + 64 + lane, c3 * q3)
+                        put(out, yg + 96 + lane, c4 * q4)
     elif qtype == _MXFP4:
         for blk in range(n // 32):
             o = 17 * blk
@@ -254,15 +259,10 @@ def _dot_q6_k(b: np.ndarray, x: np.ndarray, scratch: np.ndarray) -> float:
         for half in range(2):
             ql, qh, sc, yh = o + 64 * half, o + 128 + 32 * half, o + 192 + 8 * half, y + 128 * half
             for g in range(2):  # lanes 16 g .. 16 g + 15 of each of the four 32-value parts share a scale
-                c1, c2 = d * i8_f32(b[sc + g]), d * i8_f32(b[sc + g + 2])
-                c3, c4 = d * i8_f32(b[sc + g + 4]), d * i8_f32(b[sc + g + 6])
+                c1, c2, c3, c4 = _q6_scales(b, sc + g, d)
                 la, lh, xg = ql + 16 * g, qh + 16 * g, yh + 16 * g
                 for lane in range(16):
-                    a, c, h = at(b, la + lane), at(b, la + 32 + lane), at(b, lh + lane)
-                    q1 = u8_field(a, 0, 15) + F32(16) * u8_field(h, 0, 3) - F32(32)
-                    q2 = u8_field(c, 0, 15) + F32(16) * u8_field(h, 2, 3) - F32(32)
-                    q3 = u8_field(a, 4, 15) + F32(16) * u8_field(h, 4, 3) - F32(32)
-                    q4 = u8_field(c, 4, 15) + F32(16) * u8_field(h, 6, 3) - F32(32)
+                    q1, q2, q3, q4 = _q6_lane(b, la + lane, lh + lane)
                     lanes[lane] += (
                         c1 * q1 * at(x, xg + lane)
                         + c2 * q2 * at(x, xg + 32 + lane)
