@@ -1,7 +1,8 @@
 """Compiled (numba) one-token kernels for the CPU decode path: one call per block and token (attention,
 Gated DeltaNet, shared expert, routed experts (routed outside, by ``runtime.moe.Router``), matrix-vector products with RMSNorm
-folded in) over row-major float32 weights, and routed experts kept encoded (``runtime.cpu_rows``); plus the
-routed experts of a batch (prefill) over encoded rows, grouped by expert (``routed_ffn_batch``).
+folded in) over weights kept as their file rows (``Rows``: dot products from the bytes, ``runtime.cpu_rows``)
+or float32 rows; plus the routed experts of a batch (prefill) over encoded rows, grouped by expert
+(``routed_ffn_batch``), and a batch's product with encoded rows decoded a chunk at a time (``product``).
 
 For one input row, torch's CPU matmul runs these shapes on one core well below memory speed (a 256 x 512
 product took 56 us inside the model, i.e. 9 GB/s); these kernels read each weight row once as a

@@ -1,6 +1,6 @@
-"""Compiled (numba) decoders of one encoded row to float32, for the CPU decode path's routed experts that
-stay encoded (decoded per use): the row is decoded into a small buffer and consumed at once, never
-stored whole as float32.
+"""Compiled (numba) decoders of one encoded row to float32 and dot products straight from its bytes, for
+the CPU kernels' weights kept encoded (dense weights and routed experts alike): a row is decoded into a small
+buffer and consumed at once, or multiplied without decoding, never stored whole as float32.
 
 The float operations are ggml's ``dequantize_row_*`` (and ``gguf.quants``) in the same order, without
 fastmath, so a decoded row equals ``runtime.dequant.dequantize``'s bit for bit (tests).
