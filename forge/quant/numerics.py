@@ -417,14 +417,17 @@ def map_row_chunks(
     row_bytes: int,
     encode_chunk: Callable[[np.ndarray], np.ndarray],
     chunk_elems: int = 1 << 16,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Encode ``rows`` (R, n) in chunks of whole rows (bounded memory), on a small thread pool.
+    """Encode ``rows`` (R, n) in chunks of whole rows (bounded memory), on a small thread pool, into ``out``
+    (uint8 (R, row_bytes); a new array if None).
 
     ``encode_chunk(rows_chunk) -> uint8 (r, row_bytes)``; numpy releases the GIL inside its loops, so
     chunks run in parallel.
     """
     n_rows, n_per_row = rows.shape
-    out = np.empty((n_rows, row_bytes), np.uint8)
+    if out is None:
+        out = np.empty((n_rows, row_bytes), np.uint8)
     if n_rows == 0:
         return out
     step = max(1, chunk_elems // max(1, n_per_row))

@@ -49,8 +49,11 @@ class QuantType:
         return n_per_row // cls.block_size * cls.type_size
 
     @classmethod
-    def encode(cls, rows: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
-        """float32 (n_rows, n_per_row) -> uint8 (n_rows, row_bytes). ``importance``: (n_per_row,)."""
+    def encode(
+        cls, rows: np.ndarray, importance: np.ndarray | None = None, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """float32 (n_rows, n_per_row) -> uint8 (n_rows, row_bytes), written into ``out`` when given (a
+        C-contiguous array of that shape). ``importance``: (n_per_row,)."""
         raise ForgeError(f"encoding to {cls.name()} is not supported")
 
     @classmethod
@@ -89,7 +92,9 @@ class BlockCodec(QuantType):
     chunk_elems: ClassVar[int] = 1 << 16
 
     @classmethod
-    def encode(cls, rows: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+    def encode(
+        cls, rows: np.ndarray, importance: np.ndarray | None = None, out: np.ndarray | None = None
+    ) -> np.ndarray:
         from forge.quant.numerics import check_rows, map_row_chunks
 
         rows, importance = check_rows(cls.name(), rows, cls.block_size, importance)
@@ -103,7 +108,7 @@ class BlockCodec(QuantType):
         # numpy codecs vectorize over a chunk's blocks and want big chunks; compiled kernels loop,
         # so small chunks let the threads share even a small tensor
         chunk = min(cls.chunk_elems, KERNEL_CHUNK_ELEMS) if enabled() else cls.chunk_elems
-        return map_row_chunks(rows, cls.row_bytes(rows.shape[1]), lambda c: fn(c, importance), chunk)
+        return map_row_chunks(rows, cls.row_bytes(rows.shape[1]), lambda c: fn(c, importance), chunk, out)
 
     @classmethod
     def decode(cls, data: np.ndarray, n_per_row: int) -> np.ndarray:

@@ -25,6 +25,13 @@ def fp32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
     return bits
 
 
+def _into(data: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    if out is None:
+        return data
+    out[...] = data
+    return out
+
+
 class _Float(QuantType):
     @classmethod
     def _rows(cls, rows: np.ndarray) -> np.ndarray:
@@ -42,9 +49,11 @@ class F32(_Float):
     ggml_type = T.F32
 
     @classmethod
-    def encode(cls, rows: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+    def encode(
+        cls, rows: np.ndarray, importance: np.ndarray | None = None, out: np.ndarray | None = None
+    ) -> np.ndarray:
         rows = cls._rows(rows)
-        return rows.view(np.uint8).reshape(rows.shape[0], -1)
+        return _into(rows.view(np.uint8).reshape(rows.shape[0], -1), out)
 
     @staticmethod
     def _decode(data: np.ndarray) -> np.ndarray:
@@ -55,10 +64,12 @@ class F16(_Float):
     ggml_type = T.F16
 
     @classmethod
-    def encode(cls, rows: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+    def encode(
+        cls, rows: np.ndarray, importance: np.ndarray | None = None, out: np.ndarray | None = None
+    ) -> np.ndarray:
         rows = cls._rows(rows)
         with np.errstate(over="ignore"):
-            return rows.astype(np.float16).view(np.uint8).reshape(rows.shape[0], -1)
+            return _into(rows.astype(np.float16).view(np.uint8).reshape(rows.shape[0], -1), out)
 
     @staticmethod
     def _decode(data: np.ndarray) -> np.ndarray:
@@ -69,9 +80,11 @@ class BF16(_Float):
     ggml_type = T.BF16
 
     @classmethod
-    def encode(cls, rows: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+    def encode(
+        cls, rows: np.ndarray, importance: np.ndarray | None = None, out: np.ndarray | None = None
+    ) -> np.ndarray:
         rows = cls._rows(rows)
-        return fp32_to_bf16_bits(rows).view(np.uint8).reshape(rows.shape[0], -1)
+        return _into(fp32_to_bf16_bits(rows).view(np.uint8).reshape(rows.shape[0], -1), out)
 
     @staticmethod
     def _decode(data: np.ndarray) -> np.ndarray:
