@@ -47,13 +47,25 @@ def encoder_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+_POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (process id, threads, pool)
+
+
+def _pool() -> ThreadPoolExecutor:
+    """One pool of ``encoder_threads()`` threads per process (a ``--jobs`` worker, forked, makes its own):
+    a per-expert source calls these passes hundreds of times per layer."""
+    global _POOL
+    threads = encoder_threads()
+    if _POOL is None or _POOL[:2] != (os.getpid(), threads):
+        _POOL = (os.getpid(), threads, ThreadPoolExecutor(threads, thread_name_prefix="forge-bulk"))
+    return _POOL[2]
+
+
 def _chunked(kernel, *arrays: np.ndarray) -> int:  # noqa: ANN001
     """The sum of ``kernel(*arrays, start, stop)`` over chunks of the first (flat) array's indices, on the
     encoders' thread count (``FORGE_THREADS``, else every core)."""
     n = arrays[0].shape[0]
     step = max(_CHUNK, -(-n // (4 * encoder_threads())))
-    with ThreadPoolExecutor(encoder_threads()) as pool:
-        return sum(pool.map(lambda s: kernel(*arrays, s, min(n, s + step)), range(0, n, step)))
+    return sum(_pool().map(lambda s: kernel(*arrays, s, min(n, s + step)), range(0, n, step)))
 
 
 def bf16_to_f32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
