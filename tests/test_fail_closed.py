@@ -437,15 +437,27 @@ def _wait_for(proc: subprocess.Popen[str], ready: Callable[[], bool], timeout: f
         time.sleep(0.02)
 
 
+# the slow ones run long enough (10-30 s here) that a signal sent 1-2 s in lands inside the work: on the
+# fixture text and a q4_k_m mix they finished in about 2 s, sometimes before the signal
 INTERRUPTIBLE = {
     "quantize --jobs 2": (
         "quantize m.gguf --recipe iq4_xs -o old.gguf --jobs 2",
         lambda p: len(p.children()) >= 2,
     ),
-    "quantize": ("quantize m.gguf --recipe q4_k_m -o old.gguf", None),
-    "eval": ("eval m.gguf --text t.txt --ctx 64", None),
-    "imatrix collect": ("imatrix collect m.gguf --text t.txt --ctx 64 -o old.gguf", None),
+    "quantize": ("quantize m.gguf --recipe iq2_xxs --imatrix im.gguf -o old.gguf", None),
+    "eval": ("eval m.gguf --text long.txt --ctx 64", None),
+    "imatrix collect": ("imatrix collect m.gguf --text long.txt --ctx 64 -o old.gguf", None),
 }
+
+
+@pytest.fixture(scope="session")
+def fixture_imatrix(example_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An imatrix of the example model (IQ2_XXS needs one), collected once."""
+    folder = tmp_path_factory.mktemp("imatrix")
+    (folder / "t.txt").write_text(" ".join(random.Random(1).choice(WORDS) for _ in range(400)) + "\n")
+    args = f"imatrix collect {example_bf16} --text t.txt --ctx 64 -o im.gguf"
+    subprocess.run([*FORGE, *args.split()], cwd=folder, check=True, capture_output=True)
+    return folder / "im.gguf"
 
 
 @pytest.mark.slow
@@ -453,9 +465,13 @@ INTERRUPTIBLE = {
 @pytest.mark.parametrize("command", INTERRUPTIBLE)
 @pytest.mark.parametrize("seed", range(2))
 def test_an_interrupt_exits_128_plus_signal_and_leaves_no_trace(
-    ws: Path, command: str, sig: int, seed: int
+    ws: Path, command: str, sig: int, seed: int, request: pytest.FixtureRequest
 ) -> None:
     args, ready = INTERRUPTIBLE[command]
+    if "im.gguf" in args:
+        os.link(request.getfixturevalue("fixture_imatrix"), ws / "im.gguf")
+    if "long.txt" in args:
+        (ws / "long.txt").write_text((ws / "t.txt").read_text() * 10)
     (ws / "old.gguf").write_bytes(b"an earlier output\n")
     before = snapshot(ws)
     proc = _start(ws, args)
@@ -475,7 +491,9 @@ def test_an_interrupt_exits_128_plus_signal_and_leaves_no_trace(
 
 def test_ctrl_c_of_a_quantize_run_is_not_success(ws: Path) -> None:
     """The default-suite member of the interrupt class: SIGINT during a worker-pool quantize."""
-    test_an_interrupt_exits_128_plus_signal_and_leaves_no_trace(ws, "quantize --jobs 2", signal.SIGINT, 0)
+    test_an_interrupt_exits_128_plus_signal_and_leaves_no_trace(
+        ws, "quantize --jobs 2", signal.SIGINT, 0, None
+    )
 
 
 def test_workers_die_with_a_killed_parent(ws: Path) -> None:
