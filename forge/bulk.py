@@ -50,13 +50,14 @@ def encoder_threads() -> int:
 _POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (process id, threads, pool)
 
 
-def _pool() -> ThreadPoolExecutor:
-    """One pool of ``encoder_threads()`` threads per process (a ``--jobs`` worker, forked, makes its own):
-    a per-expert source calls these passes hundreds of times per layer."""
+def thread_pool() -> ThreadPoolExecutor:
+    """The encoders' threads: one pool of ``encoder_threads()`` per process (a ``--jobs`` worker, forked,
+    makes its own), shared by every pass (a per-expert source or imatrix calls them hundreds of times per
+    layer; a pool per call started its threads each time). Tasks must not wait on other tasks of the pool."""
     global _POOL
     threads = encoder_threads()
     if _POOL is None or _POOL[:2] != (os.getpid(), threads):
-        _POOL = (os.getpid(), threads, ThreadPoolExecutor(threads, thread_name_prefix="forge-bulk"))
+        _POOL = (os.getpid(), threads, ThreadPoolExecutor(threads, thread_name_prefix="forge-encode"))
     return _POOL[2]
 
 
@@ -65,7 +66,7 @@ def _chunked(kernel, *arrays: np.ndarray) -> int:  # noqa: ANN001
     encoders' thread count (``FORGE_THREADS``, else every core)."""
     n = arrays[0].shape[0]
     step = max(_CHUNK, -(-n // (4 * encoder_threads())))
-    return sum(_pool().map(lambda s: kernel(*arrays, s, min(n, s + step)), range(0, n, step)))
+    return sum(thread_pool().map(lambda s: kernel(*arrays, s, min(n, s + step)), range(0, n, step)))
 
 
 def bf16_to_f32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

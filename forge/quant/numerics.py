@@ -13,11 +13,10 @@ ggml names kept: ``nearest_int``, ``make_qx_quants``, ``make_q3_quants``, ``make
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from forge.bulk import all_finite, encoder_threads
+from forge.bulk import all_finite, encoder_threads, thread_pool
 from forge.errors import ForgeError
 
 F32 = np.float32
@@ -436,12 +435,10 @@ def map_row_chunks(
     def run(s: int) -> None:
         out[s : s + step] = encode_chunk(rows[s : s + step])
 
-    threads = min(encoder_threads(), len(starts))
-    if threads <= 1:
+    if min(encoder_threads(), len(starts)) <= 1:
         for s in starts:
             run(s)
     else:
-        with ThreadPoolExecutor(threads) as pool:
-            for f in [pool.submit(run, s) for s in starts]:
-                f.result()
+        for f in [thread_pool().submit(run, s) for s in starts]:
+            f.result()
     return out
