@@ -322,9 +322,13 @@ class Interrupted(BaseException):
 # outputs in progress are anonymous files, so even the hard exit leaves nothing behind.
 UNWIND_SECONDS = 10.0
 _interrupted: list[int] = []
+_redelivered: list[int] = []
 
 
 def _interrupt(signum: int, frame: Any) -> None:
+    if _redelivered:  # the first interrupt again, after a destructor swallowed it (``_unraisable``)
+        _redelivered.clear()
+        raise Interrupted(signum)
     if _interrupted:  # a second Ctrl-C: stop now
         os._exit(128 + signum)
     _interrupted.append(signum)
@@ -332,6 +336,21 @@ def _interrupt(signum: int, frame: Any) -> None:
     timer.daemon = True
     timer.start()
     raise Interrupted(signum)
+
+
+def _unraisable(unraisable: Any) -> None:
+    """Python swallows an exception raised in a destructor (it prints "Exception ignored in ..."): an
+    interrupt that lands in one would be lost and the command run on to success. Deliver it again, from
+    another thread a moment later, so that it is handled once the destructor has returned (should it land in
+    one again, this repeats)."""
+    if isinstance(unraisable.exc_value, Interrupted):
+        signum = unraisable.exc_value.signum
+        _redelivered.append(signum)
+        again = threading.Timer(0.001, os.kill, (os.getpid(), signum))
+        again.daemon = True
+        again.start()
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 def _hard_exit(code: int) -> None:
@@ -353,6 +372,7 @@ def run_app(typer_app: typer.Typer) -> None:
     one ``error:`` line and exit 1; SIGINT/SIGTERM -> ``interrupted`` and exit 130/143, outputs untouched."""
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _interrupt)
+    sys.unraisablehook = _unraisable
     command = typer.main.get_command(typer_app)
     _guard_all(command)
     try:

@@ -521,3 +521,49 @@ def test_an_interrupted_collection_says_its_snapshot_is_partial(ws: Path) -> Non
     show = forge("imatrix", "show", "snap.gguf", "--json", cwd=ws)
     assert show.returncode == 0, show.stderr
     assert '"partial": true' in show.stdout, show.stdout
+
+
+_SWALLOWING_APP = """
+import os, signal, sys, time
+import typer
+from forge.cli import run_app
+
+app = typer.Typer()
+
+
+class Slow:
+    def __del__(self):  # the signal is handled while a destructor runs: Python ignores what it raises
+        os.kill(os.getpid(), signal.{sig})
+        for _ in range(1000):
+            time.sleep(0.0001)
+
+
+@app.command()
+def work() -> None:
+    Slow()
+    for _ in range(50):
+        time.sleep(0.1)
+    print("finished")
+
+
+@app.command()
+def other() -> None:
+    pass
+
+
+run_app(app)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_inside_a_destructor_is_not_lost(tmp_path: Path, sig: str) -> None:
+    """Python swallows an exception raised in a destructor; an interrupt landing there used to be lost (the
+    command ran on and could exit 0). It is delivered again and unwinds the command as any interrupt does."""
+    script = tmp_path / "app.py"
+    script.write_text(_SWALLOWING_APP.replace("{sig}", sig))
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script), "work"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 128 + getattr(signal, sig), (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stderr.rstrip().endswith("interrupted") and "finished" not in proc.stdout
+    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert time.monotonic() - started < 4  # not the hard exit's timer (UNWIND_SECONDS)
