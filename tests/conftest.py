@@ -22,6 +22,16 @@ def example_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def example_q8(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled example quantized to Q8_0 by forge, once per session."""
+    from forge.quant.quantize import quantize
+
+    out = tmp_path_factory.mktemp("example-q8") / "tiny-qwen3moe-Q8_0.gguf"
+    quantize(EXAMPLE, out, "q8_0")
+    return out
+
+
 @pytest.fixture
 def example_copy(tmp_path: Path) -> Path:
     """A writable copy of the example folder: small files copied, shards symlinked."""

@@ -54,6 +54,14 @@ def llamacpp_dir(model: str) -> Path:
     return fixtures() / "llamacpp" / model
 
 
+def llamacpp_output(model: str, name: str) -> Path:
+    """A file of llama.cpp's full outputs for a model (the optional folder only); skips if absent."""
+    path = llamacpp_dir(model) / name
+    if not path.exists():
+        pytest.skip(f"{path} is absent")
+    return path
+
+
 def llamacpp_file(model: str, name: str) -> Path:
     """One of llama.cpp's files for a model (e.g. ``tiny-qwen3moe-imatrix.gguf``), shipped or not."""
     return fixture("llamacpp", model, name)

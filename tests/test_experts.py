@@ -10,7 +10,6 @@ from pathlib import Path
 import oracle
 import pytest
 import torch
-from conftest import EXAMPLE
 
 from forge.errors import ForgeError
 from forge.layout import convert
@@ -26,22 +25,6 @@ LLAMACPP = [
     ("tiny-qwen3moe", "tiny-qwen3moe-Q4_K_M-imat.gguf"),
     ("tiny-qwen35moe", "tiny-qwen35moe-IQ2_XXS-imat.gguf"),
 ]
-
-
-@pytest.fixture(scope="module")
-def forge_q8(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from forge.quant.quantize import quantize
-
-    out = tmp_path_factory.mktemp("q8") / "tiny-qwen3moe-Q8_0.gguf"
-    quantize(EXAMPLE, out, "q8_0")
-    return out
-
-
-def _llamacpp(model: str, name: str) -> Path:
-    path = oracle.llamacpp_dir(model) / name
-    if not path.exists():
-        pytest.skip(f"{path} is absent")
-    return path
 
 
 def _ids(n: int = 24) -> torch.Tensor:
@@ -72,19 +55,19 @@ def _check_layouts(src: Path, tmp: Path) -> None:
             assert torch.equal(got, want), (version, budget)
 
 
-def test_forge_q8_expert_major_logits_equal_canonical(forge_q8: Path, tmp_path: Path) -> None:
-    _check_layouts(forge_q8, tmp_path)
+def test_forge_q8_expert_major_logits_equal_canonical(example_q8: Path, tmp_path: Path) -> None:
+    _check_layouts(example_q8, tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "name"), LLAMACPP)
 def test_llamacpp_expert_major_logits_equal_canonical(model: str, name: str, tmp_path: Path) -> None:
-    _check_layouts(_llamacpp(model, name), tmp_path)
+    _check_layouts(oracle.llamacpp_output(model, name), tmp_path)
 
 
-def test_expert_major_reads_one_slice_per_expert(forge_q8: Path, tmp_path: Path) -> None:
-    native = _expert_major(forge_q8, tmp_path, "v2")
-    canon, em = GGUFWeights(forge_q8), GGUFWeights(native)
+def test_expert_major_reads_one_slice_per_expert(example_q8: Path, tmp_path: Path) -> None:
+    native = _expert_major(example_q8, tmp_path, "v2")
+    canon, em = GGUFWeights(example_q8), GGUFWeights(native)
     assert not canon.has("ds4.expert_major.v2") and em.store is not None
     layers = em.expert_layers()
     assert all(len(lay.reads) == 1 for lay in layers.values())
@@ -94,8 +77,8 @@ def test_expert_major_reads_one_slice_per_expert(forge_q8: Path, tmp_path: Path)
     assert torch.equal(em.raw(name), canon.raw(name))
 
 
-def test_corrupted_expert_major_payload_is_refused(forge_q8: Path, tmp_path: Path) -> None:
-    native = _expert_major(forge_q8, tmp_path, "v2")
+def test_corrupted_expert_major_payload_is_refused(example_q8: Path, tmp_path: Path) -> None:
+    native = _expert_major(example_q8, tmp_path, "v2")
     em = GGUFWeights(native)
     off = em.expert_layers()[1].reads[0][0]
     data = bytearray(native.read_bytes())
@@ -115,10 +98,10 @@ def _floor(path: Path) -> int:
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_streaming_with_floor_cache_equals_resident(forge_q8: Path, tmp_path: Path, policy: str) -> None:
-    resident = _logits(forge_q8, expert_budget=0)
-    native = _expert_major(forge_q8, tmp_path, "v2")
-    for path in (forge_q8, native):
+def test_streaming_with_floor_cache_equals_resident(example_q8: Path, tmp_path: Path, policy: str) -> None:
+    resident = _logits(example_q8, expert_budget=0)
+    native = _expert_major(example_q8, tmp_path, "v2")
+    for path in (example_q8, native):
         got = _logits(path, stream_experts=_floor(path), expert_policy=policy)
         assert torch.equal(got, resident), path.name
 
@@ -126,17 +109,17 @@ def test_streaming_with_floor_cache_equals_resident(forge_q8: Path, tmp_path: Pa
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "name"), LLAMACPP)
 def test_llamacpp_streaming_equals_resident(model: str, name: str, tmp_path: Path) -> None:
-    src = _llamacpp(model, name)
+    src = oracle.llamacpp_output(model, name)
     resident = _logits(src, expert_budget=0)
     for path in (src, _expert_major(src, tmp_path, "v1")):
         assert torch.equal(_logits(path, stream_experts=_floor(path)), resident), path.name
 
 
 def test_cpu_decode_kernels_read_per_use_and_streamed_experts_encoded(
-    forge_q8: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    example_q8: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    native = _expert_major(forge_q8, tmp_path, "v2")
-    for path in (forge_q8, native):
+    native = _expert_major(example_q8, tmp_path, "v2")
+    for path in (example_q8, native):
         per_use = load_model(path, expert_budget=0, verify_experts=False)
         streamed = load_model(path, stream_experts=_floor(path), verify_experts=False)
         for a, b in zip(per_use.blocks, streamed.blocks, strict=True):  # type: ignore[attr-defined]
@@ -144,21 +127,21 @@ def test_cpu_decode_kernels_read_per_use_and_streamed_experts_encoded(
             assert a.moe.source.kind == "per-use" and a.moe.source.has_records()
             assert b.moe.source.kind == "streamed" and b.moe.source.has_records()
     monkeypatch.setenv("FORGE_NO_NUMBA", "1")  # the torch path (CUDA, MPS) gives the same logits within 1e-4
-    plain = _logits(forge_q8, stream_experts=_floor(forge_q8))
+    plain = _logits(example_q8, stream_experts=_floor(example_q8))
     monkeypatch.delenv("FORGE_NO_NUMBA")
-    compiled = _logits(forge_q8, stream_experts=_floor(forge_q8))
+    compiled = _logits(example_q8, stream_experts=_floor(example_q8))
     assert (compiled - plain).abs().max() <= 1e-4 * plain.abs().max()
 
 
-def test_cache_below_floor_is_refused(forge_q8: Path) -> None:
-    floor = _floor(forge_q8)
+def test_cache_below_floor_is_refused(example_q8: Path) -> None:
+    floor = _floor(example_q8)
     with pytest.raises(ForgeError, match=f"below the floor of {floor}"):
-        load_model(forge_q8, stream_experts=floor - 1)
+        load_model(example_q8, stream_experts=floor - 1)
 
 
-def test_cache_counts_reads(forge_q8: Path, tmp_path: Path) -> None:
-    native = _expert_major(forge_q8, tmp_path, "v2")
-    for path, reads_per_expert in ((forge_q8, 3), (native, 1)):
+def test_cache_counts_reads(example_q8: Path, tmp_path: Path) -> None:
+    native = _expert_major(example_q8, tmp_path, "v2")
+    for path, reads_per_expert in ((example_q8, 3), (native, 1)):
         m = load_model(path, stream_experts=_floor(path) + 5)
         cache = m.weights.expert_cache
         assert isinstance(cache, ExpertCache)
@@ -184,7 +167,7 @@ def _small_synth(tmp: Path, layers: int = 2, experts: int = 64, used: int = 4) -
     return path
 
 
-def test_device_slab_path_equals_resident(forge_q8: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_device_slab_path_equals_resident(example_q8: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The slab as a torch tensor filled through a staging row (what --device cuda uses), run on the CPU
     with torch ops as on CUDA (no compiled CPU kernels)."""
     from runtime.models import build_model
@@ -192,16 +175,16 @@ def test_device_slab_path_equals_resident(forge_q8: Path, monkeypatch: pytest.Mo
 
     monkeypatch.setenv("FORGE_NO_NUMBA", "1")
 
-    w = load_weights(forge_q8)
+    w = load_weights(example_q8)
     assert isinstance(w, GGUFWeights)
-    cache = ExpertCache(w.path, w.expert_layers(), _floor(forge_q8), int(w.hparam("expert_used_count")),
+    cache = ExpertCache(w.path, w.expert_layers(), _floor(example_q8), int(w.hparam("expert_used_count")),
                         slab_device="cpu")  # fmt: skip
     assert cache.slab_device is not None and not hasattr(cache, "slab")
     w.expert_cache = cache
     m = build_model(w)
     state, ids = m.new_state(64), _ids()
     got = torch.cat([m.forward(ids[:21], state), *(m.forward(ids[i : i + 1], state) for i in range(21, 24))])
-    assert torch.equal(got, _logits(forge_q8, expert_budget=0))
+    assert torch.equal(got, _logits(example_q8, expert_budget=0))
     assert cache.stats.misses > 0
 
 
@@ -248,8 +231,8 @@ def _forge(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
 
 
-def test_auto_picks_resident_then_streaming_under_a_small_budget(forge_q8: Path) -> None:
-    w = GGUFWeights(forge_q8)
+def test_auto_picks_resident_then_streaming_under_a_small_budget(example_q8: Path) -> None:
+    w = GGUFWeights(example_q8)
     p = plan(w)
     assert p.mode == "resident" and "fits in available memory" in p.describe()
     g = p.geometry
@@ -263,15 +246,15 @@ def test_auto_picks_resident_then_streaming_under_a_small_budget(forge_q8: Path)
 
 
 @pytest.mark.slow
-def test_cli_prints_decision_and_stats(forge_q8: Path) -> None:
-    common = ["run", str(forge_q8), "-p", "Hello there", "-n", "3", "--stats"]
+def test_cli_prints_decision_and_stats(example_q8: Path) -> None:
+    common = ["run", str(example_q8), "-p", "Hello there", "-n", "3", "--stats"]
     r = _forge(*common)
     assert r.returncode == 0, r.stderr
     assert "residency: resident" in r.stderr and "expert cache: none" in r.stderr
     r = _forge(*common, "--memory-budget", "500M")
     assert r.returncode == 0, r.stderr
     assert "residency: streaming" in r.stderr and "hits" in r.stderr
-    r = _forge(*common, "--ssd-streaming", "--cache-experts", str(_floor(forge_q8)), "--prefetch")
+    r = _forge(*common, "--ssd-streaming", "--cache-experts", str(_floor(example_q8)), "--prefetch")
     assert r.returncode == 0, r.stderr
     assert "residency: streaming" in r.stderr and "prefetch: " in r.stderr
     r = _forge(*common, "--ssd-streaming", "--cache-experts", "2")

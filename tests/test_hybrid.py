@@ -15,7 +15,6 @@ import numpy as np
 import oracle
 import pytest
 import torch
-from conftest import EXAMPLE
 
 from forge.errors import ForgeError
 from forge.imatrix.accumulate import ImatrixAccumulator
@@ -31,22 +30,6 @@ pytest.importorskip("numba")
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 PREFILL, DECODE = 21, 3
-
-
-@pytest.fixture(scope="module")
-def q8(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from forge.quant.quantize import quantize
-
-    out = tmp_path_factory.mktemp("hybrid") / "tiny-qwen3moe-Q8_0.gguf"
-    quantize(EXAMPLE, out, "q8_0")
-    return out
-
-
-def _llamacpp(model: str, name: str) -> Path:
-    path = oracle.llamacpp_dir(model) / name
-    if not path.exists():
-        pytest.skip(f"{path} is absent")
-    return path
 
 
 def _ids(n: int = PREFILL + DECODE, seed: int = 7) -> torch.Tensor:
@@ -94,12 +77,12 @@ def _pairs(m: object, n_tok: int) -> int:
 
 @pytest.mark.parametrize("rates", ["never", "always"])
 @pytest.mark.parametrize("share", [8, 1])
-def test_logits_match_resident(q8: Path, rates: str, share: int) -> None:
+def test_logits_match_resident(example_q8: Path, rates: str, share: int) -> None:
     """Prefill misses on the CPU or copied for the batch; a pool of an eighth or all of the experts."""
-    want = _logits(load_model(q8))
-    layers = GGUFWeights(q8).expert_layers()
+    want = _logits(load_model(example_q8))
+    layers = GGUFWeights(example_q8).expert_layers()
     slots = sum(lay.experts for lay in layers.values()) // share
-    m, h = _hybrid(q8, slots, getattr(Rates, rates)())
+    m, h = _hybrid(example_q8, slots, getattr(Rates, rates)())
     assert all(layer.pooled.gate_up is not None for layer in h.hybrid_layers.values())  # one part, one launch
     _close(_logits(m), want)
     s = h.stats
@@ -113,12 +96,12 @@ def test_logits_match_resident(q8: Path, rates: str, share: int) -> None:
     )
 
 
-def test_batch_copies_the_layer_whole(q8: Path, tmp_path: Path) -> None:
+def test_batch_copies_the_layer_whole(example_q8: Path, tmp_path: Path) -> None:
     """When copying a layer's experts whole beats gathering the missed ones, a batch's misses all go to the
     fast side over the whole copy (canonical files only: an expert-major file's parts are strided)."""
-    want = _logits(load_model(q8))
+    want = _logits(load_model(example_q8))
     whole = Rates(1.0, 1.0, 0.0, float("inf"))  # gathering never pays, the CPU is slow, a whole copy is free
-    m, h = _hybrid(q8, rates=whole)
+    m, h = _hybrid(example_q8, rates=whole)
     assert all(layer.whole for layer in h.hybrid_layers.values())
     _close(_logits(m), want)
     s, n = h.stats, len(m.routed_layers())
@@ -127,14 +110,14 @@ def test_batch_copies_the_layer_whole(q8: Path, tmp_path: Path) -> None:
     assert s.cpu_pairs + s.gpu_pairs + s.upload_pairs == _pairs(m, PREFILL + DECODE)
     assert s.cpu_pairs <= _pairs(m, DECODE)  # the prefill's misses all went over
     major = tmp_path / "major.gguf"
-    convert(q8, major, "v2")
+    convert(example_q8, major, "v2")
     m, h = _hybrid(major, rates=whole)
     assert not any(layer.whole for layer in h.hybrid_layers.values())
     _close(_logits(m), want)
 
 
 def test_llamacpp_q4_k_m_logits(tmp_path: Path) -> None:
-    path = _llamacpp("tiny-qwen3moe", "tiny-qwen3moe-Q4_K_M-imat.gguf")
+    path = oracle.llamacpp_output("tiny-qwen3moe", "tiny-qwen3moe-Q4_K_M-imat.gguf")
     m, _ = _hybrid(path)
     _close(_logits(m), _logits(load_model(path)))
 
@@ -150,7 +133,7 @@ def test_llamacpp_q4_k_m_logits(tmp_path: Path) -> None:
 def test_greedy_tokens_identical(model: str, name: str) -> None:
     from runtime.generate import generate
 
-    path = _llamacpp(model, name)
+    path = oracle.llamacpp_output(model, name)
     prompt = _ids(16, seed=3).tolist()
     want = generate(load_model(path), prompt, 64, stop_ids=set()).tokens
     m, h = _hybrid(path)
@@ -165,33 +148,33 @@ def _profile(m: object, counts: dict[int, np.ndarray]) -> Profile:
     return Profile(layers, n, m.n_expert_used, 100)  # type: ignore[attr-defined]
 
 
-def test_seeded_pool_holds_the_profile_hot_set(q8: Path) -> None:
-    probe = load_model(q8)
+def test_seeded_pool_holds_the_profile_hot_set(example_q8: Path) -> None:
+    probe = load_model(example_q8)
     n, layers = probe.n_expert, probe.routed_layers()
     rng = np.random.default_rng(0)
     counts = {i: rng.integers(1, 1000, n) for i in layers}
     # every expert pooled: the whole pass is computed on the fast side
-    m, h = _hybrid(q8, n * len(layers), profile=_profile(probe, counts))
+    m, h = _hybrid(example_q8, n * len(layers), profile=_profile(probe, counts))
     _logits(m)
     assert h.stats.cpu_pairs == 0 and h.stats.gpu_pairs == _pairs(m, PREFILL + DECODE)
     # half a layer's experts per layer: the pool holds each layer's hottest half (one geometry, one pool;
     # the seeded counts are scaled over all layers, so compare the pooled set with the global ranking)
-    m, h = _hybrid(q8, n * len(layers) // 2, profile=_profile(probe, counts))
+    m, h = _hybrid(example_q8, n * len(layers) // 2, profile=_profile(probe, counts))
     pooled = np.flatnonzero(h.slot_of >= 0)
     everything = np.concatenate([counts[i] for i in layers]).astype(float)
     hottest = np.argsort(-everything, kind="stable")[: len(pooled)]
     assert set(pooled) == set(hottest)
 
 
-def test_attach_seeds_from_a_profile_file(q8: Path, tmp_path: Path) -> None:
+def test_attach_seeds_from_a_profile_file(example_q8: Path, tmp_path: Path) -> None:
     from runtime.hybrid import attach
 
-    probe = load_model(q8)
+    probe = load_model(example_q8)
     path = tmp_path / "profile.json"
     _profile(probe, {i: np.arange(probe.n_expert) for i in probe.routed_layers()}).save(
         path
     )  # expert 0: never
-    w = load_weights(q8, "cpu", 0)
+    w = load_weights(example_q8, "cpu", 0)
     w.host_experts = True
     m = build_model(w)
     h = attach(m, 10_000 * w.expert_layers()[0].record_bytes, path, rates=Rates.never())
@@ -202,11 +185,11 @@ def test_attach_seeds_from_a_profile_file(q8: Path, tmp_path: Path) -> None:
         attach(build_model(w), 1 << 20, tmp_path / "bad.json", rates=Rates.never())
 
 
-def test_misses_are_admitted_then_hit(q8: Path) -> None:
+def test_misses_are_admitted_then_hit(example_q8: Path) -> None:
     """A pool that can hold every expert, no profile, admissions unlimited: the second pass over the same
     tokens computes nothing on the CPU."""
-    probe = load_model(q8)
-    m, h = _hybrid(q8, probe.n_expert * len(probe.routed_layers()), admit_per_call=0)
+    probe = load_model(example_q8)
+    m, h = _hybrid(example_q8, probe.n_expert * len(probe.routed_layers()), admit_per_call=0)
     first = _logits(m)
     s = h.stats
     # each miss is admitted once (free slots), and later uses of it in the pass are hits
@@ -218,7 +201,7 @@ def test_misses_are_admitted_then_hit(q8: Path) -> None:
     assert h.stats.gpu_pairs - gpu_pairs == _pairs(m, PREFILL + DECODE)
 
 
-def test_pool_parts(q8: Path) -> None:
+def test_pool_parts(example_q8: Path) -> None:
     """Gate and up of one type share a part (rows stacked), else each role has its own."""
     import dataclasses
 
@@ -226,7 +209,7 @@ def test_pool_parts(q8: Path) -> None:
 
     from runtime.hybrid import SlotPool
 
-    comps = GGUFWeights(q8).expert_layers()[0].components
+    comps = GGUFWeights(example_q8).expert_layers()[0].components
     by = {c.role: c for c in comps}
     pool = SlotPool(comps, 3, torch.device("cpu"))
     assert sorted(pool.parts) == ["down", "gate_up"]
@@ -244,8 +227,8 @@ def test_pool_parts(q8: Path) -> None:
     )
 
 
-def test_a_hotter_miss_evicts_the_coldest_slot(q8: Path) -> None:
-    m, h = _hybrid(q8, 4, admit_per_call=0)
+def test_a_hotter_miss_evicts_the_coldest_slot(example_q8: Path) -> None:
+    m, h = _hybrid(example_q8, 4, admit_per_call=0)
     layer = h.hybrid_layers[m.routed_layers()[0]]
     count = h.policy.count
     h._admit(layer, np.arange(4), None, 0)
@@ -272,40 +255,40 @@ class _Routed(Observer):
             self.ids.setdefault(tensor_name, set()).update(expert_ids.tolist())
 
 
-def test_prune_mask_honoured(q8: Path) -> None:
-    ref = load_model(q8)
+def test_prune_mask_honoured(example_q8: Path) -> None:
+    ref = load_model(example_q8)
     routed = len(ref.routed_layers())
     pruned = torch.zeros(routed, ref.n_expert, dtype=torch.bool)
     pruned[:, ::3] = True
     ref.set_prune_mask(pruned)
     want = _logits(ref)
     seen = _Routed()
-    m, _ = _hybrid(q8, observers=[seen])
+    m, _ = _hybrid(example_q8, observers=[seen])
     m.set_prune_mask(pruned)
     got = _logits(m)
     _close(got, want)
-    assert float((got - _logits(load_model(q8))).abs().max()) > 1e-2  # the mask changed the output
+    assert float((got - _logits(load_model(example_q8))).abs().max()) > 1e-2  # the mask changed the output
     masked = set(range(0, ref.n_expert, 3))
     assert len(seen.ids) == 3 * routed and all(not ids & masked for ids in seen.ids.values())
 
 
-def test_expert_major_equals_canonical(q8: Path, tmp_path: Path) -> None:
-    want = _logits(_hybrid(q8)[0])
+def test_expert_major_equals_canonical(example_q8: Path, tmp_path: Path) -> None:
+    want = _logits(_hybrid(example_q8)[0])
     major = tmp_path / "major.gguf"
-    convert(q8, major, "v2")
+    convert(example_q8, major, "v2")
     m, h = _hybrid(major)
     assert torch.equal(_logits(m), want)
     assert h.stats.cpu_pairs > 0 and h.stats.gpu_pairs > 0
 
 
-def test_imatrix_equals_resident(q8: Path) -> None:
+def test_imatrix_equals_resident(example_q8: Path) -> None:
     acc = {}
     for mode in ("resident", "hybrid"):
         acc[mode] = ImatrixAccumulator()
         if mode == "resident":
-            m = load_model(q8, observers=[acc[mode]])
+            m = load_model(example_q8, observers=[acc[mode]])
         else:
-            m, _ = _hybrid(q8, rates=Rates.always(), observers=[acc[mode]])
+            m, _ = _hybrid(example_q8, rates=Rates.always(), observers=[acc[mode]])
         _logits(m)
     a, b = acc["resident"], acc["hybrid"]
     assert a._counts.keys() == b._counts.keys() and any("_exps" in n for n in a._counts)
@@ -314,22 +297,22 @@ def test_imatrix_equals_resident(q8: Path) -> None:
         assert torch.allclose(a._sums[name], b._sums[name], rtol=1e-4, atol=1e-6), name
 
 
-def test_refuses_bad_setups(q8: Path) -> None:
-    w = load_weights(q8, "cpu", 0)
+def test_refuses_bad_setups(example_q8: Path) -> None:
+    w = load_weights(example_q8, "cpu", 0)
     m = build_model(w)
     with pytest.raises(ForgeError, match="host memory"):
         HybridExperts(m, 1 << 30, "cpu", rates=Rates.never())
     with pytest.raises(ForgeError, match="holds no expert"):
-        _hybrid(q8, 0)
-    probe = load_model(q8)
+        _hybrid(example_q8, 0)
+    probe = load_model(example_q8)
     bad = _profile(probe, {i: np.ones(probe.n_expert, np.int64) for i in probe.routed_layers()})
     bad.layers = bad.layers[1:]
     with pytest.raises(ForgeError, match="expert profile covers"):
-        _hybrid(q8, profile=bad)
+        _hybrid(example_q8, profile=bad)
 
 
-def test_planner_chooses_by_gpu_and_host_memory(q8: Path) -> None:
-    w = GGUFWeights(q8)
+def test_planner_chooses_by_gpu_and_host_memory(example_q8: Path) -> None:
+    w = GGUFWeights(example_q8)
     g = plan(w, memory_budget=1 << 40, gpu_memory=1 << 40).geometry
     assert g is not None
     assert plan(w, memory_budget=1 << 40, gpu_memory=1 << 40).mode == "resident"
@@ -365,10 +348,10 @@ def test_planner_chooses_by_gpu_and_host_memory(q8: Path) -> None:
         (["--gpu-expert-cache", "1G", "--resident"], "--gpu-expert-cache excludes --resident"),
     ],
 )
-def test_cli_fails_closed(q8: Path, args: list[str], message: str) -> None:
+def test_cli_fails_closed(example_q8: Path, args: list[str], message: str) -> None:
     code = "import sys; from forge.cli import main; sys.argv = ['forge', *sys.argv[1:]]; main()"
     run = subprocess.run(
-        [sys.executable, "-c", code, "run", str(q8), "-p", "x", "-n", "1", *args],
+        [sys.executable, "-c", code, "run", str(example_q8), "-p", "x", "-n", "1", *args],
         capture_output=True,
         text=True,
     )
@@ -377,20 +360,20 @@ def test_cli_fails_closed(q8: Path, args: list[str], message: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda(q8: Path, tmp_path: Path) -> None:
+def test_on_cuda(example_q8: Path, tmp_path: Path) -> None:
     """On a GPU: the pool on the cuda kernels, misses on the CPU backend, prefill copies and admissions on
     the side stream; logits against the resident CPU path, expert-major == canonical, imatrix counts."""
-    want = _logits(load_model(q8))
+    want = _logits(load_model(example_q8))
     for rates in (Rates.never(), Rates.always(), None):
         acc = ImatrixAccumulator()
-        m, h = _hybrid(q8, rates=rates, device="cuda", observers=[acc])
+        m, h = _hybrid(example_q8, rates=rates, device="cuda", observers=[acc])
         assert all(layer.fast_backend.NAME == "cuda" for layer in h.hybrid_layers.values())
         got = _logits(m)
         _close(got, want)
         s = h.stats
         assert s.gpu_pairs + s.upload_pairs + s.cpu_pairs == _pairs(m, PREFILL + DECODE)
         ref_acc = ImatrixAccumulator()
-        _logits(load_model(q8, observers=[ref_acc]))
+        _logits(load_model(example_q8, observers=[ref_acc]))
         for name in ref_acc._counts:
             want_counts, got_counts = ref_acc._counts[name].cpu().double(), acc._counts[name].cpu().double()
             assert torch.equal(want_counts, got_counts), name
@@ -398,13 +381,16 @@ def test_on_cuda(q8: Path, tmp_path: Path) -> None:
                 name
             )
     major = tmp_path / "major.gguf"
-    convert(q8, major, "v2")
+    convert(example_q8, major, "v2")
     _close(_logits(_hybrid(major, rates=Rates.never(), device="cuda")[0]), want)
     # seeded from a profile through the copier thread and the side stream (every expert: no CPU pair)
-    probe = load_model(q8)
+    probe = load_model(example_q8)
     counts = {i: np.arange(1, probe.n_expert + 1) for i in probe.routed_layers()}
     m, h = _hybrid(
-        q8, probe.n_expert * len(probe.routed_layers()), device="cuda", profile=_profile(probe, counts)
+        example_q8,
+        probe.n_expert * len(probe.routed_layers()),
+        device="cuda",
+        profile=_profile(probe, counts),
     )
     assert h.seeded == h.capacity
     _close(_logits(m), want)
@@ -412,15 +398,18 @@ def test_on_cuda(q8: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_server_live_imatrix_in_hybrid_mode(q8: Path, tmp_path: Path) -> None:
+def test_server_live_imatrix_in_hybrid_mode(example_q8: Path, tmp_path: Path) -> None:
     """A server's live imatrix (its prefill gate over the observers) sees the resident server's inputs."""
     from forge.imatrix.live import LiveImatrix
     from runtime.server import load_engine
 
     live = {}
-    for mode, cache in (("resident", None), ("hybrid", 8 * GGUFWeights(q8).expert_layers()[0].record_bytes)):
+    for mode, cache in (
+        ("resident", None),
+        ("hybrid", 8 * GGUFWeights(example_q8).expert_layers()[0].record_bytes),
+    ):
         live[mode] = LiveImatrix(tmp_path / f"{mode}.gguf")
-        engine = load_engine(q8, "cpu", imatrix=live[mode], gpu_cache_bytes=cache)
+        engine = load_engine(example_q8, "cpu", imatrix=live[mode], gpu_cache_bytes=cache)
         assert (getattr(engine.model, "hybrid", None) is not None) == (mode == "hybrid")
         engine.gate.open = True
         engine.model.forward(_ids(), engine.model.new_state(64))
@@ -432,17 +421,17 @@ def test_server_live_imatrix_in_hybrid_mode(q8: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("rates", ["never", "always"])
-def test_misses_streamed_through_a_host_expert_cache(q8: Path, rates: str) -> None:
+def test_misses_streamed_through_a_host_expert_cache(example_q8: Path, rates: str) -> None:
     """The CPU side over an SSD-streamed host expert cache (the file beyond host memory): misses are read by
     the cache, computed there or copied for the batch from its records."""
     from runtime.experts import ExpertCache
 
-    want = _logits(load_model(q8))
-    w = load_weights(q8, "cpu", 0)
+    want = _logits(load_model(example_q8))
+    w = load_weights(example_q8, "cpu", 0)
     w.host_experts = True
     layers = w.expert_layers()
     used = int(w.hparam("expert_used_count"))
-    w.expert_cache = ExpertCache(q8, layers, len(layers) * used + 9, used, "lfu", "cpu")
+    w.expert_cache = ExpertCache(example_q8, layers, len(layers) * used + 9, used, "lfu", "cpu")
     m = build_model(w)
     assert {m.blocks[i].moe.source.kind for i in m.routed_layers()} == {"streamed"}
     h = HybridExperts(m, 16 * layers[0].record_bytes, "cpu", rates=getattr(Rates, rates)())
@@ -452,16 +441,16 @@ def test_misses_streamed_through_a_host_expert_cache(q8: Path, rates: str) -> No
     assert c.misses > 0 and c.bytes_read == c.misses * layers[0].record_bytes
 
 
-def test_planned_hybrid_over_a_host_cache(q8: Path) -> None:
+def test_planned_hybrid_over_a_host_cache(example_q8: Path) -> None:
     """``--gpu-expert-cache`` with ``--ssd-streaming --cache-experts``, through the planner's loader."""
     from runtime.planner import load_planned_model
 
-    record = GGUFWeights(q8).expert_layers()[0].record_bytes
+    record = GGUFWeights(example_q8).expert_layers()[0].record_bytes
     said: list[str] = []
     m, p = load_planned_model(
-        q8, "cpu", "streaming", cache_experts=40, gpu_cache_bytes=8 * record, log=said.append
+        example_q8, "cpu", "streaming", cache_experts=40, gpu_cache_bytes=8 * record, log=said.append
     )
     assert p is not None and p.mode == "hybrid" and m.hybrid.capacity == 8  # type: ignore[attr-defined]
     assert m.weights.expert_cache.capacity == 40 and "host expert cache of 40 experts" in said[0]  # type: ignore[union-attr]
-    _close(_logits(m), _logits(load_model(q8)))
+    _close(_logits(m), _logits(load_model(example_q8)))
     assert "GPU hits" in model_stats(m)
