@@ -159,29 +159,34 @@ def timed(model: Any, routing: Routing | None, device: str, args: argparse.Names
     for i in range(args.warmup):
         model.forward(toks[i : i + 1], st, last_only=True)
         advance(1)
-    best_pp = best_tg = 0.0
-    for _ in range(args.reps):
-        st = model.new_state(args.pp + 1)
-        if args.cold:
-            drop_cache(path)
-        _sync(device)
-        t0 = time.perf_counter()
+
+    def best_rate(tokens: int, run: Any) -> float:
+        """The best tokens/s of ``--reps`` runs of ``run(state)`` on fresh states (page cache dropped first
+        with ``--cold``)."""
+        rate = 0.0
+        for _ in range(args.reps):
+            st = model.new_state(tokens + 1)
+            if args.cold:
+                drop_cache(path)
+            _sync(device)
+            t0 = time.perf_counter()
+            run(st)
+            _sync(device)
+            rate = max(rate, tokens / (time.perf_counter() - t0))
+        return rate
+
+    def prefill(st: Any) -> None:
         model.forward(toks[: args.pp], st, last_only=True)
-        _sync(device)
-        best_pp = max(best_pp, args.pp / (time.perf_counter() - t0))
         advance(args.pp)
-    read0 = bytes_read() if bytes_read else 0
-    for _ in range(args.reps):
-        st = model.new_state(args.tg + 1)
-        if args.cold:
-            drop_cache(path)
-        _sync(device)
-        t0 = time.perf_counter()
+
+    def decode(st: Any) -> None:
         for i in range(args.tg):
             model.forward(toks[i : i + 1], st, last_only=True)
             advance(1)
-        _sync(device)
-        best_tg = max(best_tg, args.tg / (time.perf_counter() - t0))
+
+    best_pp = best_rate(args.pp, prefill)
+    read0 = bytes_read() if bytes_read else 0
+    best_tg = best_rate(args.tg, decode)
     out = {"pp": round(best_pp, 1), "tg": round(best_tg, 1)}
     if bytes_read:
         out["tg_bytes_read_per_token"] = round((bytes_read() - read0) / (args.reps * args.tg))
