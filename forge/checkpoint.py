@@ -52,11 +52,6 @@ _E4M3 = _e4m3_table()
 _E8M0 = np.append(np.exp2(np.arange(255) - 127.0), np.nan).astype(np.float32)
 
 
-def bf16_bits_to_f32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """bf16 values stored as uint16 bits -> float32 (into ``out`` if given)."""
-    return bf16_to_f32(bits, out)
-
-
 @dataclass(frozen=True)
 class HFTensor:
     """One tensor inside a safetensors shard, not yet read."""
@@ -83,7 +78,7 @@ class HFTensor:
     def float32(self) -> np.ndarray:
         data = self.raw()
         if self.dtype == "BF16":
-            return bf16_bits_to_f32(data)
+            return bf16_to_f32(data)
         if self.dtype == "F8_E4M3":
             return _E4M3[data]
         if self.dtype == "F8_E8M0":

@@ -18,7 +18,7 @@ from oracle import MODELS, manifest, model_dir
 from safetensors.torch import load_file
 
 import forge.gguf_file
-from forge.checkpoint import bf16_bits_to_f32
+from forge.bulk import bf16_to_f32
 from forge.convert import convert_checkpoint
 from forge.errors import ForgeError
 from forge.gguf_file import open_gguf
@@ -74,7 +74,7 @@ def test_round_trip_equals_safetensors(example_bf16: Path) -> None:
     n_expert = 32
     for name, info in r.tensors.items():
         got = r.array(name)
-        got = bf16_bits_to_f32(got) if info.ggml_type.name == "BF16" else got.astype(np.float32)
+        got = bf16_to_f32(got) if info.ggml_type.name == "BF16" else got.astype(np.float32)
         if "_exps." in name:
             layer, proj = name.split(".")[1], name.split(".")[2].removeprefix("ffn_").removesuffix("_exps")
             want = np.stack(

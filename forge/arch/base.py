@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from forge.checkpoint import Checkpoint, HFTensor, bf16_bits_to_f32
+from forge.bulk import bf16_to_f32
+from forge.checkpoint import Checkpoint, HFTensor
 from forge.errors import ForgeError
 from forge.gguf_file import KV, T
 
@@ -52,10 +53,10 @@ class SourceArray:
         if self.dtype != "BF16":
             return self.data.astype(np.float32, copy=False)
         if self._data is not None:
-            return bf16_bits_to_f32(self._data)
+            return bf16_to_f32(self._data)
         out = np.empty(self.shape, np.float32)
         for part, slot in zip(self.parts, out, strict=True):
-            bf16_bits_to_f32(part, slot)
+            bf16_to_f32(part, slot)
         return out
 
 
