@@ -93,6 +93,9 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=512, help="tokens of the prefill GEMM (0: skip)")
     ap.add_argument("--sweep", action="store_true", help="time GEMV tile configurations instead")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch dequantize + matmul timings")
+    ap.add_argument(
+        "--gemm-sweep", action="store_true", help="also time the prefill GEMM's tile configurations"
+    )
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     bw = copy_bandwidth()
@@ -196,6 +199,9 @@ def sweep(args: argparse.Namespace, gen: torch.Generator, bw: float) -> None:
     ck.GEMV_CONFIG.update(bn=None, warps=None, split=None)
 
 
+PREFILL_PRECISIONS = ("bf16x3", "tf32x3", "bf16x2", "bf16")
+
+
 def prefill(args: argparse.Namespace, gen: torch.Generator) -> None:
     m = args.prefill
     print(f"\nprefill GEMM, {m} tokens: TFLOP/s (2 M N K / time; MoE: M = tokens x top-8 pairs)")
@@ -210,19 +216,20 @@ def prefill(args: argparse.Namespace, gen: torch.Generator) -> None:
         t_ms = do_bench(
             lambda raw=raw, x=x, qtype=qtype, k=k: x.bfloat16() @ dequantize(raw, qtype, k, torch.bfloat16).T
         )
-        for prec in ("tf32x3", "tf32", "bf16"):
+        for prec in PREFILL_PRECISIONS:
             ms = do_bench(
                 lambda raw=raw, x=x, qtype=qtype, prec=prec: ck.linear(x, raw, qtype, precision=prec)
             )
             print(
                 f"{qtype.name:8} {'attn_q':18} {prec:>9} {ms:10.3f} {2 * m * n * k / ms / 1e9:8.1f} {t_ms:14.3f}"
             )
+        dense = lambda prec, raw=raw, x=x, qtype=qtype: ck.linear(x, raw, qtype, precision=prec)  # noqa: E731
         n, k = MOE["ffn_gate/up_exps"]
         raw = random_rows(qtype, EXPERTS * n, k, gen).view(EXPERTS, n, -1)
         ids = torch.stack(
             [torch.randperm(EXPERTS, device="cuda", generator=gen)[:TOP_K] for _ in range(m)]
         ).int()
-        for prec in ("tf32x3", "tf32", "bf16"):
+        for prec in PREFILL_PRECISIONS:
             ms = do_bench(
                 lambda raw=raw, x=x, ids=ids, qtype=qtype, prec=prec: ck.moe_linear(x, raw, qtype, ids, prec)
             )
@@ -230,8 +237,44 @@ def prefill(args: argparse.Namespace, gen: torch.Generator) -> None:
             print(
                 f"{qtype.name:8} {'ffn_gate_exps':18} {prec:>9} {ms:10.3f} {flops / ms / 1e9:8.1f} {'':>14}"
             )
+        if args.gemm_sweep:
+            moe = lambda prec, raw=raw, x=x, ids=ids, qtype=qtype: ck.moe_linear(x, raw, qtype, ids, prec)  # noqa: E731
+            gemm_sweep(qtype, dense, moe)
         del raw
         torch.cuda.empty_cache()
+
+
+def gemm_sweep(qtype: Q, dense, moe) -> None:
+    """Times of the integer-code GEMM over tile configurations (ck.GEMM_CONFIG), best first."""
+    rows = []
+    for prec in ("bf16x3", "bf16x2"):
+        for bn in (32, 64, 128):
+            for warps in (2, 4, 8):
+                for stages in (2, 3, 4):
+                    for bm in (16, 32):
+                        ck.GEMM_CONFIG.update(bn=bn, warps=warps, stages=stages, bm=bm)
+                        try:
+                            t_moe = do_bench(lambda p=prec: moe(p), warmup=5, rep=30)
+                            t_dense = (
+                                do_bench(lambda p=prec: dense(p), warmup=5, rep=30)
+                                if bm == 16
+                                else float("nan")
+                            )
+                        except Exception as e:  # a configuration past the shared memory of the chip
+                            print(
+                                f"  {prec} bn {bn} warps {warps} stages {stages} bm {bm}: {type(e).__name__}"
+                            )
+                            continue
+                        rows.append((t_moe, t_dense, prec, bn, warps, stages, bm))
+    ck.GEMM_CONFIG.update(bn=None, warps=None, stages=None, bm=None)
+    print(
+        f"\n{qtype.name} GEMM sweep (ms): moe gate, dense attn_q (BM 128), precision, bn, warps, stages, moe bm"
+    )
+    for row in sorted(rows)[:12]:
+        print("  {:.3f} {:.3f} {} bn {} warps {} stages {} bm {}".format(*row))
+    best_dense = sorted((r for r in rows if r[1] == r[1]), key=lambda r: r[1])[:4]
+    for row in best_dense:
+        print("  dense {1:.3f} (moe {0:.3f}) {2} bn {3} warps {4} stages {5}".format(*row))
 
 
 if __name__ == "__main__":

@@ -101,16 +101,19 @@ def test_gemv_matches_reference(qtype: Q, n_tok: int, blocks: int) -> None:
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "tf32", "fp16", "bf16"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "bf16x3", "bf16x2", "tf32", "fp16", "bf16"])
 def test_gemm_matches_reference(qtype: Q, precision: str) -> None:
-    if _INTERPRET and (precision == "bf16" or (precision != "ieee" and qtype not in (Q.Q4_K, Q.F16))):
+    if _INTERPRET and precision.startswith("bf16x"):
+        if qtype not in ck._INT_TYPES:
+            pytest.skip("the interpreter runs the integer-code GEMM for its own types only")
+    elif _INTERPRET and (precision == "bf16" or (precision != "ieee" and qtype not in (Q.Q4_K, Q.F16))):
         pytest.skip("the interpreter has no bf16 dot, and its other precisions need one type each")
     n, k, m = 72, k_for(qtype, blocks=2), 37
     raw = random_rows(qtype, n, k, seed=1).to(DEVICE)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     y = ck.linear(x, raw, qtype, precision=precision)
     ref, mag = reference(x, raw, qtype)
-    if precision in ("ieee", "tf32x3"):  # float32-accurate products
+    if precision in ("ieee", "tf32x3", "bf16x3"):  # float32-accurate products
         assert_close(y, ref)
     else:
         assert_rounding_bound(y, ref, mag, ck.UNIT_ROUNDOFF[precision], k)
@@ -152,7 +155,8 @@ def test_moe_gemv_matches_reference(qtype: Q, per_slot: bool) -> None:
     "qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS, Q.F16] if _INTERPRET else TYPES, ids=lambda t: t.name
 )
 @pytest.mark.parametrize("skewed", [False, True], ids=["spread", "one-expert"])
-def test_moe_gemm_groups_by_expert(qtype: Q, skewed: bool) -> None:
+@pytest.mark.parametrize("precision", ["ieee", "bf16x3"])
+def test_moe_gemm_groups_by_expert(qtype: Q, skewed: bool, precision: str) -> None:
     experts, n, k, n_tok, top_k = 6, 40, k_for(qtype, 1), 40 if not skewed else 70, 2
     raw = random_rows(qtype, experts * n, k, seed=6).view(experts, n, -1).to(DEVICE)
     ids = _ids(n_tok, top_k, experts, 7)
@@ -161,9 +165,9 @@ def test_moe_gemm_groups_by_expert(qtype: Q, skewed: bool) -> None:
         ids[:, 1] = 4
     ids = ids.to(DEVICE)
     x = torch.randn(n_tok, top_k, k, generator=torch.Generator().manual_seed(8)).to(DEVICE)
-    y = ck.moe_linear(x, raw, qtype, ids, precision="ieee")
+    y = ck.moe_linear(x, raw, qtype, ids, precision=precision)
     assert_close(y, _moe_reference(x.cpu(), raw.cpu(), qtype, ids.cpu())[0])
-    if not _INTERPRET:
+    if not _INTERPRET and precision == "ieee":
         y16 = ck.moe_linear(x, raw, qtype, ids, precision="bf16")
         ref, mag = _moe_reference(x.cpu(), raw.cpu(), qtype, ids.cpu())
         assert_rounding_bound(y16, ref, mag, ck.UNIT_ROUNDOFF["bf16"], k)

@@ -65,14 +65,25 @@ for _qtype, _kt in {
     T.MXFP4: KernelType(32),
 }.items():
     ggml_types.provide("cuda", _qtype, _kt)
-_PRECISIONS = {"tf32": 0, "ieee": 1, "fp16": 2, "bf16": 3, "tf32x3": 4}
+_PRECISIONS = {"tf32": 0, "ieee": 1, "fp16": 2, "bf16": 3, "tf32x3": 4, "bf16x3": 5, "bf16x2": 6}
+# Types whose values are an integer code times a per-group scale (less a per-group minimum): their
+# GEMM can take the codes, exact in bfloat16, to the tensor cores and apply the scales per group.
+_INT_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0)
 # Largest unit roundoff of each product precision's operands (tf32 may truncate: 2^-10, not 2^-11).
 # tf32x3 splits each operand into a tf32 high and low part and sums three products: float32-like (2^-21
 # is a safe reading of its error; the tests hold it to the float32 bound of 1e-4 of the output scale).
-UNIT_ROUNDOFF = {"tf32": 2.0**-10, "ieee": 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8, "tf32x3": 2.0**-21}
-# The runtime's prefill precision: the float32 reference's logits within 1e-4 (tf32 alone gave 7.6e-4
-# of the logit scale on the 35B-geometry file; tf32x3 costs 3 tensor-core products per step).
-DEFAULT_PRECISION = "tf32x3"
+UNIT_ROUNDOFF = {
+    "tf32": 2.0**-10,
+    "ieee": 2.0**-24,
+    "fp16": 2.0**-11,
+    "bf16": 2.0**-8,
+    "tf32x3": 2.0**-21,
+    "bf16x3": 2.0**-24,  # x = three bfloat16 parts exactly; codes exact: float32 products
+    "bf16x2": 2.0**-15,  # x's top 8 bits, then the rest rounded to 8 bits; codes exact
+}
+# The runtime's prefill precision: float32-accurate (tf32 alone gave 7.6e-4 of the logit scale on the
+# 35B-geometry file, over the 1e-4 acceptance). FORGE_CUDA_PRECISION overrides it (benchmarks).
+DEFAULT_PRECISION = "bf16x3"
 DECODE_TOKENS = 8
 _warned: set[str] = set()
 
@@ -459,6 +470,79 @@ if triton is not None:
             return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
 
     @triton.jit
+    def _k4_scale_min_at(w, bp, c: tl.constexpr):
+        """get_scale_min_k4 for a fixed group c (0..7) of the 12 scale bytes at bp + 4."""
+        a = _u8(w + bp + 4 + c % 4)
+        b = _u8(w + bp + 8 + c % 4)
+        if c < 4:
+            return (a & 63).to(tl.float32), (b & 63).to(tl.float32)
+        hi = _u8(w + bp + 12 + c % 4)
+        return ((hi & 15) | ((a >> 6) << 4)).to(tl.float32), ((hi >> 4) | ((b >> 6) << 4)).to(tl.float32)
+
+    @triton.jit
+    def _int_group(w, bp, c: tl.constexpr, li, QT: tl.constexpr):
+        """Group c of the blocks at byte offsets bp [R]: (integer codes [R, S] for li = arange(S), the
+        group's scale [R], the value its zero code stands for [R]); a value is scale * code - minimum,
+        the same products as _decode's."""
+        at = bp[:, None] + li[None, :]
+        if QT == 8:  # Q8_0
+            return _i8(w + at + 2), _f16(w + bp), 0.0
+        elif QT == 12 or QT == 13:  # Q4_K / Q5_K
+            sc, m = _k4_scale_min_at(w, bp, c)
+            if QT == 12:
+                q = (_u8(w + at + 16 + (c // 2) * 32) >> ((c % 2) * 4)) & 15
+            else:
+                q = (_u8(w + at + 48 + (c // 2) * 32) >> ((c % 2) * 4)) & 15
+                q = q | (((_u8(w + at + 16) >> c) & 1) << 4)
+            return q, _f16(w + bp) * sc, _f16(w + bp + 2) * m
+        else:  # Q6_K, 16-value groups: value j = 16 c + l of ggml's ql / qh interleave
+            r = c // 8
+            ql = (_u8(w + at + r * 64 + (c % 4) * 16) >> (((c % 8) // 4) * 4)) & 15
+            qh = (_u8(w + at + 128 + r * 32 + (c % 2) * 16) >> (((c % 8) // 2) * 2)) & 3
+            return (ql | (qh << 4)) - 32, _f16(w + bp + 208) * _i8(w + bp + 192 + c).to(tl.float32), 0.0
+
+    @triton.jit
+    def _bf16_parts(x, PARTS: tl.constexpr, INTERP: tl.constexpr):
+        """x float32 -> PARTS bfloat16 tensors summing to it (3 parts: exactly; 2: to 16 bits)."""
+        hi = (x.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        r = x - hi
+        mid = (r.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        lo = r - mid
+        if PARTS == 2:
+            mid = r
+        if INTERP:  # the interpreter has no bfloat16 dot: the same (exact) products in float32
+            return hi, mid, lo
+        return hi.to(tl.bfloat16), mid.to(tl.bfloat16), lo.to(tl.bfloat16)
+
+    @triton.jit
+    def _int_gemm(x, w, xrow, rmask, row_off, K, BS: tl.constexpr, TS: tl.constexpr, S: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, PARTS: tl.constexpr,
+                  INTERP: tl.constexpr):  # fmt: skip
+        """The K loop on integer codes: per group, x (split in bfloat16 parts, exact with 3) times the
+        codes (exact in bfloat16) on tensor cores, then scaled and less the group's minimum times the
+        sum of x over the group, in float32."""
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        li = tl.arange(0, S)
+        for kb in range(0, K, BS):
+            bp = row_off + (kb // BS) * TS
+            for c in tl.static_range(BS // S):
+                q, scale, minimum = _int_group(w, bp, c, li, QT)
+                if INTERP:
+                    qt = tl.trans(q.to(tl.float32))
+                else:
+                    qt = tl.trans(q.to(tl.float32).to(tl.bfloat16))
+                xt = tl.load(x + xrow[:, None] + (kb + c * S + li)[None, :], mask=rmask[:, None], other=0.0)
+                hi, mid, lo = _bf16_parts(xt, PARTS, INTERP)
+                p = tl.dot(hi, qt, input_precision="ieee")
+                p = tl.dot(mid, qt, p, input_precision="ieee")
+                if PARTS == 3:
+                    p = tl.dot(lo, qt, p, input_precision="ieee")
+                acc += p * scale[None, :]
+                if QT != 8 and QT != 14:
+                    acc -= tl.sum(xt, axis=1)[:, None] * minimum[None, :]
+        return acc
+
+    @triton.jit
     def _gemm_kernel(
         x,
         w,
@@ -485,9 +569,11 @@ if triton is not None:
         BN: tl.constexpr,
         PREC: tl.constexpr,
         MOE: tl.constexpr,
+        INTERP: tl.constexpr,
     ):
         """Dense: rows m of x. MoE: tile pid_m holds up to BM (token, slot) pairs of one expert, listed
-        by ``order[tile_start : tile_start + tile_rows]``; tiles past the last have 0 rows."""
+        by ``order[tile_start : tile_start + tile_rows]``; tiles past the last have 0 rows.
+        PREC 5 / 6 (bf16x3 / bf16x2): the integer-code loop (_int_gemm), for the types of _INT_TYPES."""
         pid_m = tl.program_id(1)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nc = tl.minimum(n, N - 1).to(tl.int64)
@@ -508,13 +594,18 @@ if triton is not None:
             xrow = m.to(tl.int64) * sx_tok
             yrow = m.to(tl.int64) * sy
             row_off = nc * row_stride
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, K, G * S):
-            bp, jg, si, kg, kmask = _tile_offsets(k0, row_off, K, G, S, BS, TS)
-            wt = tl.reshape(_decode(w, bp, jg, si, kmask, tab, QT), (BN, G * S))
-            k = k0 + tl.arange(0, G * S)
-            xt = tl.load(x + xrow[:, None] + k[None, :], mask=rmask[:, None] & (k[None, :] < K), other=0.0)
-            acc = _dot(xt.to(tl.float32), tl.trans(wt), acc, PREC)
+        if PREC >= 5:
+            acc = _int_gemm(x, w, xrow, rmask, row_off, K, BS, TS, S, BM, BN, QT, 8 - PREC, INTERP)
+        else:
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for k0 in range(0, K, G * S):
+                bp, jg, si, kg, kmask = _tile_offsets(k0, row_off, K, G, S, BS, TS)
+                wt = tl.reshape(_decode(w, bp, jg, si, kmask, tab, QT), (BN, G * S))
+                k = k0 + tl.arange(0, G * S)
+                xt = tl.load(
+                    x + xrow[:, None] + k[None, :], mask=rmask[:, None] & (k[None, :] < K), other=0.0
+                )
+                acc = _dot(xt.to(tl.float32), tl.trans(wt), acc, PREC)
         tl.store(y + yrow[:, None] + n[None, :], acc, mask=rmask[:, None] & (n[None, :] < N))
 
 
@@ -597,12 +688,13 @@ def _can_run(x: torch.Tensor, qtype: GGMLQuantizationType) -> bool:
 
 
 def linear(
-    x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType | int, precision: str = DEFAULT_PRECISION
+    x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType | int, precision: str | None = None
 ) -> torch.Tensor:
     """x (..., K) @ W.T for W held as GGUF rows ``raw`` uint8 (N, row_bytes) -> float32 (..., N).
 
     Up to DECODE_TOKENS rows take the GEMV kernel (exact float32 products); more take the GEMM
-    kernel, whose operands are rounded to ``precision`` ("tf32x3", "tf32", "ieee", "fp16", "bf16")."""
+    kernel at ``precision`` (default: DEFAULT_PRECISION; "bf16x3", "tf32x3", "ieee", "bf16x2", "tf32",
+    "fp16", "bf16": see UNIT_ROUNDOFF)."""
     qtype = qtype if isinstance(qtype, T) else T(int(qtype))
     raw = raw if raw.is_contiguous() else raw.contiguous()
     lead, kx = x.shape[:-1], x.shape[-1]
@@ -629,7 +721,7 @@ def moe_linear(
     raw: torch.Tensor,
     qtype: GGMLQuantizationType | int,
     ids: torch.Tensor,
-    precision: str = DEFAULT_PRECISION,
+    precision: str | None = None,
 ) -> torch.Tensor:
     """Every selected expert's product in one launch: out[t, s] = x[t] @ W[ids[t, s]].T.
 
@@ -661,7 +753,7 @@ def moe_linear(
         _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, n, top_k, 1, qtype, bs, ts, s, pairs)
         return y
     # a tile holds one expert's pairs: about pairs / E of them (16 at prefill 512 of the 35B-A3B)
-    bm = min(64, max(16, _next_pow2(-(-pairs // e_count))))
+    bm = GEMM_CONFIG["bm"] or min(64, max(16, _next_pow2(-(-pairs // e_count))))
     order, tile_expert, tile_start, tile_rows = _group_by_expert(ids, e_count, bm)
     maps = (order, tile_expert, tile_start, tile_rows)
     _launch_gemm(
@@ -795,18 +887,27 @@ def _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, sy, top_k, nt
     )
 
 
+# GEMM tiles, read at each launch so the benchmark can sweep them (None: the defaults below).
+GEMM_CONFIG: dict[str, int | None] = {"bn": None, "warps": None, "stages": None, "bm": None}
+
+
 def _launch_gemm(
     x, w, y, tab, maps, m, n, k, stride, sx_tok, sx_slot, sy, top_k, qtype, bs, ts, s, precision, bm=128
 ):
+    precision = precision or os.environ.get("FORGE_CUDA_PRECISION") or DEFAULT_PRECISION
     if precision not in _PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(_PRECISIONS)}, not {precision!r}")
-    bn = 64
+    prec = _PRECISIONS[precision]
+    if prec >= 5 and qtype not in _INT_TYPES:
+        prec = _PRECISIONS["tf32x3"]  # float32-accurate too, on the decoded values
+    bn = GEMM_CONFIG["bn"] or 64
     g = _groups(k, s, bs, 64)
     if g * s < 16:  # tl.dot needs K-tiles of at least 16
         g = max(g, 16 // s)
     moe = maps is not None
     order, tile_expert, tile_start, tile_rows = maps if moe else (tab, tab, tab, tab)
     tiles_m = tile_rows.numel() if moe else _cdiv(m, bm)
+    extra = {"num_stages": GEMM_CONFIG["stages"]} if GEMM_CONFIG["stages"] else {}
     _gemm_kernel[(_cdiv(n, bn), tiles_m)](
         x,
         w,
@@ -831,7 +932,9 @@ def _launch_gemm(
         G=g,
         BM=bm,
         BN=bn,
-        PREC=_PRECISIONS[precision],
+        PREC=prec,
         MOE=moe,
-        num_warps=4 if bm <= 64 else 8,
+        INTERP=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=GEMM_CONFIG["warps"] or (4 if bm <= 64 else 8),
+        **extra,
     )

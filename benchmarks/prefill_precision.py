@@ -1,0 +1,52 @@
+"""The cuda backend's prefill GEMM precisions on one GGUF file: time and logit deviation from "ieee".
+
+    python benchmarks/prefill_precision.py MODEL.gguf [--tokens 512] [--precisions bf16x3,tf32x3,bf16x2]
+
+Loads the model once on CUDA, runs a prefill of --tokens random ids with every precision
+(FORGE_CUDA_PRECISION, read at each launch) and prints the best of --reps times and
+max |logits - logits(ieee)| / max |logits(ieee)|: "ieee" takes float32 products on the decoded
+weights, so it is the float32 reference the runtime's 1e-4 acceptance is stated against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from runtime.models import load_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--precisions", default="bf16x3,tf32x3,bf16x2")
+    args = ap.parse_args()
+    model = load_model(args.model, "cuda")
+    ids = torch.randint(
+        0, model.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(0)
+    ).cuda()
+    ref = None
+    print(f"{'precision':>9} {'prefill ms':>11} {'tok/s':>9} {'max dev / max logit':>20}")
+    for prec in ["ieee", *args.precisions.split(",")]:
+        os.environ["FORGE_CUDA_PRECISION"] = prec
+        best = float("inf")
+        for _ in range(args.reps + 1):  # the first run compiles
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            logits = model.forward(ids, model.new_state())
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        if ref is None:
+            ref = logits
+        dev = ((logits - ref).abs().max() / ref.abs().max()).item()
+        print(f"{prec:>9} {best * 1e3:11.1f} {args.tokens / best:9.0f} {dev:20.2e}")
+    os.environ.pop("FORGE_CUDA_PRECISION")
+
+
+if __name__ == "__main__":
+    main()
