@@ -470,17 +470,7 @@ if triton is not None:
             return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
 
     @triton.jit
-    def _k4_scale_min_at(w, bp, c: tl.constexpr):
-        """get_scale_min_k4 for a fixed group c (0..7) of the 12 scale bytes at bp + 4."""
-        a = _u8(w + bp + 4 + c % 4)
-        b = _u8(w + bp + 8 + c % 4)
-        if c < 4:
-            return (a & 63).to(tl.float32), (b & 63).to(tl.float32)
-        hi = _u8(w + bp + 12 + c % 4)
-        return ((hi & 15) | ((a >> 6) << 4)).to(tl.float32), ((hi >> 4) | ((b >> 6) << 4)).to(tl.float32)
-
-    @triton.jit
-    def _int_group(w, bp, c: tl.constexpr, li, QT: tl.constexpr):
+    def _int_group(w, bp, c, li, QT: tl.constexpr):
         """Group c of the blocks at byte offsets bp [R]: (integer codes [R, S] for li = arange(S), the
         group's scale [R], the value its zero code stands for [R]); a value is scale * code - minimum,
         the same products as _decode's."""
@@ -488,7 +478,7 @@ if triton is not None:
         if QT == 8:  # Q8_0
             return _i8(w + at + 2), _f16(w + bp), 0.0
         elif QT == 12 or QT == 13:  # Q4_K / Q5_K
-            sc, m = _k4_scale_min_at(w, bp, c)
+            sc, m = _k4_scale_min(w, bp, c)
             if QT == 12:
                 q = (_u8(w + at + 16 + (c // 2) * 32) >> ((c % 2) * 4)) & 15
             else:
@@ -515,6 +505,13 @@ if triton is not None:
         return hi.to(tl.bfloat16), mid.to(tl.bfloat16), lo.to(tl.bfloat16)
 
     @triton.jit
+    def _exact_dot(a, b, acc, INTERP: tl.constexpr):
+        """a @ b + acc for operands whose products are exact (bfloat16 values; float32 under INTERP)."""
+        if INTERP:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit
     def _int_gemm(x, w, xrow, rmask, row_off, K, BS: tl.constexpr, TS: tl.constexpr, S: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, PARTS: tl.constexpr,
                   INTERP: tl.constexpr):  # fmt: skip
@@ -523,23 +520,21 @@ if triton is not None:
         sum of x over the group, in float32."""
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         li = tl.arange(0, S)
-        for kb in range(0, K, BS):
-            bp = row_off + (kb // BS) * TS
-            for c in tl.static_range(BS // S):
-                q, scale, minimum = _int_group(w, bp, c, li, QT)
-                if INTERP:
-                    qt = tl.trans(q.to(tl.float32))
-                else:
-                    qt = tl.trans(q.to(tl.float32).to(tl.bfloat16))
-                xt = tl.load(x + xrow[:, None] + (kb + c * S + li)[None, :], mask=rmask[:, None], other=0.0)
-                hi, mid, lo = _bf16_parts(xt, PARTS, INTERP)
-                p = tl.dot(hi, qt, input_precision="ieee")
-                p = tl.dot(mid, qt, p, input_precision="ieee")
-                if PARTS == 3:
-                    p = tl.dot(lo, qt, p, input_precision="ieee")
-                acc += p * scale[None, :]
-                if QT != 8 and QT != 14:
-                    acc -= tl.sum(xt, axis=1)[:, None] * minimum[None, :]
+        for k in range(0, K, S):  # one group a step: unrolling a block's groups overflows shared memory
+            q, scale, minimum = _int_group(w, row_off + (k // BS) * TS, (k % BS) // S, li, QT)
+            if INTERP:
+                qt = tl.trans(q.to(tl.float32))
+            else:
+                qt = tl.trans(q.to(tl.float32).to(tl.bfloat16))
+            xt = tl.load(x + xrow[:, None] + (k + li)[None, :], mask=rmask[:, None], other=0.0)
+            hi, mid, lo = _bf16_parts(xt, PARTS, INTERP)
+            p = _exact_dot(hi, qt, tl.zeros([BM, BN], dtype=tl.float32), INTERP)
+            p = _exact_dot(mid, qt, p, INTERP)
+            if PARTS == 3:
+                p = _exact_dot(lo, qt, p, INTERP)
+            acc += p * scale[None, :]
+            if QT != 8 and QT != 14:
+                acc -= tl.sum(xt, axis=1)[:, None] * minimum[None, :]
         return acc
 
     @triton.jit
