@@ -199,7 +199,7 @@ def sweep(args: argparse.Namespace, gen: torch.Generator, bw: float) -> None:
     ck.GEMV_CONFIG.update(bn=None, warps=None, split=None)
 
 
-PREFILL_PRECISIONS = ("bf16x3", "tf32x3", "bf16x2", "bf16")
+PREFILL_PRECISIONS = ("auto", "bf16x3", "tf32x3", "bf16x2", "bf16")
 
 
 def prefill(args: argparse.Namespace, gen: torch.Generator) -> None:
@@ -247,7 +247,7 @@ def prefill(args: argparse.Namespace, gen: torch.Generator) -> None:
 def gemm_sweep(qtype: Q, dense, moe) -> None:
     """Times of the integer-code GEMM over tile configurations (ck.GEMM_CONFIG), best first."""
     rows = []
-    prec = ck.DEFAULT_PRECISION
+    prec = "bf16x3"
     for bn in (64, 128):
         for warps in (4, 8):
             for stages in (2, 3):

@@ -101,9 +101,9 @@ def test_gemv_matches_reference(qtype: Q, n_tok: int, blocks: int) -> None:
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "bf16x3", "bf16x2", "tf32", "fp16", "bf16"])
+@pytest.mark.parametrize("precision", ["auto", "ieee", "tf32x3", "bf16x3", "bf16x2", "tf32", "fp16", "bf16"])
 def test_gemm_matches_reference(qtype: Q, precision: str) -> None:
-    if _INTERPRET and precision.startswith("bf16x"):
+    if _INTERPRET and (precision.startswith("bf16x") or precision == "auto"):
         if qtype not in ck._INT_TYPES:
             pytest.skip("the interpreter runs the integer-code GEMM for its own types only")
     elif _INTERPRET and (precision == "bf16" or (precision != "ieee" and qtype not in (Q.Q4_K, Q.F16))):
@@ -113,7 +113,7 @@ def test_gemm_matches_reference(qtype: Q, precision: str) -> None:
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     y = ck.linear(x, raw, qtype, precision=precision)
     ref, mag = reference(x, raw, qtype)
-    if precision in ("ieee", "tf32x3", "bf16x3"):  # float32-accurate products
+    if precision in ("auto", "ieee", "tf32x3", "bf16x3"):  # float32-accurate products
         assert_close(y, ref)
     else:
         assert_rounding_bound(y, ref, mag, ck.UNIT_ROUNDOFF[precision], k)
@@ -155,7 +155,7 @@ def test_moe_gemv_matches_reference(qtype: Q, per_slot: bool) -> None:
     "qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS, Q.F16] if _INTERPRET else TYPES, ids=lambda t: t.name
 )
 @pytest.mark.parametrize("skewed", [False, True], ids=["spread", "one-expert"])
-@pytest.mark.parametrize("precision", ["ieee", "bf16x3"])
+@pytest.mark.parametrize("precision", ["ieee", "auto"])
 def test_moe_gemm_groups_by_expert(qtype: Q, skewed: bool, precision: str) -> None:
     experts, n, k, n_tok, top_k = 6, 40, k_for(qtype, 1), 40 if not skewed else 70, 2
     raw = random_rows(qtype, experts * n, k, seed=6).view(experts, n, -1).to(DEVICE)

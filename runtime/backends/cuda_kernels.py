@@ -81,9 +81,10 @@ UNIT_ROUNDOFF = {
     "bf16x3": 2.0**-24,  # x = three bfloat16 parts exactly; codes exact: float32 products
     "bf16x2": 2.0**-15,  # x's top 8 bits, then the rest rounded to 8 bits; codes exact
 }
-# The runtime's prefill precision: float32-accurate (tf32 alone gave 7.6e-4 of the logit scale on the
-# 35B-geometry file, over the 1e-4 acceptance). FORGE_CUDA_PRECISION overrides it (benchmarks).
-DEFAULT_PRECISION = "bf16x3"
+# The runtime's prefill precision: "auto" is float32-accurate, bf16x3 or tf32x3 whichever measured faster
+# for the product (_gemm_plan); tf32 alone gave 7.6e-4 of the logit scale on the 35B-geometry file, over
+# the 1e-4 acceptance. FORGE_CUDA_PRECISION overrides it (benchmarks).
+DEFAULT_PRECISION = "auto"
 DECODE_TOKENS = 8
 _warned: set[str] = set()
 
@@ -688,8 +689,8 @@ def linear(
     """x (..., K) @ W.T for W held as GGUF rows ``raw`` uint8 (N, row_bytes) -> float32 (..., N).
 
     Up to DECODE_TOKENS rows take the GEMV kernel (exact float32 products); more take the GEMM
-    kernel at ``precision`` (default: DEFAULT_PRECISION; "bf16x3", "tf32x3", "ieee", "bf16x2", "tf32",
-    "fp16", "bf16": see UNIT_ROUNDOFF)."""
+    kernel at ``precision`` (default: DEFAULT_PRECISION; "auto", "bf16x3", "tf32x3", "ieee", "bf16x2",
+    "tf32", "fp16", "bf16": see UNIT_ROUNDOFF)."""
     qtype = qtype if isinstance(qtype, T) else T(int(qtype))
     raw = raw if raw.is_contiguous() else raw.contiguous()
     lead, kx = x.shape[:-1], x.shape[-1]
@@ -748,7 +749,8 @@ def moe_linear(
         _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, n, top_k, 1, qtype, bs, ts, s, pairs)
         return y
     # a tile holds one expert's pairs: about pairs / E of them (16 at prefill 512 of the 35B-A3B)
-    bm = GEMM_CONFIG["bm"] or min(64, max(16, _next_pow2(-(-pairs // e_count))))
+    smallest = 32 if _gemm_plan(qtype, precision, True)[0] >= 5 else 16
+    bm = GEMM_CONFIG["bm"] or min(64, max(smallest, _next_pow2(-(-pairs // e_count))))
     order, tile_expert, tile_start, tile_rows = _group_by_expert(ids, e_count, bm)
     maps = (order, tile_expert, tile_start, tile_rows)
     _launch_gemm(
@@ -882,27 +884,45 @@ def _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, sy, top_k, nt
     )
 
 
-# GEMM tiles, read at each launch so the benchmark can sweep them (None: the defaults below).
+# GEMM tiles, read at each launch so the benchmark can sweep them (None: _gemm_plan's).
 GEMM_CONFIG: dict[str, int | None] = {"bn": None, "warps": None, "stages": None, "bm": None}
+
+
+def _gemm_plan(qtype: GGMLQuantizationType, precision: str | None, moe: bool) -> tuple[int, int, int, int]:
+    """(PREC code, rows per program, warps, stages) of a prefill product.
+
+    From benchmarks/cuda_kernels.py --gemm-sweep on the H200 at the 35B-A3B shapes, 512 tokens: the
+    routed-expert products on integer codes (128 rows, 4 warps, 3 stages, 32-pair tiles) took 0.81 ms
+    (Q4_K) and 0.66 ms (Q6_K) where the tf32x3 kernel on decoded values took 1.21 and 1.87; for a dense
+    product of 512 rows the Q4_K codes were slower (0.23 vs 0.18 ms), the Q6_K ones faster (0.18 vs 0.28)."""
+    precision = precision or os.environ.get("FORGE_CUDA_PRECISION") or DEFAULT_PRECISION
+    if precision == "auto":
+        precision = "bf16x3" if qtype in _INT_TYPES and (moe or qtype == T.Q6_K) else "tf32x3"
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision must be one of auto, {', '.join(_PRECISIONS)}, not {precision!r}")
+    prec = _PRECISIONS[precision]
+    if prec >= 5 and qtype not in _INT_TYPES:
+        prec = _PRECISIONS["tf32x3"]  # float32-accurate too, on the decoded values
+    if prec >= 5:
+        bn, warps, stages = (128, 4, 3) if moe else (64, 4, 2)
+    else:
+        bn, warps, stages = 64, 4, 0
+    cfg = GEMM_CONFIG
+    return prec, cfg["bn"] or bn, cfg["warps"] or warps, cfg["stages"] or stages
 
 
 def _launch_gemm(
     x, w, y, tab, maps, m, n, k, stride, sx_tok, sx_slot, sy, top_k, qtype, bs, ts, s, precision, bm=128
 ):
-    precision = precision or os.environ.get("FORGE_CUDA_PRECISION") or DEFAULT_PRECISION
-    if precision not in _PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(_PRECISIONS)}, not {precision!r}")
-    prec = _PRECISIONS[precision]
-    if prec >= 5 and qtype not in _INT_TYPES:
-        prec = _PRECISIONS["tf32x3"]  # float32-accurate too, on the decoded values
-    bn = GEMM_CONFIG["bn"] or 64
+    moe = maps is not None
+    prec, bn, warps, stages = _gemm_plan(qtype, precision, moe)
+    if not moe and bm > 64 and prec < 5:
+        warps = GEMM_CONFIG["warps"] or 8
     g = _groups(k, s, bs, 64)
     if g * s < 16:  # tl.dot needs K-tiles of at least 16
         g = max(g, 16 // s)
-    moe = maps is not None
     order, tile_expert, tile_start, tile_rows = maps if moe else (tab, tab, tab, tab)
     tiles_m = tile_rows.numel() if moe else _cdiv(m, bm)
-    extra = {"num_stages": GEMM_CONFIG["stages"]} if GEMM_CONFIG["stages"] else {}
     _gemm_kernel[(_cdiv(n, bn), tiles_m)](
         x,
         w,
@@ -930,6 +950,6 @@ def _launch_gemm(
         PREC=prec,
         MOE=moe,
         INTERP=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=GEMM_CONFIG["warps"] or (4 if bm <= 64 else 8),
-        **extra,
+        num_warps=warps,
+        **({"num_stages": stages} if stages else {}),
     )
