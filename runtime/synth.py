@@ -1,8 +1,8 @@
 """``forge synth``: a GGUF with random but well-formed quantized weights in a real model's geometry.
 
 For speed and memory measurements only (expert streaming, layouts): the values mean nothing. Blocks are
-random bytes with every fp16 scale field set to a small finite value, so every decoder produces finite
-numbers. The file is canonical (llama-quantize's name-sorted tensor order within each block) and
+random bytes with every fp16 scale field set to a small finite value of random sign (one sign per block), so
+every decoder produces finite numbers that average zero and routing depends on the token. The file is canonical (llama-quantize's name-sorted tensor order within each block) and
 converts to expert-major with ``forge layout convert``.
 
 The geometry is written as a ``qwen3moe`` model (GQA attention + softmax top-k routed experts), which the
@@ -119,15 +119,20 @@ def fp16_fields(qtype: Q) -> tuple[int, ...] | None:
     return getattr(ggml_types.implementation("torch", qtype), "fp16_fields", None)
 
 
-def random_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator, lo: float, hi: float) -> np.ndarray:
+def random_blocks(
+    qtype: Q, n_blocks: int, rng: np.random.Generator, lo: float, hi: float, signed: bool = False
+) -> np.ndarray:
     """uint8 (n_blocks, block bytes): random bytes with every fp16 scale field drawn from [lo, hi), so every
-    decoder gives finite values."""
+    decoder gives finite values. ``signed``: each block's scale fields share a random sign, which negates
+    the block's values: the values average zero (random bytes alone give K-quants with minimums a positive
+    mean, which sums coherently through every product)."""
     fields = fp16_fields(qtype)
     if fields is None:
         raise ForgeError(f"random {qtype.name} blocks are not supported (types: {_names(synth_types())})")
     blocks = rng.integers(0, 256, (n_blocks, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    sign = rng.choice(np.array([-1.0, 1.0]), n_blocks) if signed else 1.0
     for off in fields:
-        d = rng.uniform(lo, hi, n_blocks).astype(np.float16)
+        d = (sign * rng.uniform(lo, hi, n_blocks)).astype(np.float16)
         blocks[:, off : off + 2] = d.view(np.uint8).reshape(-1, 2)
     return blocks
 
@@ -144,7 +149,9 @@ class _BlockPool:
 
     def __init__(self, qtype: Q, rng: np.random.Generator, scale: float = 0.01) -> None:
         size = GGML_QUANT_SIZES[qtype][1]
-        self.data = random_blocks(qtype, _POOL_BYTES // size, rng, 0.2 * scale, 2 * scale).reshape(-1)
+        self.data = random_blocks(
+            qtype, _POOL_BYTES // size, rng, 0.2 * scale, 2 * scale, signed=True
+        ).reshape(-1)
         self.pos = 0
 
     def writer(self, nbytes: int) -> Any:
@@ -512,9 +519,10 @@ def synthesize(
     require_seed("--seed", seed)
     rng = np.random.default_rng(seed)
     pool = _BlockPool(t, rng)
-    # Attention of random weights adds nearly the same vector to every token; kept small, the residual
-    # stream stays token-specific and so does routing (as in a trained model). A small output keeps the
-    # logits in a trained model's range (std ~3, not ~300), so sampling gives varied text.
+    # Blocks of random sign average zero, so no product adds a common vector to every token and routing
+    # depends on the token (as in a trained model; tests/test_synth.py). Small attention v / output
+    # weights keep the residual stream near its embedding, and a small output keeps the logits in a
+    # trained model's range, so sampling gives varied text.
     quiet = _BlockPool(t, rng, scale=1e-4)
     specs = synth_tensors(g, t)
     pools = {(t, False): pool, (t, True): quiet}
@@ -522,8 +530,7 @@ def synthesize(
     def data() -> Iterator[Any]:
         for s in specs:
             if s.ggml_type == Q.F32 and "gate_inp" in s.name:
-                # Random K-quant blocks have a non-zero mean, so every hidden state carries a large common
-                # (all-ones) component; router rows orthogonal to it make routing depend on the token.
+                # router rows orthogonal to the all-ones direction (a norm's scale shifts no logit)
                 w = rng.standard_normal(s.shape)
                 yield (w - w.mean(axis=-1, keepdims=True)).astype(np.float32)
             elif s.ggml_type == Q.F32 and s.name.endswith(".bias"):

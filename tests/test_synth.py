@@ -242,3 +242,33 @@ def test_llamacpp_runs_the_deepseek4_geometry(dsv4: Path) -> None:
     llm.eval(prompt)
     logits = np.array(llm.scores[len(prompt) - 1])
     assert logits.shape == (VOCAB,) and np.isfinite(logits).all() and logits.std() > 0.1
+
+
+def test_routing_depends_on_the_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random tokens spread over the experts at every layer, as in a trained model. (Blocks of random bytes
+    have a positive mean under K-quants with minimums; summed through attention, it gave every token the same
+    hidden state and the same top-k experts, which made MoE prefill and expert caching look far cheaper.)"""
+    from runtime import moe
+
+    g = replace(TINY, layers=3, experts=32, experts_used=4)
+    path = tmp_path / "routed.gguf"
+    synthesize(path, g, "q4_k")
+    chosen: list[np.ndarray] = []
+    route = moe.Router.route
+
+    def recording(self, logits, tokens=None):  # noqa: ANN001, ANN202
+        ids, w = route(self, logits, tokens)
+        chosen.append(ids.reshape(-1).numpy().copy())
+        return ids, w
+
+    monkeypatch.setattr(moe.Router, "route", recording)
+    model = load_model(path)
+    model.forward(
+        torch.randint(0, VOCAB, (256,), generator=torch.Generator().manual_seed(0)), model.new_state()
+    )
+    assert len(chosen) == g.layers
+    for layer, ids in enumerate(chosen):
+        counts = np.bincount(ids, minlength=g.experts)
+        fair = ids.size / g.experts
+        assert np.count_nonzero(counts) == g.experts, (layer, counts)
+        assert counts.max() < 3 * fair, (layer, counts)
