@@ -1,6 +1,7 @@
 """The cuda backend's prefill GEMM precisions on one GGUF file: time and logit deviation from "ieee".
 
     python benchmarks/prefill_precision.py MODEL.gguf [--tokens 512] [--precisions bf16x3,tf32x3,bf16x2]
+    python benchmarks/prefill_precision.py MODEL.gguf --profile     # where one prefill's GPU time goes
 
 Loads the model once on CUDA, runs a prefill of --tokens random ids with every precision
 (FORGE_CUDA_PRECISION, read at each launch) and prints the best of --reps times and
@@ -25,11 +26,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--precisions", default="bf16x3,tf32x3,bf16x2")
+    ap.add_argument("--profile", action="store_true", help="only profile one prefill (default precision)")
     args = ap.parse_args()
     model = load_model(args.model, "cuda")
     ids = torch.randint(
         0, model.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(0)
     ).cuda()
+    if args.profile:
+        profile(model, ids)
+        return
     ref = None
     print(f"{'precision':>9} {'prefill ms':>11} {'tok/s':>9} {'max dev / max logit':>20}")
     for prec in ["ieee", *args.precisions.split(",")]:
@@ -46,6 +51,19 @@ def main() -> None:
         dev = ((logits - ref).abs().max() / ref.abs().max()).item()
         print(f"{prec:>9} {best * 1e3:11.1f} {args.tokens / best:9.0f} {dev:20.2e}")
     os.environ.pop("FORGE_CUDA_PRECISION")
+
+
+def profile(model, ids: torch.Tensor) -> None:  # noqa: ANN001
+    """The kernels of one prefill (after a warm-up that compiles them), by total GPU time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    model.forward(ids, model.new_state())
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model.forward(ids, model.new_state())
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
 
 
 if __name__ == "__main__":
