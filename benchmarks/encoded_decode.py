@@ -103,7 +103,8 @@ def main() -> None:
         print(json.dumps(measure(Path(args.one[0]), args.one[1], args.threads, args.tokens)))
         return
     if args.dots:
-        print(json.dumps({"ns_per_weight_one_core": dot_speeds()}))
+        # rows of 2,048 values (a dense or gate/up row of the 35B-A3B) and of 512 (its experts' down rows)
+        print(json.dumps({"ns_per_weight_one_core": dot_speeds(), "rows_of_512": dot_speeds(512, 1024)}))
         return
     from runtime.synth import GEOMETRIES, SynthGeometry, synthesize
 

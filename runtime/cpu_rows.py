@@ -184,7 +184,7 @@ def _total(acc: np.ndarray) -> float:
     return s
 
 
-@njit(**_FAST)
+@njit(inline="always", **_FAST)
 def _dot_q8_0(b: np.ndarray, x: np.ndarray, scratch: np.ndarray) -> float:
     lanes = scratch[:32]
     _zero(lanes)
@@ -209,7 +209,7 @@ def _dot_mxfp4(b: np.ndarray, x: np.ndarray) -> float:
     return acc
 
 
-@njit(**_FAST)
+@njit(inline="always", **_FAST)
 def _dot_k4(
     b: np.ndarray,
     x: np.ndarray,
@@ -249,7 +249,7 @@ def _dot_k4(
     return _total(lanes) - mins
 
 
-@njit(**_FAST)
+@njit(inline="always", **_FAST)
 def _dot_q6_k(b: np.ndarray, x: np.ndarray, scratch: np.ndarray) -> float:
     lanes = scratch[:16]
     _zero(lanes)
