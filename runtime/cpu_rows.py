@@ -52,7 +52,7 @@ def _scale_min_k4(j: int, s: np.ndarray, base: int) -> tuple[int, int]:
     return sc, m
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _decode_k4(b: np.ndarray, out: np.ndarray, block_bytes: int, qs_at: int, qh_at: int) -> None:
     """Q4_K (qh_at < 0) and Q5_K rows: fp16 d, dmin, 12 scale bytes, [32 high-bit bytes at qh_at], nibbles."""
     for blk in range(out.shape[0] // 256):
