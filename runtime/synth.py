@@ -1,9 +1,10 @@
 """``forge synth``: a GGUF with random but well-formed quantized weights in a real model's geometry.
 
 For speed and memory measurements only (expert streaming, layouts): the values mean nothing. Blocks are
-random bytes with every fp16 scale field set to a small finite value of random sign (one sign per block), so
-every decoder produces finite numbers that average zero and routing depends on the token. The file is canonical (llama-quantize's name-sorted tensor order within each block) and
-converts to expert-major with ``forge layout convert``.
+random bytes with every fp16 scale field set to a small finite value of random sign (one sign per block),
+so every decoder produces finite numbers that average zero and routing depends on the token. The file is
+canonical (llama-quantize's name-sorted tensor order within each block) and converts to expert-major with
+``forge layout convert``.
 
 The geometry is written as a ``qwen3moe`` model (GQA attention + softmax top-k routed experts), which the
 runtime runs end to end. Qwen3.6-35B-A3B itself is a ``qwen35moe`` (Gated DeltaNet layers, a shared
