@@ -708,7 +708,8 @@ def linear(
     if m <= DECODE_TOKENS:
         _launch_gemv(x2, w, y, tab, None, n, k, stride, x2.stride(0), 0, n, 1, m, qtype, bs, ts, s)
     else:
-        _launch_gemm(x2, w, y, tab, None, m, n, k, stride, x2.stride(0), 0, n, 1, qtype, bs, ts, s, precision)
+        plan = _gemm_plan(qtype, precision, moe=False)
+        _launch_gemm(x2, w, y, tab, None, m, n, k, stride, x2.stride(0), 0, n, 1, qtype, bs, ts, s, plan)
     return y.view(*lead, n)
 
 
@@ -749,13 +750,11 @@ def moe_linear(
         _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, n, top_k, 1, qtype, bs, ts, s, pairs)
         return y
     # a tile holds one expert's pairs: about pairs / E of them (16 at prefill 512 of the 35B-A3B)
-    smallest = 32 if _gemm_plan(qtype, precision, True)[0] >= 5 else 16
-    bm = GEMM_CONFIG["bm"] or min(64, max(smallest, _next_pow2(-(-pairs // e_count))))
+    plan = _gemm_plan(qtype, precision, moe=True)
+    bm = GEMM_CONFIG["bm"] or min(64, max(plan.smallest_tile, _next_pow2(-(-pairs // e_count))))
     order, tile_expert, tile_start, tile_rows = _group_by_expert(ids, e_count, bm)
     maps = (order, tile_expert, tile_start, tile_rows)
-    _launch_gemm(
-        x, w, y, tab, maps, 0, n, k, stride, sx_tok, sx_slot, n, top_k, qtype, bs, ts, s, precision, bm
-    )
+    _launch_gemm(x, w, y, tab, maps, 0, n, k, stride, sx_tok, sx_slot, n, top_k, qtype, bs, ts, s, plan, bm)
     return y
 
 
@@ -888,8 +887,20 @@ def _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, sy, top_k, nt
 GEMM_CONFIG: dict[str, int | None] = {"bn": None, "warps": None, "stages": None, "bm": None}
 
 
-def _gemm_plan(qtype: GGMLQuantizationType, precision: str | None, moe: bool) -> tuple[int, int, int, int]:
-    """(PREC code, rows per program, warps, stages) of a prefill product.
+class GemmPlan(NamedTuple):
+    """How a prefill product runs: the kernel's PREC code, weight rows per program, warps, pipeline stages
+    (0: Triton's default) and the fewest (token, slot) pairs an MoE tile is cut for."""
+
+    prec: int
+    bn: int
+    warps: int
+    stages: int
+    smallest_tile: int
+
+
+def _gemm_plan(qtype: GGMLQuantizationType, precision: str | None, moe: bool) -> GemmPlan:
+    """The plan of a prefill product of ``qtype`` weights at ``precision`` (None: FORGE_CUDA_PRECISION, else
+    DEFAULT_PRECISION).
 
     From benchmarks/cuda_kernels.py --gemm-sweep on the H200 at the 35B-A3B shapes, 512 tokens: the
     routed-expert products on integer codes (128 rows, 4 warps, 3 stages, 32-pair tiles) took 0.81 ms
@@ -904,26 +915,23 @@ def _gemm_plan(qtype: GGMLQuantizationType, precision: str | None, moe: bool) ->
     if prec >= 5 and qtype not in _INT_TYPES:
         prec = _PRECISIONS["tf32x3"]  # float32-accurate too, on the decoded values
     if prec >= 5:
-        bn, warps, stages = (128, 4, 3) if moe else (64, 4, 2)
-    else:
-        bn, warps, stages = 64, 4, 0
+        bn, warps, stages, smallest = (128, 4, 3, 32) if moe else (64, 4, 2, 32)
+    else:  # dense products take 128-row tiles of x, MoE tiles at most 64 pairs
+        bn, warps, stages, smallest = 64, (4 if moe else 8), 0, 16
     cfg = GEMM_CONFIG
-    return prec, cfg["bn"] or bn, cfg["warps"] or warps, cfg["stages"] or stages
+    return GemmPlan(prec, cfg["bn"] or bn, cfg["warps"] or warps, cfg["stages"] or stages, smallest)
 
 
 def _launch_gemm(
-    x, w, y, tab, maps, m, n, k, stride, sx_tok, sx_slot, sy, top_k, qtype, bs, ts, s, precision, bm=128
+    x, w, y, tab, maps, m, n, k, stride, sx_tok, sx_slot, sy, top_k, qtype, bs, ts, s, plan, bm=128
 ):
     moe = maps is not None
-    prec, bn, warps, stages = _gemm_plan(qtype, precision, moe)
-    if not moe and bm > 64 and prec < 5:
-        warps = GEMM_CONFIG["warps"] or 8
     g = _groups(k, s, bs, 64)
     if g * s < 16:  # tl.dot needs K-tiles of at least 16
         g = max(g, 16 // s)
     order, tile_expert, tile_start, tile_rows = maps if moe else (tab, tab, tab, tab)
     tiles_m = tile_rows.numel() if moe else _cdiv(m, bm)
-    _gemm_kernel[(_cdiv(n, bn), tiles_m)](
+    _gemm_kernel[(_cdiv(n, plan.bn), tiles_m)](
         x,
         w,
         y,
@@ -946,10 +954,10 @@ def _launch_gemm(
         S=s,
         G=g,
         BM=bm,
-        BN=bn,
-        PREC=prec,
+        BN=plan.bn,
+        PREC=plan.prec,
         MOE=moe,
         INTERP=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=warps,
-        **({"num_stages": stages} if stages else {}),
+        num_warps=plan.warps,
+        **({"num_stages": plan.stages} if plan.stages else {}),
     )
