@@ -196,7 +196,7 @@ def _dot_q8_0(b: np.ndarray, x: np.ndarray, scratch: np.ndarray) -> float:
     return _total(lanes)
 
 
-@njit(**_FAST)
+@njit(inline="always", **_FAST)
 def _dot_mxfp4(b: np.ndarray, x: np.ndarray) -> float:
     acc = F32(0)
     for blk in range(x.shape[0] // 32):
