@@ -15,6 +15,7 @@ gate projection (tokens grouped by expert on the device), against dequantize-to-
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 from gguf import GGML_QUANT_SIZES
@@ -268,7 +269,7 @@ def gemm_sweep(qtype: Q, dense, moe) -> None:
     )
     for row in sorted(rows)[:12]:
         print("  {:.3f} {:.3f} {} bn {} warps {} stages {} bm {}".format(*row))
-    best_dense = sorted((r for r in rows if r[1] == r[1]), key=lambda r: r[1])[:4]
+    best_dense = sorted((r for r in rows if not math.isnan(r[1])), key=lambda r: r[1])[:4]
     for row in best_dense:
         print("  dense {1:.3f} (moe {0:.3f}) {2} bn {3} warps {4} stages {5}".format(*row))
 
