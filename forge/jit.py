@@ -14,9 +14,33 @@ import os
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import config as numba_config
+from numba.core import registry
 from numba.extending import intrinsic
 
 JIT = {"cache": True, "nogil": True, "error_model": "numpy"}
+
+#: LLVM tuning for Intel CPUs with AVX-512 (see :func:`_tune_for_intel_avx512`)
+INTEL_AVX512_TUNING = "skylake"
+
+
+def _tune_for_intel_avx512() -> None:
+    """Compile with LLVM's skylake tuning (the instructions stay the host's own: numba passes the host's
+    feature list with any CPU name) on Intel CPUs with AVX-512 where the user has not named a target. The
+    tuning for the host's own name (rocketlake, sapphirerapids, emeraldrapids) made the row kernels
+    1.15-1.2x slower per thread on the development machines and up to 2.3x on the H200 host
+    (``benchmarks/cpu_threads.py --cpu-names host,skylake``). Only before numba's CPU target is made: the
+    target machine is built once."""
+    if "NUMBA_CPU_NAME" in os.environ or "_toplevel_target_context" in vars(registry.cpu_target):
+        return
+    from llvmlite import binding as llvm
+
+    name = llvm.get_host_cpu_name()
+    if llvm.get_host_cpu_features().get("avx512f") and not name.startswith(("znver", "generic")):
+        numba_config.CPU_NAME = INTEL_AVX512_TUNING
+
+
+_tune_for_intel_avx512()
 
 
 def enabled() -> bool:
