@@ -10,6 +10,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from gguf import GGMLQuantizationType, quants
 from numba import njit
 
 from forge.errors import ForgeError
@@ -80,6 +81,21 @@ def bf16_to_f32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     else:
         _chunked(_widen_bf16, np.ascontiguousarray(bits).reshape(-1), wide.reshape(-1))
     return out
+
+
+def float32_values(data: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
+    """The float32 values of ``data``, stored values of ``ggml_type`` (its bytes as uint8, or BF16 bits as
+    uint16), flat: BF16 widened on every core (gguf's numpy decoder took 4.3 s for a 400 MB tensor,
+    ``bf16_to_f32`` 0.16 s on 2 cores), F16 and F32 converted, other types decoded by gguf. An F32 result may
+    be a view of ``data``."""
+    flat = np.ascontiguousarray(data).reshape(-1)
+    if ggml_type == GGMLQuantizationType.BF16:
+        return bf16_to_f32(flat.view(np.uint16))
+    if ggml_type == GGMLQuantizationType.F16:
+        return flat.view(np.float16).astype(np.float32)
+    if ggml_type == GGMLQuantizationType.F32:
+        return flat.view(np.float32)
+    return quants.dequantize(flat, ggml_type).reshape(-1).astype(np.float32, copy=False)
 
 
 def all_finite(x: np.ndarray) -> bool:

@@ -86,3 +86,24 @@ def test_bf16_widening_and_finite_check_on_every_core_equal_numpys() -> None:
         y = x.copy()
         y[rng.integers(y.size)] = bad
         assert not all_finite(y)
+
+
+@pytest.mark.parametrize("qtype", ["BF16", "F16", "F32", "Q8_0"])
+def test_stored_values_decode_as_ggufs_decoder(qtype: str) -> None:
+    """``float32_values`` (what the quantizer reads a GGUF source's tensors with) equals gguf's decoder bit for
+    bit on the stored bytes (every bf16 pattern, large enough for the threaded widening), flat."""
+    from gguf import GGMLQuantizationType, quants
+
+    from forge.bulk import _SMALL, float32_values
+
+    t = GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(1)
+    if t == GGMLQuantizationType.BF16:
+        stored = rng.integers(0, 1 << 16, size=2 * _SMALL, dtype=np.uint16).view(np.uint8)
+    else:
+        x = rng.standard_normal((64, 256)).astype(np.float32)
+        stored = quants.quantize(x, t).view(np.uint8).reshape(-1)
+    got = float32_values(stored, t)
+    want = quants.dequantize(stored, t).reshape(-1)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))

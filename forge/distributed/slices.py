@@ -11,10 +11,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from forge.bulk import float32_values
 from forge.quant.source import GGUFQuantSource, QuantSource, SourceRef
 
 
@@ -48,8 +48,7 @@ def read_part(source: QuantSource, name: str, part: Part) -> np.ndarray:
     if isinstance(source, GGUFQuantSource):  # experts are contiguous: decode only the range
         t = source.file.tensors[name]
         raw = np.asarray(source.file.raw(name)).reshape(t.shape[0], -1)[part.lo : part.hi]
-        values = gguf.quants.dequantize(raw.reshape(-1), t.ggml_type)
-        return values.reshape(part.hi - part.lo, *t.shape[1:]).astype(np.float32, copy=False)
+        return float32_values(raw, t.ggml_type).reshape(part.hi - part.lo, *t.shape[1:])
     return np.ascontiguousarray(source.float32(name)[part.lo : part.hi])
 
 
@@ -64,8 +63,7 @@ class Shipped:
     def values(self) -> np.ndarray:
         if self.ggml_type is None:
             return self.data
-        decoded = gguf.quants.dequantize(self.data, GGMLQuantizationType(self.ggml_type))
-        return decoded.reshape(self.shape).astype(np.float32, copy=False)
+        return float32_values(self.data, GGMLQuantizationType(self.ggml_type)).reshape(self.shape)
 
 
 def ship_part(source: QuantSource, name: str, part: Part, last: dict | None = None) -> Shipped:

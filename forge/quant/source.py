@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-import gguf
 import numpy as np
 from gguf import GGMLQuantizationType
 
 from forge.arch.base import OutTensor
+from forge.bulk import float32_values
 from forge.convert import ModelSource, encode_float, float_type_for
 from forge.errors import ForgeError
 from forge.fileio import drop_pages
@@ -96,9 +96,8 @@ class HFQuantSource(QuantSource):
         src = t.produce()
         if float_type_for(t, GGMLQuantizationType.BF16) == GGMLQuantizationType.BF16 and src.dtype != "BF16":
             # what llama-quantize would see after a bf16 conversion
-            values = gguf.quants.dequantize(
-                encode_float(t, GGMLQuantizationType.BF16), GGMLQuantizationType.BF16
-            )
+            bits = encode_float(t, GGMLQuantizationType.BF16)
+            values = float32_values(bits, GGMLQuantizationType.BF16).reshape(t.shape)
         else:
             values = src.float32()
         return self._released(t, values)
@@ -156,12 +155,11 @@ class GGUFQuantSource(QuantSource):
         t = self.file.tensors[name]
         raw = self.file.raw(name)
         try:
-            values = gguf.quants.dequantize(np.asarray(raw), t.ggml_type)
+            values = float32_values(raw, t.ggml_type).reshape(t.shape)
         except NotImplementedError:
             raise ForgeError(
                 f"{self.ref.path}: cannot decode tensor {name} of type {t.ggml_type.name}"
             ) from None
-        values = values.reshape(t.shape).astype(np.float32, copy=False)
         if np.may_share_memory(values, raw):  # an F32 source: a view of the mapping
             values = values.copy()
         self._release(name)
