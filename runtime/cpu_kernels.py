@@ -45,6 +45,16 @@ def use_threads(n: int) -> None:
         set_num_threads(n)
 
 
+def start_threads() -> None:
+    """Start numba's thread pool now, on torch's thread count, and keep torch's count: the pool's start (at
+    its first use, a kernel's or ``get_num_threads``'s) resets the process's OpenMP thread count, which torch
+    reads too, to every core, so a model loaded after ``torch.set_num_threads(1)`` (``--threads 1``) ran
+    its kernels and torch's products on all cores."""
+    n = torch.get_num_threads()
+    use_threads(n)
+    torch.set_num_threads(n)
+
+
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
 def _dot(w: np.ndarray, x: np.ndarray) -> np.float32:
     s = np.float32(0)

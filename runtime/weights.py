@@ -114,10 +114,12 @@ class Weights:
         self.expert_budget = DEFAULT_EXPERT_BUDGET
         # round matmul inputs as ggml's CPU backend does (to compare with llama.cpp's own figures)
         self.ggml_numerics = False
-        from runtime.cpu_kernels import available  # numba: imported when a model is loaded, not before
+        from runtime.cpu_kernels import available, start_threads  # numba: imported when a model is loaded
 
         # one-token steps run compiled kernels over row-major weights
         self.cpu_kernels = available(torch.device(device))
+        if self.cpu_kernels:
+            start_threads()
         self.expert_cache: ExpertCache | None = None
         # routed experts stay the file's bytes in host memory whatever the device (runtime.hybrid computes them)
         self.host_experts = False

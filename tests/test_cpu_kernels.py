@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -260,6 +262,32 @@ def test_prepare_decode_says_when_it_compiles(example_bf16, monkeypatch: pytest.
     monkeypatch.setattr(ck, "cached_on_disk", lambda: False)
     prepare_decode(model, said.append)
     assert len(said) == 1
+
+
+def test_a_loaded_model_keeps_torchs_thread_count(example_bf16) -> None:  # noqa: ANN001
+    """``torch.set_num_threads(1)`` (``--threads 1``) before loading holds through a prefill and a decode step,
+    for torch and the kernels alike: numba's thread pool, started by a first kernel, reset the process's
+    OpenMP thread count to every core (numba's pool of 4 here, so that it shows on any machine)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import torch
+torch.set_num_threads(1)
+import numba
+from runtime.models import load_model
+m = load_model({str(example_bf16)!r})
+st = m.new_state()
+m.forward(torch.arange(8), st)
+m.forward(torch.tensor([8]), st, last_only=True)
+print(torch.get_num_threads(), numba.get_num_threads())
+"""
+    env = {**os.environ, "NUMBA_NUM_THREADS": "4"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["1", "1"]
 
 
 # experts kept encoded --------------------------------------------------------------------------------------
