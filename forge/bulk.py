@@ -98,6 +98,10 @@ def float32_values(data: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndar
     return quants.dequantize(flat, ggml_type).reshape(-1).astype(np.float32, copy=False)
 
 
+#: the error of a source tensor holding NaN or infinity (whichever pass finds it)
+NON_FINITE = "non-finite values (NaN or inf) in the source weights"
+
+
 def all_finite(x: np.ndarray) -> bool:
     """No NaN or infinity in the float32 array ``x``."""
     if not enabled() or x.size < _SMALL or x.dtype != np.float32:

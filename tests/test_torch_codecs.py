@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 
 import numpy as np
 import pytest
@@ -154,6 +155,28 @@ def test_one_importance_vector_per_matrix(device: str, qtype: str) -> None:
     assert np.array_equal(encode_rows(qtype, rows, importance, device), want)
     with pytest.raises(ForgeError, match="importance groups"):
         encode_on_device(qtype, rows[:-1], importance, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("qtype", "per_matrix"), [("Q4_K", False), ("Q6_K", False), ("IQ2_XXS", True)])
+def test_bf16_bits_widen_on_the_device(device: str, qtype: str, per_matrix: bool) -> None:
+    """bf16 rows given as their bits (what ``forge quantize --device`` uploads) encode to the bytes of their
+    float32 values, across chunks and with one importance vector per matrix; a NaN or infinity among the
+    bits is the job's error."""
+    from forge.bulk import NON_FINITE, bf16_to_f32
+
+    rng = np.random.default_rng(9)
+    n = 512
+    values = (rng.standard_normal((6, n)) * rng.uniform(1e-3, 10, (6, 1))).astype(np.float32)
+    bits = (values.view(np.uint32) >> 16).astype(np.uint16)  # bf16 by truncation: any bits will do
+    importance = np.stack([_importance(n, seed) for seed in range(2)]) if per_matrix else _importance(n, 1)
+    want = encode_on_device(qtype, bf16_to_f32(bits), importance, device, chunk_elems=2 * n)
+    assert np.array_equal(encode_on_device(qtype, bits, importance, device, chunk_elems=2 * n), want)
+    for bad in (np.nan, np.inf):
+        poisoned = bits.copy()
+        poisoned[4, 7] = (np.array([bad], np.float32).view(np.uint32) >> 16).astype(np.uint16)[0]
+        with pytest.raises(ForgeError, match=re.escape(NON_FINITE)):
+            encode_on_device(qtype, poisoned, importance, device, chunk_elems=2 * n)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from forge.bulk import all_finite
+from forge.bulk import NON_FINITE, all_finite, bf16_to_f32
 from forge.errors import ForgeError
 from forge.quant.source import QuantSource, SourceRef
 from forge.quant.torch_codecs import encode_on_device, supported_on_device
@@ -56,13 +56,16 @@ def open_source(ref: SourceRef) -> QuantSource:
 def encode_rows(
     qtype: str, rows: np.ndarray, importance: np.ndarray | None, device: str = "cpu"
 ) -> np.ndarray:
-    """Encode (n_rows, n_per_row) float32 rows in bounded chunks, on ``device`` where the type has a
-    torch encoder (the bytes are the same), else with the CPU codec. ``importance``: one vector for all
-    rows, or one per group of consecutive rows (n_mat, n_per_row), a 3-D tensor's matrices."""
+    """Encode (n_rows, n_per_row) float32 rows (or bf16 rows as uint16 bits) in bounded chunks, on ``device``
+    where the type has a torch encoder (the bytes are the same), else with the CPU codec. ``importance``: one
+    vector for all rows, or one per group of consecutive rows (n_mat, n_per_row), a 3-D tensor's matrices."""
     qt = get_type(qtype)
-    if not all_finite(rows):
-        raise ForgeError("non-finite values (NaN or inf) in the source weights")
-    if device != "cpu" and supported_on_device(qt.name()):
+    on_device = device != "cpu" and supported_on_device(qt.name())
+    if rows.dtype == np.uint16 and not on_device:
+        rows = bf16_to_f32(rows)
+    if rows.dtype != np.uint16 and not all_finite(rows):  # bf16 bits: checked on the device
+        raise ForgeError(NON_FINITE)
+    if on_device:
         return encode_on_device(qt.name(), rows, importance, device)
     # every chunk is encoded straight into its rows of one array: concatenating chunks afterwards was a
     # single-threaded copy into fresh memory (a tenth of a q4_k_m run on 2 cores)
@@ -89,6 +92,8 @@ def run_job(job: EncodeJob, values: np.ndarray | None = None) -> EncodeResult:
         w = w[0]  # one vector for every matrix; else routed experts, each matrix with its own
     data = encode_rows(job.out_type, values.reshape(-1, n_per_row), w, job.device)
     sample = values.reshape(-1, n_per_row)[:ERROR_SAMPLE_ROWS]
+    if sample.dtype == np.uint16:
+        sample = bf16_to_f32(sample)
     decoded = get_type(job.out_type).decode(data[: len(sample)], n_per_row)
     denom = float(np.sqrt(np.mean(sample.astype(np.float64) ** 2))) or 1.0
     rel = float(np.sqrt(np.mean((decoded.astype(np.float64) - sample) ** 2))) / denom
@@ -96,9 +101,9 @@ def run_job(job: EncodeJob, values: np.ndarray | None = None) -> EncodeResult:
 
 
 def overlapped(jobs: list[EncodeJob], ahead: int = 2) -> Iterator[EncodeResult]:
-    """``run_job`` over ``jobs``, in order, in three stages at once: one thread reads (and converts to
-    float32) the tensors up to ``ahead`` jobs ahead, another encodes them one at a time (on the device),
-    and the caller consumes (writes) the results. Threads suffice: the reading, the device's kernels and
+    """``run_job`` over ``jobs``, in order, in three stages at once: one thread reads the tensors up to
+    ``ahead`` jobs ahead (bf16 ones as their bits, widened on the device; others as float32), another
+    encodes them one at a time (on the device), and the caller consumes (writes) the results. Threads suffice: the reading, the device's kernels and
     the writing all release the GIL."""
     reader = ThreadPoolExecutor(1, thread_name_prefix="forge-read")
     encoder = ThreadPoolExecutor(1, thread_name_prefix="forge-encode")
@@ -106,7 +111,7 @@ def overlapped(jobs: list[EncodeJob], ahead: int = 2) -> Iterator[EncodeResult]:
     todo = iter(jobs)
 
     def submit(job: EncodeJob) -> None:
-        values = reader.submit(lambda: open_source(job.source).float32(job.name))
+        values = reader.submit(lambda: open_source(job.source).device_values(job.name))
         pending.append(encoder.submit(lambda: run_job(job, values.result())))
 
     try:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from forge.arch.base import OutTensor
+from forge.arch.base import OutTensor, SourceArray
 from forge.bulk import float32_values
 from forge.convert import ModelSource, encode_float, float_type_for
 from forge.errors import ForgeError
@@ -59,6 +59,11 @@ class QuantSource:
     def float32(self, name: str) -> np.ndarray:
         raise NotImplementedError
 
+    def device_values(self, name: str) -> np.ndarray:
+        """``float32(name)``, or the same values as their bf16 bits (uint16, same shape) where the source
+        stores them in bf16: a device encoder widens them itself, from half the bytes."""
+        return self.float32(name)
+
     def stored(self, name: str) -> np.ndarray:
         """The tensor in its stored type (for tensors copied unchanged)."""
         raise NotImplementedError
@@ -93,7 +98,16 @@ class HFQuantSource(QuantSource):
 
     def float32(self, name: str) -> np.ndarray:
         t = self._by_name[name]
+        return self._float32(t, t.produce())
+
+    def device_values(self, name: str) -> np.ndarray:
+        t = self._by_name[name]
         src = t.produce()
+        if src.dtype == "BF16":  # float32 would be these bits widened
+            return self._released(t, np.asarray(src.data).view(np.uint16))
+        return self._float32(t, src)
+
+    def _float32(self, t: OutTensor, src: SourceArray) -> np.ndarray:
         if float_type_for(t, GGMLQuantizationType.BF16) == GGMLQuantizationType.BF16 and src.dtype != "BF16":
             # what llama-quantize would see after a bf16 conversion
             bits = encode_float(t, GGMLQuantizationType.BF16)
@@ -164,6 +178,13 @@ class GGUFQuantSource(QuantSource):
             values = values.copy()
         self._release(name)
         return values
+
+    def device_values(self, name: str) -> np.ndarray:
+        if self.file.tensors[name].ggml_type != GGMLQuantizationType.BF16:
+            return self.float32(name)
+        bits = np.array(self.file.array(name))  # a copy: the mapped pages are dropped
+        self._release(name)
+        return bits
 
     def _release(self, name: str) -> None:
         info = self.file.tensors[name]
