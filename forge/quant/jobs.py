@@ -103,8 +103,8 @@ def run_job(job: EncodeJob, values: np.ndarray | None = None) -> EncodeResult:
 def overlapped(jobs: list[EncodeJob], ahead: int = 2) -> Iterator[EncodeResult]:
     """``run_job`` over ``jobs``, in order, in three stages at once: one thread reads the tensors up to
     ``ahead`` jobs ahead (bf16 ones as their bits, widened on the device; others as float32), another
-    encodes them one at a time (on the device), and the caller consumes (writes) the results. Threads suffice: the reading, the device's kernels and
-    the writing all release the GIL."""
+    encodes them one at a time (on the device), and the caller consumes (writes) the results. Threads
+    suffice: the reading, the device's kernels and the writing all release the GIL."""
     reader = ThreadPoolExecutor(1, thread_name_prefix="forge-read")
     encoder = ThreadPoolExecutor(1, thread_name_prefix="forge-encode")
     pending: deque[Future] = deque()
