@@ -53,17 +53,44 @@ def main() -> None:
     os.environ.pop("FORGE_CUDA_PRECISION")
 
 
+def _labelled(fn, kind: str):  # noqa: ANN001, ANN202
+    """``fn`` (a cuda_kernels product) inside a profiler range named by the product's kind, weight shape
+    and type, so that the profile adds up GPU time per product."""
+    from torch.profiler import record_function
+
+    def call(x, raw, qtype, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        shape = "x".join(str(d) for d in raw.shape[:-1])
+        name = getattr(qtype, "name", None) or str(int(qtype))
+        with record_function(f"{kind} {shape} {name} {tuple(x.shape[:-1])}"):
+            return fn(x, raw, qtype, *args, **kw)
+
+    return call
+
+
 def profile(model, ids: torch.Tensor) -> None:  # noqa: ANN001
-    """The kernels of one prefill (after a warm-up that compiles them), by total GPU time."""
+    """The kernels of one prefill (after a warm-up that compiles them), by total GPU time, then the GPU
+    time of each product (dense ``linear`` / routed ``moe_linear``, by weight shape, type and rows)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    from runtime.backends import cuda_kernels
+
     model.forward(ids, model.new_state())
     torch.cuda.synchronize()
+    cuda_kernels.linear = _labelled(cuda_kernels.linear, "linear")
+    cuda_kernels.moe_linear = _labelled(cuda_kernels.moe_linear, "moe_linear")
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         model.forward(ids, model.new_state())
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+    events = prof.key_averages()
+    print(events.table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+    rows = [e for e in events if e.key.startswith(("linear ", "moe_linear "))]
+    total = sum(e.self_device_time_total for e in events) or 1.0  # every kernel once, as its own
+    print(f"{'product':<60} {'calls':>6} {'GPU ms':>9} {'% of GPU':>9}")
+    for e in sorted(rows, key=lambda e: -e.device_time_total):
+        print(
+            f"{e.key:<60} {e.count:>6} {e.device_time_total / 1e3:9.2f} {100 * e.device_time_total / total:8.1f}%"
+        )
 
 
 if __name__ == "__main__":
