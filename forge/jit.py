@@ -35,8 +35,11 @@ def _tune_for_intel_avx512() -> None:
         return
     from llvmlite import binding as llvm
 
-    name = llvm.get_host_cpu_name()
-    if llvm.get_host_cpu_features().get("avx512f") and not name.startswith(("znver", "generic")):
+    try:
+        name, features = llvm.get_host_cpu_name(), llvm.get_host_cpu_features()
+    except RuntimeError:  # LLVM cannot read this host's features: numba's own choice stands
+        return
+    if features.get("avx512f") and not name.startswith(("znver", "generic")):
         numba_config.CPU_NAME = INTEL_AVX512_TUNING
 
 
