@@ -290,6 +290,42 @@ print(torch.get_num_threads(), numba.get_num_threads())
     assert done.stdout.split() == ["1", "1"]
 
 
+@pytest.mark.parametrize(
+    ("host", "avx512", "env", "want"),
+    [
+        ("sapphirerapids", True, None, "skylake"),  # Intel with AVX-512: skylake tuning
+        ("rocketlake", True, None, "skylake"),
+        ("znver4", True, None, "None"),  # AMD: numba's own choice
+        ("haswell", False, None, "None"),  # no AVX-512
+        ("sapphirerapids", True, "icelake-server", "icelake-server"),  # the user's NUMBA_CPU_NAME wins
+    ],
+)
+def test_numba_tuning_for_the_host(host: str, avx512: bool, env: str | None, want: str) -> None:
+    """forge.jit's choice of LLVM tuning, made before numba builds its target (a fresh process with the
+    host's name and features faked)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import llvmlite.binding as llvm
+features = llvm.get_host_cpu_features()
+features["avx512f"] = {avx512}
+llvm.get_host_cpu_name = lambda: {host!r}
+llvm.get_host_cpu_features = lambda: features
+import forge.jit
+from numba.core import config
+print(config.CPU_NAME)
+"""
+    environ = {k: v for k, v in os.environ.items() if k != "NUMBA_CPU_NAME"}
+    if env:
+        environ["NUMBA_CPU_NAME"] = env
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=environ, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == want
+
+
 # experts kept encoded --------------------------------------------------------------------------------------
 
 
