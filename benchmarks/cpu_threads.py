@@ -11,8 +11,9 @@ forge compiles for (``forge.jit``: skylake tuning on Intel CPUs with AVX-512, el
 the host CPU's own name (numba's default), any other an LLVM CPU name; the instructions are the host's in
 every case, only LLVM's tuning changes. The rounds go through the names in turn, so a noisy neighbour slows
 them alike, and the best time of each (name, threads) is kept. Printed per row: milliseconds, the matrix's bytes
-read per second, and nanoseconds per weight per thread (flat when the product scales; rising when the
-threads wait on memory or on each other).
+read per second, nanoseconds per weight per thread (flat when the product scales; rising when the threads
+wait on memory or on each other), and the rate at which the same threads merely read those bytes (the
+product's ceiling: a product near it is bound by memory, far below it by its instructions).
 """
 
 from __future__ import annotations
@@ -53,8 +54,32 @@ def _matrix(path: str | None, tensor: str):  # noqa: ANN202
     return Rows.encoded_parts([(rows, int(t.ggml_type))]), int(t.shape[-1])
 
 
-def child(path: str | None, tensor: str, threads: list[int], reps: int) -> dict[int, float]:
-    """Best milliseconds of one product per thread count, in this process's numba target."""
+def _best_ms(fn, reps: int) -> float:  # noqa: ANN001
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times) * 1e3
+
+
+def _read_kernel():  # noqa: ANN202
+    from numba import njit, prange
+
+    @njit(parallel=True, cache=True)
+    def read_all(words: np.ndarray) -> int:  # the bytes' sum as uint64 words: memory read rate
+        s = np.uint64(0)
+        for i in prange(words.shape[0]):
+            s += words[i]
+        return s
+
+    return read_all
+
+
+def child(path: str | None, tensor: str, threads: list[int], reps: int) -> dict:
+    """Best milliseconds of one product per thread count, in this process's numba target, and of reading the
+    same bytes (summed as 64-bit words: the memory's read rate, the product's ceiling)."""
     import numba
 
     from runtime import cpu_kernels
@@ -62,20 +87,18 @@ def child(path: str | None, tensor: str, threads: list[int], reps: int) -> dict[
     w, n_in = _matrix(path, tensor)
     x = np.random.default_rng(1).standard_normal(n_in).astype(np.float32)
     out = np.empty(w.n_out, np.float32)
-    best = {}
+    words = w.data[: w.data.nbytes // 8 * 8].view(np.uint64)
+    read_all = _read_kernel()
+    best, read = {}, {}
     for n in threads:
         numba.set_num_threads(n)
-        cpu_kernels._gemv_parallel(x, w.data, w.index, out, False, out)
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            cpu_kernels._gemv_parallel(x, w.data, w.index, out, False, out)
-            times.append(time.perf_counter() - t)
-        best[n] = min(times) * 1e3
+        best[n] = _best_ms(lambda: cpu_kernels._gemv_parallel(x, w.data, w.index, out, False, out), reps)
+        read[n] = _best_ms(lambda: read_all(words), reps)
     from numba.core.registry import cpu_target
 
     tuning = cpu_target.target_context.codegen().magic_tuple()[1]
-    return {"best_ms": best, "bytes": int(w.data.nbytes), "weights": int(w.n_out) * n_in, "tuning": tuning}
+    return {"best_ms": best, "read_ms": read, "bytes": int(w.data.nbytes), "weights": int(w.n_out) * n_in,
+            "tuning": tuning}  # fmt: skip
 
 
 def main() -> None:
@@ -102,6 +125,7 @@ def main() -> None:
         return
     names = args.cpu_names.split(",")
     best: dict[tuple[str, int], float] = {}
+    read: dict[int, float] = {}  # reading the bytes alone, whatever the tuning
     size = None
     for _ in range(args.rounds):
         for name in names:
@@ -123,16 +147,19 @@ def main() -> None:
             for n, ms in r["best_ms"].items():
                 key = (f"{name} ({r['tuning']})" if name in ("default", "native") else name, int(n))
                 best[key] = min(best.get(key, float("inf")), ms)
+                read[int(n)] = min(read.get(int(n), float("inf")), r["read_ms"][n])
     nbytes, weights = size
     print(f"{args.gguf or 'random Q4_K'} {args.tensor if args.gguf else ''}: {nbytes / 1e6:.0f} MB, "
           f"{cores} cores, best of {args.rounds} round(s) x {args.reps}")  # fmt: skip
-    print(f"{'cpu name':>24} {'threads':>7} {'ms':>9} {'GB/s':>7} {'ns/weight/thread':>17}")
+    print(f"{'cpu name':>24} {'threads':>7} {'ms':>9} {'GB/s':>7} {'ns/weight/thread':>17} {'read GB/s':>10}")
     rows = []
     for (name, n), ms in best.items():
         row = {"cpu_name": name, "threads": n, "ms": round(ms, 3), "gb_s": round(nbytes / ms / 1e6, 2),
-               "ns_per_weight_thread": round(ms * 1e6 * n / weights, 4)}  # fmt: skip
+               "ns_per_weight_thread": round(ms * 1e6 * n / weights, 4),
+               "read_gb_s": round(nbytes / read[n] / 1e6, 2)}  # fmt: skip
         rows.append(row)
-        print(f"{name:>24} {n:>7} {ms:>9.2f} {row['gb_s']:>7.1f} {row['ns_per_weight_thread']:>17.3f}")
+        print(f"{name:>24} {n:>7} {ms:>9.2f} {row['gb_s']:>7.1f} {row['ns_per_weight_thread']:>17.3f}"
+              f" {row['read_gb_s']:>10.1f}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -28,7 +28,7 @@ def _tune_for_intel_avx512() -> None:
     """Compile with LLVM's skylake tuning (the instructions stay the host's own: numba passes the host's
     feature list with any CPU name) on Intel CPUs with AVX-512 where the user has not named a target. The
     tuning for the host's own name (rocketlake, sapphirerapids, emeraldrapids) made the row kernels
-    1.15-1.2x slower per thread on the development machines and up to 2.3x on the H200 host
+    1.07-1.2x slower per thread on the development machines and up to 2.3x on the H200 host
     (``benchmarks/cpu_threads.py --cpu-names default,native``). Only before numba's CPU target is made: the
     target machine is built once."""
     if "NUMBA_CPU_NAME" in os.environ or "_toplevel_target_context" in vars(registry.cpu_target):
