@@ -5,13 +5,13 @@
 #
 # WORK: a folder with ~60 GB free (synth files and the quantize benchmark model are written there once and
 # reused); LLAMA_BIN: the bin/ folder of a llama.cpp CUDA build (../shared/tools/build_llamacpp.sh build DEST
-# cuda SRC); PARTS: any of cuda,profile,cpu,threads,quantize (default: all), comma-separated. Each part
+# cuda SRC); PARTS: any of cuda,profile,cpu,threads,hybrid,quantize (default: all), comma-separated. Each part
 # prints its table and writes JSON under WORK/results/. The CPU rows hide the GPU from both programs
 # (CUDA_VISIBLE_DEVICES=), so llama.cpp's CUDA build runs its CPU code.
 set -eu
 WORK=${1:?usage: gpu_host_suite.sh WORK LLAMA_BIN [PARTS]}
 BIN=${2:?usage: gpu_host_suite.sh WORK LLAMA_BIN [PARTS]}
-PARTS=${3:-cuda,profile,cpu,threads,quantize}
+PARTS=${3:-cuda,profile,cpu,threads,hybrid,quantize}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$WORK/results"
 cores=$(nproc)
@@ -20,7 +20,7 @@ synth() {  # synth NAME [--layers N]: the 35B-A3B-geometry Q4_K file, written on
   [ -f "$WORK/$1" ] || python3 -m forge synth -o "$WORK/$1" --geometry qwen3.6-35b-a3b --type q4_k "${@:2}"
 }
 cd "$HERE"
-if want cuda || want profile; then synth q35.gguf; fi
+if want cuda || want profile || want hybrid; then synth q35.gguf; fi
 if want cpu || want threads; then synth q35-l4.gguf --layers 4; fi
 if want cuda; then
   echo "== resident on the GPU, pp512 / tg128, forge and llama.cpp"
@@ -42,6 +42,11 @@ if want threads; then
   echo "== the LM-head product at 1..$cores threads, forge's tuning and the host's own"
   CUDA_VISIBLE_DEVICES= python3 benchmarks/cpu_threads.py "$WORK/q35-l4.gguf" --cpu-names default,native \
     --rounds 2 --json "$WORK/results/threads.json"
+fi
+if want hybrid; then
+  echo "== routed experts beyond the GPU: hybrid pools of 1/4/8 GiB, SSD streaming, llama.cpp -ot exps=CPU"
+  python3 benchmarks/hybrid_experts.py "$WORK/q35.gguf" --llama-bench "$BIN/llama-bench" \
+    --json "$WORK/results/hybrid.json"
 fi
 if want quantize; then
   echo "== quantize the 5 B-parameter benchmark model: forge on the CPU and the GPU, llama-quantize"

@@ -27,7 +27,8 @@ and layer, uniformly (no locality: the worst case for a cache). ``trace``: what 
 to the file's geometry: file layer l replays trace layer l mod L, and each of a token's k_t chosen experts e
 becomes k / k_t distinct experts drawn from the block of E / E_t experts that e stands for (a per-layer
 permutation scatters the blocks), so the popularity of experts and its drift along the text are the trained
-router's. A synthesized file's own routers would send nearly every token to the same experts.
+router's. A synthesized file's own routers are random: they choose with no locality to learn
+(before 2026-12-02 they sent nearly every token to the same experts).
 
 Without CUDA the GPU rows are skipped with a note and the forge rows run on the CPU (``CPU, mapped file``:
 every expert computed by the CPU kernels from the mapped file; ``SSD streaming``). ``--cold`` drops the file
