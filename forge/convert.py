@@ -12,7 +12,9 @@ import numpy as np
 from gguf import GGMLQuantizationType, LlamaFileType
 
 from forge.arch import Architecture, OutTensor, architecture_for
+from forge.arch.base import SourceArray
 from forge.arch.tokenizer import tokenizer_kvs
+from forge.bulk import f32_to_bf16
 from forge.checkpoint import Checkpoint
 from forge.errors import ForgeError
 from forge.fileio import copy_ranges
@@ -103,12 +105,13 @@ def float_type_for(t: OutTensor, outtype: GGMLQuantizationType) -> GGMLQuantizat
     return outtype
 
 
-def encode_float(t: OutTensor, gtype: GGMLQuantizationType) -> np.ndarray:
-    """Produce a tensor's values in F32, F16 or BF16 (a BF16 source to BF16 is a bit copy), or its encoded
-    bytes when the architecture gives them (MXFP4, Q8_0, I32)."""
+def encode_float(t: OutTensor, gtype: GGMLQuantizationType, src: SourceArray | None = None) -> np.ndarray:
+    """Produce a tensor's values in F32, F16 or BF16 (a BF16 source to BF16 is a bit copy; BF16 as uint16
+    bits), or its encoded bytes when the architecture gives them (MXFP4, Q8_0, I32). ``src``: the values
+    already produced."""
     if t.encoded is not None:
         return t.encoded()
-    src = t.produce()
+    src = t.produce() if src is None else src
     if src.shape != t.shape:
         raise ForgeError(f"tensor {t.name}: produced shape {src.shape}, planned {t.shape}")
     if gtype == GGMLQuantizationType.BF16 and src.dtype == "BF16":
@@ -118,7 +121,7 @@ def encode_float(t: OutTensor, gtype: GGMLQuantizationType) -> np.ndarray:
         return f32
     if gtype == GGMLQuantizationType.F16:
         return f32.astype(np.float16)
-    return gguf.quants.quantize(f32, GGMLQuantizationType.BF16)
+    return f32_to_bf16(f32)
 
 
 _STORED = {

@@ -107,3 +107,21 @@ def test_stored_values_decode_as_ggufs_decoder(qtype: str) -> None:
     want = quants.dequantize(stored, t).reshape(-1)
     assert got.dtype == np.float32 and got.shape == want.shape
     assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+
+
+def test_bf16_rounding_on_every_core_equals_ggmls() -> None:
+    """``f32_to_bf16`` above the threaded size and below it: gguf's encoder (ggml's rounding: nearest even,
+    NaNs kept NaN with the quiet bit set) bit for bit, on every kind of float32 pattern."""
+    from gguf import GGMLQuantizationType, quants
+
+    from forge.bulk import _SMALL, f32_to_bf16
+
+    rng = np.random.default_rng(3)
+    bits = rng.integers(0, 1 << 32, size=2 * _SMALL, dtype=np.uint64).astype(np.uint32)
+    bits[:6] = [0x3F808000, 0x3F818000, 0xBF808000, 0x7F7FFFFF, 0x7FC00001, 0xFF800001]  # ties, max, NaNs
+    values = bits.view(np.float32).reshape(2, -1)
+    want = quants.quantize(values, GGMLQuantizationType.BF16).view(np.uint16)
+    for x in (values, values[:, : _SMALL // 8]):
+        got = f32_to_bf16(x)
+        assert got.dtype == np.uint16 and got.shape == x.shape
+        assert np.array_equal(got, want[:, : x.shape[1]])

@@ -50,13 +50,16 @@ class SourceArray:
         return self._data.shape
 
     def float32(self) -> np.ndarray:
-        if self.dtype != "BF16":
-            return self.data.astype(np.float32, copy=False)
         if self._data is not None:
-            return bf16_to_f32(self._data)
-        out = np.empty(self.shape, np.float32)
+            return (
+                bf16_to_f32(self._data) if self.dtype == "BF16" else self._data.astype(np.float32, copy=False)
+            )
+        out = np.empty(self.shape, np.float32)  # parts straight into their slots: no stack of them is kept
         for part, slot in zip(self.parts, out, strict=True):
-            bf16_to_f32(part, slot)
+            if self.dtype == "BF16":
+                bf16_to_f32(part, slot)
+            else:
+                slot[...] = part
         return out
 
 

@@ -110,7 +110,7 @@ class HFQuantSource(QuantSource):
     def _float32(self, t: OutTensor, src: SourceArray) -> np.ndarray:
         if float_type_for(t, GGMLQuantizationType.BF16) == GGMLQuantizationType.BF16 and src.dtype != "BF16":
             # what llama-quantize would see after a bf16 conversion
-            bits = encode_float(t, GGMLQuantizationType.BF16)
+            bits = encode_float(t, GGMLQuantizationType.BF16, src)
             values = float32_values(bits, GGMLQuantizationType.BF16).reshape(t.shape)
         else:
             values = src.float32()

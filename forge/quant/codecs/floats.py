@@ -5,24 +5,10 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
+from forge.bulk import f32_to_bf16
 from forge.errors import ForgeError
 from forge.quant import numerics as nx
 from forge.quant.types import QuantType
-
-
-def fp32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
-    """ggml's ``ggml_compute_fp32_to_bf16``: round to nearest even; NaN kept NaN with the quiet bit set."""
-    values = np.ascontiguousarray(values, dtype=np.float32)
-    u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    lsb = u >> np.uint32(16)
-    lsb &= np.uint32(1)
-    lsb += np.uint32(0x7FFF)
-    lsb += u  # wraps modulo 2**32 like the C code; only NaNs come near the top
-    bits = (lsb >> np.uint32(16)).astype(np.uint16)
-    nan = np.isnan(values)
-    if nan.any():
-        bits[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(64)).astype(np.uint16)
-    return bits
 
 
 def _into(data: np.ndarray, out: np.ndarray | None) -> np.ndarray:
@@ -84,7 +70,7 @@ class BF16(_Float):
         cls, rows: np.ndarray, importance: np.ndarray | None = None, out: np.ndarray | None = None
     ) -> np.ndarray:
         rows = cls._rows(rows)
-        return _into(fp32_to_bf16_bits(rows).view(np.uint8).reshape(rows.shape[0], -1), out)
+        return _into(f32_to_bf16(rows).view(np.uint8).reshape(rows.shape[0], -1), out)
 
     @staticmethod
     def _decode(data: np.ndarray) -> np.ndarray:
