@@ -15,7 +15,10 @@ from forge.fileio import read_text
 from forge.options import require_choice, require_float, require_int, require_seed
 
 DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda or mps")]
-ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads for torch (default: torch's choice)")]
+ThreadsOpt = Annotated[
+    int | None,
+    typer.Option(help="CPU threads for the compiled kernels and torch (default: torch's choice, the cores)"),
+]
 GgmlOpt = Annotated[
     bool,
     typer.Option(
