@@ -60,13 +60,12 @@ def encode_rows(
     where the type has a torch encoder (the bytes are the same), else with the CPU codec. ``importance``: one
     vector for all rows, or one per group of consecutive rows (n_mat, n_per_row), a 3-D tensor's matrices."""
     qt = get_type(qtype)
-    on_device = device != "cpu" and supported_on_device(qt.name())
-    if rows.dtype == np.uint16 and not on_device:
+    if device != "cpu" and supported_on_device(qt.name()):
+        return encode_on_device(qt.name(), rows, importance, device)  # checks the values on the device
+    if rows.dtype == np.uint16:
         rows = bf16_to_f32(rows)
-    if rows.dtype != np.uint16 and not all_finite(rows):  # bf16 bits: checked on the device
+    if not all_finite(rows):
         raise ForgeError(NON_FINITE)
-    if on_device:
-        return encode_on_device(qt.name(), rows, importance, device)
     # every chunk is encoded straight into its rows of one array: concatenating chunks afterwards was a
     # single-threaded copy into fresh memory (a tenth of a q4_k_m run on 2 cores)
     out = np.empty((rows.shape[0], qt.row_bytes(rows.shape[1])), np.uint8)

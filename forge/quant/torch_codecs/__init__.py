@@ -80,9 +80,10 @@ def encode_on_device(
 ) -> np.ndarray:
     """float32 rows (n_rows, n_per_row) -> uint8 (n_rows, row_bytes), encoded on ``device``. bf16 rows may
     come as their bits (uint16): they are copied as such and widened on the device (half the bytes to copy,
-    no float32 pass on the host), and checked for NaN and infinity there.
+    no float32 pass on the host).
 
-    Validation and importance handling are those of the CPU codec (``QuantType.encode``).
+    Validation and importance handling are those of the CPU codec (``QuantType.encode``), except that the
+    values are checked for NaN and infinity on the device, as they arrive there.
     """
     import torch
 
@@ -99,18 +100,18 @@ def encode_on_device(
     bits = rows.dtype == np.uint16
     if bits and rows.ndim != 2:
         raise ForgeError(f"{name}: expected a 2-D array of rows, got shape {rows.shape}")
-    # bf16 bits: the checks of shape and importance on an empty float32 stand-in, the values' on the device
+    # shape and importance checked here (bf16 bits: on an empty float32 stand-in), the values on the device
     checked = np.empty((0, rows.shape[1]), np.float32) if bits else rows
     per_matrix = importance is not None and np.ndim(importance) == 2
     if per_matrix:
-        checked, _ = check_rows(name, checked, qt.block_size)
+        checked, _ = check_rows(name, checked, qt.block_size, finite=False)
         if not len(importance) or rows.shape[0] % len(importance):
             raise ForgeError(
                 f"{name}: {rows.shape[0]} rows do not split into {len(importance)} importance groups"
             )
         importance = np.stack([check_rows(name, checked[:0], qt.block_size, w)[1] for w in importance])
     else:
-        checked, importance = check_rows(name, checked, qt.block_size, importance)
+        checked, importance = check_rows(name, checked, qt.block_size, importance, finite=False)
     rows = np.ascontiguousarray(rows).view(np.int16) if bits else checked
     if importance is None and getattr(qt, "requires_importance", False):
         raise ForgeError(f"{name} needs importance weights (an imatrix); none were given")
@@ -127,8 +128,8 @@ def encode_on_device(
             chunk = torch.from_numpy(rows[s : s + step]).to(dev, non_blocking=True)
             if bits:
                 chunk = (chunk.to(torch.int32) << 16).view(torch.float32)
-                if not bool(torch.isfinite(chunk).all()):
-                    raise ForgeError(NON_FINITE)
+            if not bool(torch.isfinite(chunk).all()):
+                raise ForgeError(NON_FINITE)
             w = imp
             if per_matrix:  # each row's own group's vector
                 group = torch.arange(s, s + chunk.shape[0], device=dev) // (n_rows // len(importance))
