@@ -50,8 +50,7 @@ def _matrix(path: str | None, tensor: str):  # noqa: ANN202
 
     f = open_gguf(path)
     t = f.tensors[tensor]
-    rows = np.ascontiguousarray(f.array(tensor).reshape(-1, f.array(tensor).shape[-1]))
-    return Rows.encoded_parts([(rows, int(t.ggml_type))]), int(t.shape[-1])
+    return Rows.encoded_parts([(np.ascontiguousarray(f.array(tensor)), int(t.ggml_type))]), int(t.shape[-1])
 
 
 def _best_ms(fn, reps: int) -> float:  # noqa: ANN001

@@ -1,8 +1,9 @@
 """Whole-array passes of the converter and quantizer spread over the cores: widening bf16 values to float32,
-rounding float32 to bf16 and checking that weights are finite. With numpy alone each is one single-threaded pass over the tensor, which on
-many cores left the encoders waiting: on 2 cores they were half of a q4_k_m quantize. Compiled kernels
-without the GIL run on a pool of Python threads, as the encoders do (``map_row_chunks``): numba's own
-parallel layer must not run in a process that later forks the ``--jobs`` workers."""
+rounding float32 to bf16 and checking that weights are finite. With numpy alone each is one single-threaded
+pass over the tensor, which on many cores left the encoders waiting: on 2 cores they were half of a q4_k_m
+quantize. Compiled kernels without the GIL run on a pool of Python threads, as the encoders do
+(``map_row_chunks``): numba's own parallel layer must not run in a process that later forks the ``--jobs``
+workers."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from forge.arch.base import OutTensor, SourceArray
-from forge.bulk import float32_values
+from forge.bulk import bf16_to_f32, float32_values
 from forge.convert import ModelSource, encode_float, float_type_for
 from forge.errors import ForgeError
 from forge.fileio import drop_pages
@@ -110,8 +110,7 @@ class HFQuantSource(QuantSource):
     def _float32(self, t: OutTensor, src: SourceArray) -> np.ndarray:
         if float_type_for(t, GGMLQuantizationType.BF16) == GGMLQuantizationType.BF16 and src.dtype != "BF16":
             # what llama-quantize would see after a bf16 conversion
-            bits = encode_float(t, GGMLQuantizationType.BF16, src)
-            values = float32_values(bits, GGMLQuantizationType.BF16).reshape(t.shape)
+            values = bf16_to_f32(encode_float(t, GGMLQuantizationType.BF16, src))
         else:
             values = src.float32()
         return self._released(t, values)
