@@ -210,6 +210,29 @@ def _dot_mxfp4(b: np.ndarray, x: np.ndarray) -> float:
 
 
 @njit(inline="always", **_FAST)
+def _k4_scales(b: np.ndarray, s: int) -> tuple[int, ...]:
+    """The 8 six-bit scales, then the 8 six-bit mins, of a K-quant block's 12 scale bytes at b[s:] (ggml's
+    get_scale_min_k4 for every group, without its branch)."""
+    a0, a1, a2, a3 = np.int64(b[s]), np.int64(b[s + 1]), np.int64(b[s + 2]), np.int64(b[s + 3])
+    a4, a5, a6, a7 = np.int64(b[s + 4]), np.int64(b[s + 5]), np.int64(b[s + 6]), np.int64(b[s + 7])
+    a8, a9, a10, a11 = np.int64(b[s + 8]), np.int64(b[s + 9]), np.int64(b[s + 10]), np.int64(b[s + 11])
+    return (
+        a0 & 63, a1 & 63, a2 & 63, a3 & 63,
+        (a8 & 15) | ((a0 >> 6) << 4), (a9 & 15) | ((a1 >> 6) << 4),
+        (a10 & 15) | ((a2 >> 6) << 4), (a11 & 15) | ((a3 >> 6) << 4),
+        a4 & 63, a5 & 63, a6 & 63, a7 & 63,
+        (a8 >> 4) | ((a4 >> 6) << 4), (a9 >> 4) | ((a5 >> 6) << 4),
+        (a10 >> 4) | ((a6 >> 6) << 4), (a11 >> 4) | ((a7 >> 6) << 4),
+    )  # fmt: skip
+
+
+@njit(inline="always", **_FAST)
+def _k5_high(h: np.uint8, bit: int) -> float:
+    """16 times bit ``bit`` of a Q5_K high-bit byte."""
+    return F32(16) * u8_field(h, bit, 1)
+
+
+@njit(inline="always", **_FAST)
 def _dot_k4(
     b: np.ndarray,
     x: np.ndarray,
@@ -219,33 +242,61 @@ def _dot_k4(
     qs_at: int,
     qh_at: int,
 ) -> float:
-    """Q4_K (qh_at < 0) and Q5_K rows: fp16 d, dmin, 12 scale bytes, then [32 high-bit bytes at qh_at], nibbles."""
+    """Q4_K (qh_at < 0) and Q5_K rows: fp16 d, dmin, 12 scale bytes, then [32 high-bit bytes at qh_at], nibbles.
+
+    A block is one vectorized loop over its 32 byte lanes, each lane taking its value of all 8 groups, the sum
+    of the 8 products written as a tree: the block's scales are decoded once (not per pair of groups, with
+    the aliasing checks of a loop each) and the additions do not wait on one another (1.2x on this CPU)."""
     lanes = scratch[:32]
     _zero(lanes)
     mins = F32(0)
     for blk in range(x.shape[0] // 256):
-        o, y = block_bytes * blk, 256 * blk
+        o, y, g = block_bytes * blk, 256 * blk, 8 * blk
         d, dmin = fp16_to_f32(_u16(b, o)), fp16_to_f32(_u16(b, o + 2))
-        for j in range(4):
-            sc, m = _scale_min_k4(2 * j, b, o + 4)
-            d1 = d * F32(sc)
-            mins += dmin * F32(m) * xsum[y // 32 + 2 * j]
-            sc, m = _scale_min_k4(2 * j + 1, b, o + 4)
-            d2 = d * F32(sc)
-            mins += dmin * F32(m) * xsum[y // 32 + 2 * j + 1]
-            q, xa = o + qs_at + 32 * j, y + 64 * j
-            if qh_at >= 0:
-                for lane in range(32):
-                    v, h = at(b, q + lane), at(b, o + qh_at + lane)
-                    lo = u8_field(v, 0, 15) + F32(16) * u8_field(h, 2 * j, 1)
-                    hi = u8_field(v, 4, 15) + F32(16) * u8_field(h, 2 * j + 1, 1)
-                    lanes[lane] += d1 * lo * at(x, xa + lane) + d2 * hi * at(x, xa + 32 + lane)
-            else:
-                for lane in range(32):
-                    v = at(b, q + lane)
-                    lanes[lane] += d1 * u8_field(v, 0, 15) * at(x, xa + lane) + d2 * u8_field(v, 4, 15) * at(
-                        x, xa + 32 + lane
-                    )
+        s0, s1, s2, s3, s4, s5, s6, s7, m0, m1, m2, m3, m4, m5, m6, m7 = _k4_scales(b, o + 4)
+        mins += dmin * (
+            (F32(m0) * xsum[g] + F32(m1) * xsum[g + 1]) + (F32(m2) * xsum[g + 2] + F32(m3) * xsum[g + 3])
+        ) + dmin * (
+            (F32(m4) * xsum[g + 4] + F32(m5) * xsum[g + 5]) + (F32(m6) * xsum[g + 6] + F32(m7) * xsum[g + 7])
+        )
+        c0, c1, c2, c3 = d * F32(s0), d * F32(s1), d * F32(s2), d * F32(s3)
+        c4, c5, c6, c7 = d * F32(s4), d * F32(s5), d * F32(s6), d * F32(s7)
+        q = o + qs_at
+        if qh_at >= 0:
+            for lane in range(32):
+                v0, v1, v2, v3 = (
+                    at(b, q + lane),
+                    at(b, q + 32 + lane),
+                    at(b, q + 64 + lane),
+                    at(b, q + 96 + lane),
+                )
+                h = at(b, o + qh_at + lane)
+                lanes[lane] += (
+                    (c0 * (u8_field(v0, 0, 15) + _k5_high(h, 0)) * at(x, y + lane)
+                     + c1 * (u8_field(v0, 4, 15) + _k5_high(h, 1)) * at(x, y + 32 + lane))
+                    + (c2 * (u8_field(v1, 0, 15) + _k5_high(h, 2)) * at(x, y + 64 + lane)
+                       + c3 * (u8_field(v1, 4, 15) + _k5_high(h, 3)) * at(x, y + 96 + lane))
+                ) + (
+                    (c4 * (u8_field(v2, 0, 15) + _k5_high(h, 4)) * at(x, y + 128 + lane)
+                     + c5 * (u8_field(v2, 4, 15) + _k5_high(h, 5)) * at(x, y + 160 + lane))
+                    + (c6 * (u8_field(v3, 0, 15) + _k5_high(h, 6)) * at(x, y + 192 + lane)
+                       + c7 * (u8_field(v3, 4, 15) + _k5_high(h, 7)) * at(x, y + 224 + lane))
+                )  # fmt: skip
+        else:
+            for lane in range(32):
+                v0, v1, v2, v3 = (
+                    at(b, q + lane),
+                    at(b, q + 32 + lane),
+                    at(b, q + 64 + lane),
+                    at(b, q + 96 + lane),
+                )
+                lanes[lane] += (
+                    (c0 * u8_field(v0, 0, 15) * at(x, y + lane) + c1 * u8_field(v0, 4, 15) * at(x, y + 32 + lane))
+                    + (c2 * u8_field(v1, 0, 15) * at(x, y + 64 + lane) + c3 * u8_field(v1, 4, 15) * at(x, y + 96 + lane))
+                ) + (
+                    (c4 * u8_field(v2, 0, 15) * at(x, y + 128 + lane) + c5 * u8_field(v2, 4, 15) * at(x, y + 160 + lane))
+                    + (c6 * u8_field(v3, 0, 15) * at(x, y + 192 + lane) + c7 * u8_field(v3, 4, 15) * at(x, y + 224 + lane))
+                )  # fmt: skip
     return _total(lanes) - mins
 
 
