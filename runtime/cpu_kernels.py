@@ -26,7 +26,8 @@ from numba import get_num_threads, njit, prange, set_num_threads, types
 from numba.extending import overload
 
 from forge.jit import enabled as numba_enabled
-from runtime.cpu_rows import decode_row, dot_row, group_sums, prefetch_row
+from runtime import cpu_q8
+from runtime.cpu_rows import decode_row, dot_row, prefetch_row, prepare_input, prepare_into
 
 _FASTMATH = {"reassoc", "contract"}  # vectorized sums and FMA; no assumptions about NaN or infinity
 # weights (elements) from which a product is split across threads: below it, waking them costs more
@@ -103,19 +104,13 @@ def _prefetch_compiled(w, index, r):  # noqa: ANN001, ANN202
     return lambda w, index, r: prefetch_row(w[index[r, 0] : index[r, 1]])
 
 
-@njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
-def _x_sums(x: np.ndarray) -> np.ndarray:
-    out = np.empty(x.shape[0] // 32, np.float32)
-    group_sums(x, out)
-    return out
-
-
 @njit(fastmath=_FASTMATH, nogil=True, cache=True)
 def _gemv_serial(
-    x: np.ndarray, w: np.ndarray, index: np.ndarray, res: np.ndarray, has_res: bool, out: np.ndarray
+    x: np.ndarray, w: np.ndarray, index: np.ndarray, res: np.ndarray, has_res: bool, out: np.ndarray, q8: bool
 ) -> None:
-    """out[r] = w's row r . x (+ res[r]); w, index: float32 rows or encoded rows (see ``_row_dot``)."""
-    xsum, scratch = _x_sums(x), np.empty(x.shape[0], np.float32)
+    """out[r] = w's row r . x (+ res[r]); w, index: float32 rows or encoded rows (see ``_row_dot``); q8: Q4_K
+    rows take x in 8 bits (``runtime.cpu_q8``)."""
+    xsum, scratch = prepare_input(x, q8), np.empty(x.shape[0], np.float32)
     n = out.shape[0]
     for r in range(n):
         if r + 1 < n:
@@ -129,10 +124,10 @@ _ROW_CHUNK = 64  # rows per parallel work item (one scratch row each)
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
 def _gemv_parallel(
-    x: np.ndarray, w: np.ndarray, index: np.ndarray, res: np.ndarray, has_res: bool, out: np.ndarray
+    x: np.ndarray, w: np.ndarray, index: np.ndarray, res: np.ndarray, has_res: bool, out: np.ndarray, q8: bool
 ) -> None:
     """``_gemv_serial`` with the rows spread over the threads."""
-    xsum = _x_sums(x)
+    xsum = prepare_input(x, q8)
     n = out.shape[0]
     for c in prange((n + _ROW_CHUNK - 1) // _ROW_CHUNK):
         scratch = np.empty(x.shape[0], np.float32)
@@ -153,12 +148,13 @@ def _norm_gemv(
     xn: np.ndarray,
     out: np.ndarray,
     threads: bool,
+    q8: bool,
 ) -> None:
     _rms_norm(h, norm, eps, xn)
     if threads:
-        _gemv_parallel(xn, w, index, out, False, out)
+        _gemv_parallel(xn, w, index, out, False, out, q8)
     else:
-        _gemv_serial(xn, w, index, out, False, out)
+        _gemv_serial(xn, w, index, out, False, out, q8)
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
@@ -179,15 +175,15 @@ def _routed_ffn_encoded(
     weights: np.ndarray,
     act: np.ndarray,
     out: np.ndarray,
+    q8: bool,
 ) -> None:
-    """``_routed_ffn`` over encoded experts.
+    """``_routed_ffn`` over encoded experts (q8: Q4_K rows take their inputs in 8 bits, see ``runtime.cpu_q8``).
 
     gate, up, down: flat uint8 buffers; meta (3, 5): per part the offset, expert stride, row stride, row bytes
     and type of its rows (see ``EncodedExperts``). Each row's dot product is taken from its bytes (``dot_row``).
     """
     k, n_ff = act.shape
-    x_sums = np.empty(x.shape[0] // 32, np.float32)
-    group_sums(x, x_sums)
+    x_sums = prepare_input(x, q8)
     rows = k * n_ff
     for c in prange((rows + _ROW_CHUNK - 1) // _ROW_CHUNK):
         row = np.empty(x.shape[0], np.float32)
@@ -200,9 +196,9 @@ def _routed_ffn_encoded(
                 prefetch_row(_encoded_row(up, meta, 1, e, f + 1))
             g = dot_row(_encoded_row(gate, meta, 0, e, f), meta[0, 4], x, x_sums, row)
             act[i, f] = _silu(g) * dot_row(_encoded_row(up, meta, 1, e, f), meta[1, 4], x, x_sums, row)
-    act_sums = np.empty((k, n_ff // 32), np.float32)
+    act_sums = np.empty((k, cpu_q8.prepared_size(n_ff, q8)), np.float32)
     for i in range(k):
-        group_sums(act[i], act_sums[i])
+        prepare_into(act[i], act_sums[i])
     n_out = out.shape[0]
     for c in prange((n_out + _ROW_CHUNK - 1) // _ROW_CHUNK):
         row = np.empty(n_ff, np.float32)
@@ -267,6 +263,7 @@ def _attention_step(
     x: np.ndarray,
     att: np.ndarray,
     out: np.ndarray,
+    q8: bool,
 ) -> None:
     """out = h + attention of one token at ``pos`` (its k and v written to keys/values[:, pos]); x receives
     the normed h, att the attention (the projections' inputs).
@@ -278,7 +275,7 @@ def _attention_step(
     n_kv, _, head_dim = keys.shape
     _rms_norm(h, norm, eps, x)
     y = np.empty(i_in.shape[0], np.float32)
-    _gemv_parallel(x, w_in, i_in, y, False, y)
+    _gemv_parallel(x, w_in, i_in, y, False, y, q8)
     n_qk = n_head + n_kv
     qk = y[: n_qk * head_dim].reshape(n_qk, head_dim)
     half = cos.shape[0]
@@ -314,7 +311,7 @@ def _attention_step(
             gate = y[n_qk * head_dim + i * head_dim : n_qk * head_dim + (i + 1) * head_dim]
             for d in range(head_dim):
                 o[d] /= np.float32(1) + np.exp(-gate[d])
-    _gemv_parallel(att, w_out, i_out, h, True, out)
+    _gemv_parallel(att, w_out, i_out, h, True, out, q8)
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
@@ -341,6 +338,7 @@ def _deltanet_step(
     x: np.ndarray,
     o: np.ndarray,
     out: np.ndarray,
+    q8: bool,
 ) -> None:
     """out = h + the Gated DeltaNet mixer for one token; conv_state (kernel - 1, channels) and recurrent
     (n_v, d_k, d_v) are advanced in place. x receives the normed h, o the gated-norm output (the
@@ -354,7 +352,7 @@ def _deltanet_step(
     key_dim = n_k * d_k
     _rms_norm(h, norm, eps, x)
     y = np.empty(i_in.shape[0], np.float32)
-    _gemv_parallel(x, w_in, i_in, y, False, y)
+    _gemv_parallel(x, w_in, i_in, y, False, y, q8)
     conv = np.empty(channels, np.float32)
     for c in range(channels):
         acc = y[c] * conv_w[kernel - 1, c]
@@ -400,7 +398,7 @@ def _deltanet_step(
         _rms_norm(oh, out_norm, eps, oh)
         for j in range(d_v):
             oh[j] *= _silu(y[z0 + hv * d_v + j])
-    _gemv_parallel(o, w_out, i_out, h, True, out)
+    _gemv_parallel(o, w_out, i_out, h, True, out, q8)
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True)
@@ -413,6 +411,7 @@ def _shared_ffn(
     h: np.ndarray,
     act: np.ndarray,
     out: np.ndarray,
+    q8: bool,
 ) -> None:
     """out = h + sigmoid(gate_inp . x) * w_down @ (silu(gate @ x) * (up @ x)); act receives the SwiGLU output.
 
@@ -421,11 +420,11 @@ def _shared_ffn(
     """
     n_ff = act.shape[0]
     y = np.empty(i_in.shape[0], np.float32)
-    _gemv_parallel(x, w_in, i_in, y, False, y)
+    _gemv_parallel(x, w_in, i_in, y, False, y, q8)
     for f in range(n_ff):
         act[f] = _silu(y[f]) * y[n_ff + f]
     scale = np.float32(1) / (np.float32(1) + np.exp(-y[2 * n_ff]))
-    _gemv_parallel(act, w_down, i_down, out, False, out)
+    _gemv_parallel(act, w_down, i_down, out, False, out, q8)
     for r in range(out.shape[0]):
         out[r] = h[r] + scale * out[r]
 
@@ -564,6 +563,7 @@ class EncodedExperts:
             [[0, a.strides[0], a.strides[1], a.shape[2], int(t)] for a, t in parts], np.int64
         )
         self.n_ff = gate.shape[1]
+        self.q8 = cpu_q8.enabled()  # Q4_K rows take their inputs in 8 bits
 
 
 def _flat_bytes(a: np.ndarray) -> np.ndarray:
@@ -589,6 +589,7 @@ class Rows(NamedTuple):
 
     data: np.ndarray
     index: np.ndarray
+    q8: bool = False  # Q4_K rows take their input in 8 bits (``runtime.cpu_q8``)
 
     @classmethod
     def floats(cls, w: np.ndarray) -> Rows:
@@ -608,7 +609,8 @@ class Rows(NamedTuple):
         index = np.stack(
             [starts, starts + sizes, np.concatenate([np.full(m.shape[0], t) for m, t in mats])], 1
         )
-        return cls(data, np.ascontiguousarray(index if order is None else index[order], np.int64))
+        index = np.ascontiguousarray(index if order is None else index[order], np.int64)
+        return cls(data, index, cpu_q8.enabled())
 
     @property
     def encoded(self) -> bool:
@@ -629,14 +631,16 @@ def gemv(x: torch.Tensor, w: Rows, residual: torch.Tensor | None = None) -> torc
     o = out.numpy()[0]
     res = o if residual is None else _vec(residual)
     kernel = _gemv_parallel if w.threaded(x.shape[-1]) else _gemv_serial
-    kernel(_vec(x), w.data, w.index, res, residual is not None, o)
+    kernel(_vec(x), w.data, w.index, res, residual is not None, o, w.q8)
     return out
 
 
 def norm_gemv(h: torch.Tensor, norm: np.ndarray, eps: float, w: Rows) -> tuple[torch.Tensor, torch.Tensor]:
     """h (1, n) -> (rms_norm(h) * norm, that @ W.T), both (1, .)."""
     xn, out = torch.empty(1, h.shape[-1]), torch.empty(1, w.n_out)
-    _norm_gemv(_vec(h), norm, eps, w.data, w.index, xn.numpy()[0], out.numpy()[0], w.threaded(h.shape[-1]))
+    _norm_gemv(
+        _vec(h), norm, eps, w.data, w.index, xn.numpy()[0], out.numpy()[0], w.threaded(h.shape[-1]), w.q8
+    )
     return xn, out
 
 
@@ -683,6 +687,7 @@ def routed_ffn_encoded(
         _vec(weights.float()),
         act.numpy(),
         out.numpy()[0],
+        experts.q8,
     )
     return out, act
 
@@ -761,6 +766,7 @@ def attention_step(
     _attention_step(
         _vec(h), _vec(norm), eps, w_in.data, w_in.index, n_head, n_gate, qk_norm, cos.numpy(), sin.numpy(),
         keys.numpy(), values.numpy(), pos, w_out.data, w_out.index, x.numpy()[0], att.numpy()[0], out.numpy()[0],
+        w_in.q8,
     )  # fmt: skip
     return out, x, att
 
@@ -789,6 +795,7 @@ def deltanet_step(
     _deltanet_step(
         _vec(h), _vec(norm), eps, w_in.data, w_in.index, n_k, conv_state.numpy(), conv_w, _vec(dt_bias), _vec(a),
         _vec(out_norm), recurrent.numpy(), w_out.data, w_out.index, x.numpy()[0], o.numpy()[0], out.numpy()[0],
+        w_in.q8,
     )  # fmt: skip
     return out, x, o
 
@@ -799,7 +806,15 @@ def shared_ffn(
     """h + the sigmoid-gated shared expert on x (1, n_embd) (see ``_shared_ffn``); also its SwiGLU output (1, n_ff)."""
     act, out = torch.empty(1, (w_in.n_out - 1) // 2), torch.empty_like(h)
     _shared_ffn(
-        _vec(x), w_in.data, w_in.index, w_down.data, w_down.index, _vec(h), act.numpy()[0], out.numpy()[0]
+        _vec(x),
+        w_in.data,
+        w_in.index,
+        w_down.data,
+        w_down.index,
+        _vec(h),
+        act.numpy()[0],
+        out.numpy()[0],
+        w_in.q8,
     )
     return out, act
 

@@ -18,6 +18,7 @@ from numba import njit
 
 from forge import ggml_types
 from forge.jit import at, bits_f32, fp16_to_f32, i8_f32, prefetch, put, u8_field
+from runtime import cpu_q8
 
 # the types whose rows ``decode_row`` decodes and ``dot_row`` multiplies (the float types, those of the
 # common K-quant mixes and MXFP4), registered in the type table (kind ``cpu_rows``) under the id they take
@@ -161,13 +162,30 @@ _FAST = {"fastmath": {"reassoc", "contract"}, "nogil": True, "cache": True, "err
 
 @njit(**_FAST)
 def group_sums(x: np.ndarray, out: np.ndarray) -> None:
-    """out[g] = sum of x[32 g : 32 g + 32]."""
-    for g in range(out.shape[0]):
+    """out[g] = sum of x[32 g : 32 g + 32] (out: at least len(x) / 32 values)."""
+    for g in range(x.shape[0] // 32):
         s = F32(0)
         xg = x[32 * g : 32 * g + 32]
         for j in range(32):
             s += xg[j]
         out[g] = s
+
+
+@njit(**_FAST)
+def prepare_into(x: np.ndarray, xp: np.ndarray) -> None:
+    """Fill ``xp`` (``cpu_q8.prepared_size(len(x), q8)`` values) with what ``dot_row`` takes with x: its sums per
+    32 values, and when xp has room for it, its Q8_K form (``cpu_q8``)."""
+    group_sums(x, xp)
+    if cpu_q8.has_q8(xp, x.shape[0]):
+        cpu_q8.quantize_q8_k(x, xp)
+
+
+@njit(**_FAST)
+def prepare_input(x: np.ndarray, q8: bool) -> np.ndarray:
+    """``prepare_into`` a new array: with q8 (and len(x) a multiple of 256) the Q8_K form too."""
+    xp = np.empty(cpu_q8.prepared_size(x.shape[0], q8), np.float32)
+    prepare_into(x, xp)
+    return xp
 
 
 @njit(inline="always", **_FAST)
@@ -301,6 +319,23 @@ def _dot_k4(
 
 
 @njit(inline="always", **_FAST)
+def _dot_q4_k_q8(b: np.ndarray, xp: np.ndarray, n: int) -> float:
+    """A Q4_K row times the Q8_K input prepared in ``xp`` (``cpu_q8``): llama.cpp's vec_dot_q4_K_q8_K."""
+    nb = n // 256
+    d_at, s_at, c_at = n // 32, n // 32 + nb, 4 * (n // 32 + nb + n // 32)
+    acc = F32(0)
+    for blk in range(nb):
+        o, g = 144 * blk, s_at + 8 * blk
+        d, dmin = fp16_to_f32(_u16(b, o)), fp16_to_f32(_u16(b, o + 2))
+        s0, s1, s2, s3, s4, s5, s6, s7, m0, m1, m2, m3, m4, m5, m6, m7 = _k4_scales(b, o + 4)
+        isum = cpu_q8._block_isum(b, o + 16, xp, c_at + 256 * blk, s0, s1, s2, s3, s4, s5, s6, s7)
+        msum = (F32(m0) * xp[g] + F32(m1) * xp[g + 1]) + (F32(m2) * xp[g + 2] + F32(m3) * xp[g + 3])
+        msum += (F32(m4) * xp[g + 4] + F32(m5) * xp[g + 5]) + (F32(m6) * xp[g + 6] + F32(m7) * xp[g + 7])
+        acc += xp[d_at + blk] * (d * F32(isum) - dmin * msum)
+    return acc
+
+
+@njit(inline="always", **_FAST)
 def _dot_q6_k(b: np.ndarray, x: np.ndarray, scratch: np.ndarray) -> float:
     lanes = scratch[:16]
     _zero(lanes)
@@ -333,9 +368,12 @@ def prefetch_row(b: np.ndarray) -> None:
 
 @njit(**_FAST)
 def dot_row(b: np.ndarray, qtype: int, x: np.ndarray, xsum: np.ndarray, buf: np.ndarray) -> float:
-    """sum_j row_j * x_j for the encoded row ``b`` of ``qtype``; xsum: ``group_sums(x)``; buf: scratch of len(x)
+    """sum_j row_j * x_j for the encoded row ``b`` of ``qtype``; xsum: ``prepare_input(x, q8)`` (the sums per 32
+    values, and with q8 the Q8_K form that Q4_K rows are multiplied with instead of x); buf: scratch of len(x)
     (at least 32)."""
     if qtype == _Q4_K:
+        if cpu_q8.has_q8(xsum, x.shape[0]):
+            return _dot_q4_k_q8(b, xsum, x.shape[0])
         return _dot_k4(b, x, xsum, buf, 144, 16, -1)
     if qtype == _Q6_K:
         return _dot_q6_k(b, x, buf)

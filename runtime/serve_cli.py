@@ -16,7 +16,7 @@ import typer
 
 from forge.errors import ForgeError
 from forge.options import require_choice, require_context, require_int
-from runtime.cli import DeviceOpt, ExpertCacheOpt, GpuCacheOpt, ProfileOpt, ThreadsOpt, _setup
+from runtime.cli import DeviceOpt, ExpertCacheOpt, GpuCacheOpt, ProfileOpt, Q8Opt, ThreadsOpt, _setup
 
 INSTALL_HINT = "forge serve needs FastAPI and uvicorn: pip install 'gguf-forge[serve]'"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn.config.LOG_LEVELS
@@ -146,6 +146,7 @@ def serve(
     ] = 8,
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = None,
+    q8_activations: Q8Opt = False,
     expert_cache_mib: ExpertCacheOpt = 1024,
     log_level: Annotated[
         str, typer.Option("--log-level", help="uvicorn log level: " + ", ".join(LOG_LEVELS))
@@ -165,7 +166,7 @@ def serve(
     from forge.imatrix.live import LiveImatrix
     from runtime.server import create_app, load_engine
 
-    device = _setup(device, threads)
+    device = _setup(device, threads, q8=q8_activations)
     gpu_cache = _gpu_cache(gpu_expert_cache, expert_profile, device)
     live = None
     if imatrix_out is not None:
