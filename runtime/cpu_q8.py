@@ -1,13 +1,14 @@
 """Dot products of Q4_K rows with 8-bit activations, as llama.cpp's CPU backend computes them: the input
 vector is quantized once to ggml's Q8_K (per 256 values an int8 code each and a float32 scale, plus the codes'
-sums per 32), then each row block's products are integer multiply-adds (``vpmaddubsw`` / ``vpmaddwd`` on
-AVX2 hosts, a plain loop elsewhere) scaled once per block. The one-token CPU kernels take this path for the
-Q4_K weights of a model loaded with ``FORGE_Q8_ACTIVATIONS=1`` (``forge run|eval|serve --q8-activations``): 1.5-1.7x
-faster products, logits about 1% of their scale from the float32 path (llama.cpp's own numerics); float32
-activations stay the default, and prefill batches keep them.
+sums per 32), then each row block is integer multiply-adds (``vpmaddubsw`` / ``vpmaddwd`` on AVX2 hosts, plain
+loops elsewhere) scaled once. The one-token CPU kernels take this path for the Q4_K weights of a model loaded
+with ``FORGE_Q8_ACTIVATIONS=1`` (``forge run|eval|serve --q8-activations``): faster products, logits about 1% of
+their scale from the float32 path (llama.cpp's own numerics); float32 activations stay the default, and
+prefill batches keep them.
 
-The prepared input (``prepare``) is one float32 array: the float sums per 32 values that ``dot_row`` takes
-anyway, then the Q8_K scales, the code sums per 32, and the codes themselves packed four to a float32 slot.
+The prepared input (``runtime.cpu_rows.prepare_input``) is one float32 array: the float sums per 32 values that
+``dot_row`` takes anyway, then the Q8_K scales (float32), the code sums per 32 (int16, two to a slot) and the
+codes (int8, four to a slot).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
+
+from forge.jit import JIT, fp16_to_f32
 
 _FAST = {"fastmath": {"reassoc", "contract"}, "nogil": True, "cache": True, "error_model": "numpy"}
 F32 = np.float32
@@ -41,7 +44,7 @@ def _host_has_avx2() -> bool:
 def prepared_size(n: int, q8: bool) -> int:
     """Length of the prepared input of an n-value vector: its sums per 32, and with q8 (n a multiple of 256)
     the Q8_K scales, code sums per 32 and codes."""
-    return n // 32 + (n // 256 + n // 32 + n // 4 if q8 and n % 256 == 0 else 0)
+    return n // 32 + (n // 256 + n // 64 + n // 4 if q8 and n % 256 == 0 else 0)
 
 
 @njit(inline="always", **_FAST)
@@ -49,45 +52,47 @@ def has_q8(xp: np.ndarray, n: int) -> bool:
     return xp.shape[0] > n // 32
 
 
-@njit(**_FAST)
+@njit(inline="always", **_FAST)
+def layout(n: int) -> tuple[int, int, int]:
+    """Where the q8 parts of an n-value vector's prepared input start: the scales (a float32 index), the code
+    sums and the codes (byte offsets)."""
+    return n // 32, 4 * (n // 32 + n // 256), 4 * (n // 32 + n // 256 + n // 64)
+
+
+@njit(**JIT)  # no fastmath: the scale is ggml's 1 / (-127 / max), which LLVM would fold into max / -127
 def quantize_q8_k(x: np.ndarray, xp: np.ndarray) -> None:
-    """ggml's quantize_row_q8_K into the q8 part of ``xp`` (after the n / 32 float sums): per block the value
-    of largest magnitude (the first one) maps to -127, iscale = -127 / that value, codes round(iscale * x)
-    (half to even) at most 127, scale 1 / iscale (0 for an all-zero block)."""
+    """ggml's quantize_row_q8_K into the q8 part of ``xp``: per block the value of largest magnitude (the first
+    one) maps to -127, iscale = -127 / that value, codes round(iscale * x) (half to even) at most 127, scale
+    1 / iscale (0 for an all-zero block); and the codes' sums per 32."""
     n = x.shape[0]
-    nb = n // 256
-    d_at, s_at = n // 32, n // 32 + nb
-    codes = xp[s_at + n // 32 :].view(np.int8)
-    for blk in range(nb):
+    d_at, s_at, c_at = layout(n)
+    sums, codes = xp.view(np.int16)[s_at // 2 : c_at // 2], xp.view(np.int8)[c_at:]
+    for blk in range(n // 256):
         y = 256 * blk
         amax, peak = F32(0), F32(0)
         for j in range(256):
             a = abs(x[y + j])
             if a > amax:
                 amax, peak = a, x[y + j]
-        if amax == 0:
-            xp[d_at + blk] = 0
-            for j in range(256):
-                codes[y + j] = 0
-            for g in range(8):
-                xp[s_at + 8 * blk + g] = 0
-            continue
-        iscale = F32(-127) / peak
+        iscale = F32(-127) / peak if amax != 0 else F32(0)
         for g in range(8):
             total = 0
             for j in range(32):
                 v = min(127, np.int64(np.rint(iscale * x[y + 32 * g + j])))
                 codes[y + 32 * g + j] = v
                 total += v
-            xp[s_at + 8 * blk + g] = total
-        xp[d_at + blk] = F32(1) / iscale
+            sums[8 * blk + g] = total
+        xp[d_at + blk] = F32(1) / iscale if amax != 0 else F32(0)
 
 
 @intrinsic
-def _block_isum_avx2(typingctx, b, qo, xp, co, s0, s1, s2, s3, s4, s5, s6, s7):  # noqa: ANN001, ANN201
-    """sum over a Q4_K block's 8 groups of scale_g * sum(nibble * code): the block's 128 nibble bytes at
-    b[qo:], the 256 int8 codes at byte co of the float32 array xp; four 32-byte steps of two ``vpmaddubsw``
-    (nibbles x codes -> 16-bit pairs) and two ``vpmaddwd`` (pairs x the group's scale -> 32-bit)."""
+def _block_avx2(typingctx, b, o, xp, so, co):  # noqa: ANN001, ANN201
+    """A Q4_K block (at byte o of b) times its 256 Q8_K codes (byte co of xp; their sums per 32 at byte so), as
+    integers: (sum over groups of scale * sum(nibble * code), sum over groups of min * code sum), the first
+    with four steps of 32 bytes of two ``vpmaddubsw`` (nibbles x codes -> 16-bit pairs) and two ``vpmaddwd``
+    (pairs x the group's scale -> 32-bit), the six-bit scales and mins unpacked as ggml's AVX2 code does."""
+    if not all(isinstance(t, types.Integer) for t in (o, so, co)):
+        return None
 
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
         i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -97,59 +102,97 @@ def _block_isum_avx2(typingctx, b, qo, xp, co, s0, s1, s2, s3, s4, s5, s6, s7): 
         madd = mod.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (), ir.FunctionType(v8, [v16, v16]))
         total = mod.declare_intrinsic("llvm.vector.reduce.add.v8i32", (), ir.FunctionType(i32, [v8]))
 
-        def base(k: int) -> ir.Value:
+        def at(k: int, offset: ir.Value) -> ir.Value:
             data = context.make_array(signature.args[k])(context, builder, args[k]).data
-            return builder.gep(builder.bitcast(data, i8.as_pointer()), [args[k + 1]], inbounds=True)
+            return builder.gep(builder.bitcast(data, i8.as_pointer()), [offset], inbounds=True)
 
-        def load(p: ir.Value, off: int) -> ir.Value:
-            at = builder.gep(p, [ir.Constant(i64, off)], inbounds=True)
-            return builder.load(builder.bitcast(at, v32.as_pointer()), align=1)
+        def load(p: ir.Value, off: int, ty: ir.Type) -> ir.Value:
+            q = builder.gep(p, [ir.Constant(i64, off)], inbounds=True)
+            return builder.load(builder.bitcast(q, ty.as_pointer()), align=1)
 
-        def splat(v: ir.Value) -> ir.Value:
-            one = builder.insert_element(ir.Constant(v16, None), builder.trunc(v, i16), ir.Constant(i32, 0))
-            return builder.shuffle_vector(
-                one, ir.Constant(v16, None), ir.Constant(ir.VectorType(i32, 16), [0] * 16)
-            )
+        def const(v: int) -> ir.Value:
+            return ir.Constant(i32, v)
 
-        q, c = base(0), base(2)
+        block = at(0, args[1])
+        u0, u1, u2 = (load(block, 4 + 4 * k, i32) for k in range(3))
+        m2, m4 = const(0x0F0F0F0F), const(0x03030303)
+        sc_hi = builder.or_(
+            builder.and_(u2, m2), builder.shl(builder.and_(builder.lshr(u0, const(6)), m4), const(4))
+        )
+        mn_hi = builder.or_(
+            builder.and_(builder.lshr(u2, const(4)), m2),
+            builder.shl(builder.and_(builder.lshr(u1, const(6)), m4), const(4)),
+        )
+        m6 = const(0x3F3F3F3F)
+
+        def bytes8(lo: ir.Value, hi: ir.Value) -> ir.Value:
+            pair = builder.insert_element(ir.Constant(ir.VectorType(i32, 2), None), lo, const(0))
+            pair = builder.insert_element(pair, hi, const(1))
+            return builder.bitcast(pair, ir.VectorType(i8, 8))
+
+        scales = builder.zext(bytes8(builder.and_(u0, m6), sc_hi), ir.VectorType(i16, 8))
+        mins = builder.zext(bytes8(builder.and_(u1, m6), mn_hi), ir.VectorType(i32, 8))
+        sums = builder.sext(load(at(2, args[3]), 0, ir.VectorType(i16, 8)), v8)
+        msum = builder.call(total, [builder.mul(mins, sums)])
+
+        codes = at(2, args[4])
         low, four = ir.Constant(v32, [15] * 32), ir.Constant(v32, [4] * 32)
         acc = ir.Constant(v8, [0] * 8)
         for j in range(4):
-            nib = load(q, 32 * j)
-            lo = builder.call(maddubs, [builder.and_(nib, low), load(c, 64 * j)])
-            hi = builder.call(maddubs, [builder.lshr(nib, four), load(c, 64 * j + 32)])
-            acc = builder.add(acc, builder.call(madd, [lo, splat(args[4 + 2 * j])]))
-            acc = builder.add(acc, builder.call(madd, [hi, splat(args[5 + 2 * j])]))
-        return builder.sext(builder.call(total, [acc]), i64)
+            nib = load(block, 16 + 32 * j, v32)
+            for half, part in enumerate((builder.and_(nib, low), builder.lshr(nib, four))):
+                pairs = builder.call(maddubs, [part, load(codes, 64 * j + 32 * half, v32)])
+                splat = builder.shuffle_vector(
+                    scales, scales, ir.Constant(ir.VectorType(i32, 16), [2 * j + half] * 16)
+                )
+                acc = builder.add(acc, builder.call(madd, [pairs, splat]))
+        isum = builder.call(total, [acc])
+        pair = context.make_tuple(
+            builder, signature.return_type, [builder.sext(isum, i64), builder.sext(msum, i64)]
+        )
+        return pair
 
-    scales = (s0, s1, s2, s3, s4, s5, s6, s7)
-    if not all(isinstance(s, types.Integer) for s in (qo, co, *scales)):
-        return None
-    return types.int64(b, qo, xp, co, *scales), codegen
-
-
-@njit(inline="always", **_FAST)
-def _pair_isum(b: np.ndarray, q: int, codes: np.ndarray, c: int) -> tuple[int, int]:
-    """The integer sums of 32 nibble bytes at b[q:] times their codes: low nibbles with codes[c:], high
-    nibbles with codes[c + 32:]."""
-    lo = 0
-    hi = 0
-    for lane in range(32):
-        v = np.int64(b[q + lane])
-        lo += (v & 15) * np.int64(codes[c + lane])
-        hi += (v >> 4) * np.int64(codes[c + 32 + lane])
-    return lo, hi
+    return types.UniTuple(types.int64, 2)(b, o, xp, so, co), codegen
 
 
 @njit(inline="always", **_FAST)
-def _block_isum_loop(b, qo, xp, co, s0, s1, s2, s3, s4, s5, s6, s7):  # noqa: ANN001, ANN202
-    """``_block_isum_avx2`` as plain loops, for hosts without AVX2."""
-    codes = xp.view(np.int8)
-    l0, h0 = _pair_isum(b, qo, codes, co)
-    l1, h1 = _pair_isum(b, qo + 32, codes, co + 64)
-    l2, h2 = _pair_isum(b, qo + 64, codes, co + 128)
-    l3, h3 = _pair_isum(b, qo + 96, codes, co + 192)
-    return s0 * l0 + s1 * h0 + s2 * l1 + s3 * h1 + s4 * l2 + s5 * h2 + s6 * l3 + s7 * h3
+def _scale_min(b: np.ndarray, s: int, j: int) -> tuple[int, int]:
+    """ggml's get_scale_min_k4 of group j over the 12 scale bytes at b[s:]."""
+    if j < 4:
+        return np.int64(b[s + j]) & 63, np.int64(b[s + j + 4]) & 63
+    sc = (np.int64(b[s + j + 4]) & 0xF) | ((np.int64(b[s + j - 4]) >> 6) << 4)
+    return sc, (np.int64(b[s + j + 4]) >> 4) | ((np.int64(b[s + j]) >> 6) << 4)
 
 
-_block_isum = _block_isum_avx2 if _host_has_avx2() else _block_isum_loop
+@njit(inline="always", **_FAST)
+def _block_loop(b: np.ndarray, o: int, xp: np.ndarray, so: int, co: int) -> tuple[int, int]:
+    """``_block_avx2`` as plain loops, for hosts without AVX2."""
+    codes, sums = xp.view(np.int8), xp.view(np.int16)
+    isum = 0
+    msum = 0
+    for g in range(8):
+        sc, m = _scale_min(b, o + 4, g)
+        q, shift = o + 16 + 32 * (g // 2), 4 * (g % 2)
+        s = 0
+        for lane in range(32):
+            s += ((np.int64(b[q + lane]) >> shift) & 15) * np.int64(codes[co + 32 * g + lane])
+        isum += sc * s
+        msum += m * np.int64(sums[so // 2 + g])
+    return isum, msum
+
+
+_block = _block_avx2 if _host_has_avx2() else _block_loop
+
+
+@njit(inline="always", **_FAST)
+def dot_q4_k(b: np.ndarray, xp: np.ndarray, n: int) -> float:
+    """A Q4_K row times the Q8_K input prepared in ``xp``: llama.cpp's vec_dot_q4_K_q8_K."""
+    d_at, s_at, c_at = layout(n)
+    acc = F32(0)
+    for blk in range(n // 256):
+        o = 144 * blk
+        isum, msum = _block(b, o, xp, s_at + 16 * blk, c_at + 256 * blk)
+        d = fp16_to_f32(np.int64(b[o]) | (np.int64(b[o + 1]) << 8))
+        dmin = fp16_to_f32(np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8))
+        acc += xp[d_at + blk] * (d * F32(isum) - dmin * F32(msum))
+    return acc

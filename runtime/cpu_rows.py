@@ -319,23 +319,6 @@ def _dot_k4(
 
 
 @njit(inline="always", **_FAST)
-def _dot_q4_k_q8(b: np.ndarray, xp: np.ndarray, n: int) -> float:
-    """A Q4_K row times the Q8_K input prepared in ``xp`` (``cpu_q8``): llama.cpp's vec_dot_q4_K_q8_K."""
-    nb = n // 256
-    d_at, s_at, c_at = n // 32, n // 32 + nb, 4 * (n // 32 + nb + n // 32)
-    acc = F32(0)
-    for blk in range(nb):
-        o, g = 144 * blk, s_at + 8 * blk
-        d, dmin = fp16_to_f32(_u16(b, o)), fp16_to_f32(_u16(b, o + 2))
-        s0, s1, s2, s3, s4, s5, s6, s7, m0, m1, m2, m3, m4, m5, m6, m7 = _k4_scales(b, o + 4)
-        isum = cpu_q8._block_isum(b, o + 16, xp, c_at + 256 * blk, s0, s1, s2, s3, s4, s5, s6, s7)
-        msum = (F32(m0) * xp[g] + F32(m1) * xp[g + 1]) + (F32(m2) * xp[g + 2] + F32(m3) * xp[g + 3])
-        msum += (F32(m4) * xp[g + 4] + F32(m5) * xp[g + 5]) + (F32(m6) * xp[g + 6] + F32(m7) * xp[g + 7])
-        acc += xp[d_at + blk] * (d * F32(isum) - dmin * msum)
-    return acc
-
-
-@njit(inline="always", **_FAST)
 def _dot_q6_k(b: np.ndarray, x: np.ndarray, scratch: np.ndarray) -> float:
     lanes = scratch[:16]
     _zero(lanes)
@@ -373,7 +356,7 @@ def dot_row(b: np.ndarray, qtype: int, x: np.ndarray, xsum: np.ndarray, buf: np.
     (at least 32)."""
     if qtype == _Q4_K:
         if cpu_q8.has_q8(xsum, x.shape[0]):
-            return _dot_q4_k_q8(b, xsum, x.shape[0])
+            return cpu_q8.dot_q4_k(b, xsum, x.shape[0])
         return _dot_k4(b, x, xsum, buf, 144, 16, -1)
     if qtype == _Q6_K:
         return _dot_q6_k(b, x, buf)

@@ -40,9 +40,12 @@ def _round_q8_k(x: torch.Tensor) -> torch.Tensor:
     """quantize_row_q8_K then dequantize: blocks of 256, iscale = -127/max (signed max-abs value)."""
     b = x.reshape(-1, 256)
     peak = b.gather(-1, b.abs().argmax(-1, keepdim=True))
-    iscale = torch.where(peak != 0, -127 / peak, torch.zeros_like(peak))
+    # tensor / tensor: a Python number over a tensor is computed as its reciprocal times the number, an ulp
+    # from C's float division at times
+    iscale = torch.where(peak != 0, torch.full_like(peak, -127.0) / peak, torch.zeros_like(peak))
     q = torch.round(b * iscale).clamp_max(127)
-    return (q * torch.where(iscale != 0, 1 / iscale, torch.zeros_like(iscale))).reshape(x.shape)
+    d = torch.where(iscale != 0, torch.ones_like(iscale) / iscale, torch.zeros_like(iscale))
+    return (q * d).reshape(x.shape)
 
 
 def ggml_input_rounding(qtype: Q):  # noqa: ANN201 - returns a function or None

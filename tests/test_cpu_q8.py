@@ -1,0 +1,123 @@
+"""8-bit activations for the CPU kernels' Q4_K rows (``runtime.cpu_q8``, ``--q8-activations``): llama.cpp's Q8_K
+quantization of the input and its integer block products, against the torch path's own Q8_K rounding
+(``runtime.layers._round_q8_k``, the ``--ggml-numerics`` reference) and the dequantized weights."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from numba import njit
+
+from forge.quant.codecs.kquants import encode_q4_k
+from runtime import cpu_kernels as ck
+from runtime import cpu_q8
+from runtime.cpu_rows import dot_row, prepare_input
+from runtime.dequant import dequantize
+from runtime.layers import _round_q8_k
+
+
+def _input(n: int, seed: int) -> np.ndarray:
+    """Values over several orders of magnitude, a block of zeros, ties at the largest magnitude."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * np.exp(2 * rng.standard_normal(n))).astype(np.float32)
+    x[256:512] = 0
+    x[600], x[700] = 50.0, -50.0  # two values of the block's largest magnitude: the first one sets the scale
+    return x
+
+
+def test_q8_k_form_is_the_torch_paths_rounding() -> None:
+    n = 1024
+    x = _input(n, 1)
+    xp = prepare_input(x, True)
+    nb = n // 256
+    d_at, s_at, c_at = cpu_q8.layout(n)
+    assert xp.shape == (n // 32 + nb + n // 64 + n // 4,) and 4 * xp.shape[0] == c_at + n
+    assert np.array_equal(xp[: n // 32], prepare_input(x, False))  # the float sums come first either way
+    scales = xp[d_at : d_at + nb]
+    sums = xp.view(np.int16)[s_at // 2 : c_at // 2]
+    codes = xp.view(np.int8)[c_at:].astype(np.float32)
+    assert codes.max() <= 127 and codes.min() >= -127
+    assert scales[1] == 0 and not codes[256:512].any()
+    dequantized = (codes.reshape(nb, 256) * scales[:, None]).reshape(-1)
+    assert np.array_equal(dequantized, _round_q8_k(torch.from_numpy(x)).numpy())
+    assert np.array_equal(sums, codes.reshape(-1, 32).sum(1))
+
+
+def test_q4_k_rows_times_q8_input_equal_ggml_numerics() -> None:
+    n, rows = 1024, 40
+    rng = np.random.default_rng(2)
+    raw = encode_q4_k(rng.standard_normal((rows, n)).astype(np.float32), None)
+    w = dequantize(torch.from_numpy(raw), Q.Q4_K, n).double().numpy()
+    x = _input(n, 3)
+    want = w @ _round_q8_k(torch.from_numpy(x)).double().numpy()
+    xp, buf = prepare_input(x, True), np.empty(n, np.float32)
+    got = np.array([dot_row(raw[r], int(Q.Q4_K), x, xp, buf) for r in range(rows)])
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+    exact = w @ x.astype(np.float64)  # what the float32 path computes: the rounding moved the result
+    assert np.abs(got - exact).max() > 1e-4 * np.abs(exact).max()
+
+
+@njit
+def _block(avx2: bool, b: np.ndarray, xp: np.ndarray) -> tuple[int, int]:
+    if avx2:
+        return cpu_q8._block_avx2(b, 0, xp, 0, 16)
+    return cpu_q8._block_loop(b, 0, xp, 0, 16)
+
+
+def test_block_products_are_exact_on_both_implementations() -> None:
+    """The AVX2 form (where this host has it) and the plain loops give the exact integer sums (scales times
+    nibble-code products, mins times code sums), at the extremes too (nibble 15 x code -127 everywhere,
+    every six-bit scale and min 63)."""
+    from runtime.dequant_kquants import _scales_mins_k4
+
+    rng = np.random.default_rng(4)
+    for trial in range(20):
+        b = rng.integers(0, 256, 144, dtype=np.uint8)
+        codes = rng.integers(-127, 128, 256).astype(np.int8)
+        if trial == 0:
+            b[4:], codes[:] = 255, -127
+        sums = codes.astype(np.int64).reshape(8, 32).sum(1)
+        xp = np.concatenate([sums.astype(np.int16).view(np.float32), codes.view(np.float32)])
+        sc, mn = (a[0].numpy().astype(np.int64) for a in _scales_mins_k4(torch.from_numpy(b[4:16][None])))
+        nib = np.stack([b[16:].reshape(4, 32) & 15, b[16:].reshape(4, 32) >> 4], 1).reshape(8, 32)
+        want = (int(sc @ (nib.astype(np.int64) * codes.reshape(8, 32)).sum(1)), int(mn @ sums))
+        assert _block(False, b, xp) == want
+        if cpu_q8._block is cpu_q8._block_avx2:
+            assert _block(True, b, xp) == want
+
+
+def test_the_option_switches_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FORGE_Q8_ACTIVATIONS", raising=False)
+    raw = np.zeros((2, 144), np.uint8)
+    assert not ck.Rows.encoded_parts([(raw, int(Q.Q4_K))]).q8
+    monkeypatch.setenv("FORGE_Q8_ACTIVATIONS", "1")
+    assert ck.Rows.encoded_parts([(raw, int(Q.Q4_K))]).q8
+    experts = np.zeros((2, 256, 144), np.uint8)
+    assert ck.EncodedExperts(experts, int(Q.Q4_K), experts, int(Q.Q4_K), experts, int(Q.Q4_K)).q8
+
+
+def test_a_model_decodes_with_8_bit_activations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A synthesized Q4_K model's decode logits with --q8-activations: close to the float32 path's (the
+    inputs' rounding moves them by about 1% of their scale) and not equal to them (the kernels took the path)."""
+    from runtime.models import load_model
+    from runtime.synth import synthesize
+    from tests.test_synth import TINY
+
+    path = tmp_path / "model.gguf"
+    synthesize(path, replace(TINY, layers=2, experts=8, experts_used=2), "q4_k")
+    ids = torch.randint(0, TINY.vocab, (12,), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for q8 in ("0", "1"):
+        monkeypatch.setenv("FORGE_Q8_ACTIVATIONS", q8)
+        model = load_model(path)
+        state = model.new_state()
+        model.forward(ids[:8], state)
+        logits[q8] = torch.cat([model.forward(ids[i : i + 1], state, last_only=True) for i in range(8, 12)])
+    scale = logits["0"].abs().max()
+    deviation = (logits["1"] - logits["0"]).abs().max() / scale
+    assert 0 < deviation < 0.05, deviation
