@@ -155,6 +155,84 @@ def _block_avx2(typingctx, b, o, xp, so, co):  # noqa: ANN001, ANN201
     return types.UniTuple(types.int64, 2)(b, o, xp, so, co), codegen
 
 
+@intrinsic
+def _block6_avx2(typingctx, b, o, xp, co):  # noqa: ANN001, ANN202
+    """A Q6_K block (at byte o of b) times its 256 Q8_K codes (byte co of xp) as an integer: sum over the 16
+    groups of 16 values of scale * sum((q - 32) * code), as ggml's AVX2 code: ``vpmaddubsw`` of the unsigned
+    6-bit q with the codes less 32 times the codes' pair sums, then ``vpmaddwd`` with the groups' scales."""
+    if not all(isinstance(t, types.Integer) for t in (o, co)):
+        return None
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+        v32, v16, v8 = ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, 8)
+        mod = builder.module
+        maddubs = mod.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (), ir.FunctionType(v16, [v32, v32]))
+        madd = mod.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (), ir.FunctionType(v8, [v16, v16]))
+        total = mod.declare_intrinsic("llvm.vector.reduce.add.v8i32", (), ir.FunctionType(i32, [v8]))
+
+        def at(k: int, offset: ir.Value) -> ir.Value:
+            data = context.make_array(signature.args[k])(context, builder, args[k]).data
+            return builder.gep(builder.bitcast(data, i8.as_pointer()), [offset], inbounds=True)
+
+        def load(p: ir.Value, off: int, ty: ir.Type) -> ir.Value:
+            q = builder.gep(p, [ir.Constant(i64, off)], inbounds=True)
+            return builder.load(builder.bitcast(q, ty.as_pointer()), align=1)
+
+        def splat8(v: int) -> ir.Value:
+            return ir.Constant(v32, [v] * 32)
+
+        block, codes = at(0, args[1]), at(2, args[3])
+        scales = builder.sext(load(block, 192, ir.VectorType(i8, 16)), v16)
+        acc = ir.Constant(v8, [0] * 8)
+        for half in range(2):
+            ql0, ql1 = load(block, 64 * half, v32), load(block, 64 * half + 32, v32)
+            qh = load(block, 128 + 32 * half, v32)
+            high = (
+                builder.shl(builder.and_(qh, splat8(0x03)), splat8(4)),
+                builder.shl(builder.and_(qh, splat8(0x0C)), splat8(2)),
+                builder.and_(qh, splat8(0x30)),
+                builder.lshr(builder.and_(qh, splat8(0xC0)), splat8(2)),
+            )
+            low = (
+                builder.and_(ql0, splat8(15)),
+                builder.and_(ql1, splat8(15)),
+                builder.lshr(ql0, splat8(4)),
+                builder.lshr(ql1, splat8(4)),
+            )
+            for k in range(4):
+                q = builder.or_(low[k], high[k])
+                c = load(codes, 128 * half + 32 * k, v32)
+                pairs = builder.sub(builder.call(maddubs, [q, c]), builder.call(maddubs, [splat8(32), c]))
+                g = 8 * half + 2 * k
+                mask = ir.Constant(ir.VectorType(i32, 16), [g] * 8 + [g + 1] * 8)
+                acc = builder.add(
+                    acc, builder.call(madd, [pairs, builder.shuffle_vector(scales, scales, mask)])
+                )
+        return builder.sext(builder.call(total, [acc]), i64)
+
+    return types.int64(b, o, xp, co), codegen
+
+
+@njit(inline="always", **_FAST)
+def _block6_loop(b: np.ndarray, o: int, xp: np.ndarray, co: int) -> int:
+    """``_block6_avx2`` as plain loops."""
+    codes = xp.view(np.int8)
+    total = 0
+    for half in range(2):
+        for k in range(4):
+            g = 8 * half + 2 * k
+            for sub in range(2):
+                s = 0
+                for lane in range(16 * sub, 16 * sub + 16):
+                    low = np.int64(b[o + 64 * half + 32 * (k % 2) + lane])
+                    low = (low >> 4) if k >= 2 else (low & 15)
+                    high = (np.int64(b[o + 128 + 32 * half + lane]) >> (2 * k)) & 3
+                    s += ((low | (high << 4)) - 32) * np.int64(codes[co + 128 * half + 32 * k + lane])
+                total += np.int64(np.int8(b[o + 192 + g + sub])) * s
+    return total
+
+
 @njit(inline="always", **_FAST)
 def _scale_min(b: np.ndarray, s: int, j: int) -> tuple[int, int]:
     """ggml's get_scale_min_k4 of group j over the 12 scale bytes at b[s:]."""
@@ -181,7 +259,7 @@ def _block_loop(b: np.ndarray, o: int, xp: np.ndarray, so: int, co: int) -> tupl
     return isum, msum
 
 
-_block = _block_avx2 if _host_has_avx2() else _block_loop
+_block, _block6 = (_block_avx2, _block6_avx2) if _host_has_avx2() else (_block_loop, _block6_loop)
 
 
 @njit(inline="always", **_FAST)
@@ -195,4 +273,16 @@ def dot_q4_k(b: np.ndarray, xp: np.ndarray, n: int) -> float:
         d = fp16_to_f32(np.int64(b[o]) | (np.int64(b[o + 1]) << 8))
         dmin = fp16_to_f32(np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8))
         acc += xp[d_at + blk] * (d * F32(isum) - dmin * F32(msum))
+    return acc
+
+
+@njit(inline="always", **_FAST)
+def dot_q6_k(b: np.ndarray, xp: np.ndarray, n: int) -> float:
+    """A Q6_K row times the Q8_K input prepared in ``xp``: llama.cpp's vec_dot_q6_K_q8_K."""
+    d_at, _, c_at = layout(n)
+    acc = F32(0)
+    for blk in range(n // 256):
+        o = 210 * blk
+        d = fp16_to_f32(np.int64(b[o + 208]) | (np.int64(b[o + 209]) << 8))
+        acc += xp[d_at + blk] * d * F32(_block6(b, o, xp, c_at + 256 * blk))
     return acc

@@ -359,6 +359,8 @@ def dot_row(b: np.ndarray, qtype: int, x: np.ndarray, xsum: np.ndarray, buf: np.
             return cpu_q8.dot_q4_k(b, xsum, x.shape[0])
         return _dot_k4(b, x, xsum, buf, 144, 16, -1)
     if qtype == _Q6_K:
+        if cpu_q8.has_q8(xsum, x.shape[0]):
+            return cpu_q8.dot_q6_k(b, xsum, x.shape[0])
         return _dot_q6_k(b, x, buf)
     if qtype == _Q5_K:
         return _dot_k4(b, x, xsum, buf, 176, 48, 16)

@@ -121,3 +121,59 @@ def test_a_model_decodes_with_8_bit_activations(tmp_path: Path, monkeypatch: pyt
     scale = logits["0"].abs().max()
     deviation = (logits["1"] - logits["0"]).abs().max() / scale
     assert 0 < deviation < 0.05, deviation
+
+
+@njit
+def _block6(avx2: bool, b: np.ndarray, xp: np.ndarray) -> int:
+    if avx2:
+        return cpu_q8._block6_avx2(b, 0, xp, 0)
+    return cpu_q8._block6_loop(b, 0, xp, 0)
+
+
+def _q6_values(b: np.ndarray) -> np.ndarray:
+    """A Q6_K block's 256 quants (0..63) in value order, from ggml's layout."""
+    q = np.empty(256, np.int64)
+    for h in range(2):
+        ql, qh = b[64 * h : 64 * h + 64].astype(np.int64), b[128 + 32 * h : 160 + 32 * h].astype(np.int64)
+        y = 128 * h
+        q[y : y + 32] = (ql[:32] & 15) | ((qh & 3) << 4)
+        q[y + 32 : y + 64] = (ql[32:] & 15) | (((qh >> 2) & 3) << 4)
+        q[y + 64 : y + 96] = (ql[:32] >> 4) | (((qh >> 4) & 3) << 4)
+        q[y + 96 : y + 128] = (ql[32:] >> 4) | (((qh >> 6) & 3) << 4)
+    return q
+
+
+def test_q6_k_block_products_are_exact_on_both_implementations() -> None:
+    """Q6_K: sum over 16-value groups of the signed scale times (q - 32) x code, exact, at the extremes too
+    (the layout read here checked against the dequantizer's)."""
+    rng = np.random.default_rng(5)
+    for trial in range(20):
+        b = rng.integers(0, 256, 210, dtype=np.uint8)
+        b[208:210] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
+        codes = rng.integers(-127, 128, 256).astype(np.int8)
+        if trial == 0:
+            b[:192], b[192:208], codes[:] = 255, 128, -127  # q 63, scale -128
+        if trial == 1:
+            b[:192], b[192:208], codes[:] = 0, 127, 127  # q 0 (-32 after the offset), scale 127
+        q, scales = _q6_values(b), np.repeat(b[192:208].view(np.int8).astype(np.int64), 16)
+        decoded = dequantize(torch.from_numpy(b[None]), Q.Q6_K, 256).double().numpy()[0]
+        assert np.array_equal(decoded, 0.5 * scales * (q - 32))
+        want = int(((q - 32) * scales) @ codes.astype(np.int64))
+        xp = codes.view(np.float32)
+        assert _block6(False, b, xp) == want
+        if cpu_q8._block6 is cpu_q8._block6_avx2:
+            assert _block6(True, b, xp) == want
+
+
+def test_q6_k_rows_times_q8_input_equal_ggml_numerics() -> None:
+    from forge.quant.codecs.kquants import encode_q6_k
+
+    n, rows = 1024, 40
+    rng = np.random.default_rng(6)
+    raw = encode_q6_k(rng.standard_normal((rows, n)).astype(np.float32), None)
+    w = dequantize(torch.from_numpy(raw), Q.Q6_K, n).double().numpy()
+    x = _input(n, 7)
+    want = w @ _round_q8_k(torch.from_numpy(x)).double().numpy()
+    xp, buf = prepare_input(x, True), np.empty(n, np.float32)
+    got = np.array([dot_row(raw[r], int(Q.Q6_K), x, xp, buf) for r in range(rows)])
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
