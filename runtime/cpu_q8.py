@@ -85,74 +85,90 @@ def quantize_q8_k(x: np.ndarray, xp: np.ndarray) -> None:
         xp[d_at + blk] = F32(1) / iscale if amax != 0 else F32(0)
 
 
-@intrinsic
-def _block_avx2(typingctx, b, o, xp, so, co):  # noqa: ANN001, ANN201
-    """A Q4_K block (at byte o of b) times its 256 Q8_K codes (byte co of xp; their sums per 32 at byte so), as
-    integers: (sum over groups of scale * sum(nibble * code), sum over groups of min * code sum), the first
-    with four steps of 32 bytes of two ``vpmaddubsw`` (nibbles x codes -> 16-bit pairs) and two ``vpmaddwd``
-    (pairs x the group's scale -> 32-bit), the six-bit scales and mins unpacked as ggml's AVX2 code does."""
-    if not all(isinstance(t, types.Integer) for t in (o, so, co)):
-        return None
+def _k_block_avx2(five_bits: bool):  # noqa: ANN202
+    """The intrinsic for a Q4_K block (Q5_K with ``five_bits``: a fifth bit per value from its 32 high-bit bytes)
+    at byte o of b times its 256 Q8_K codes (byte co of xp; their sums per 32 at byte so), as integers: (sum
+    over groups of scale * sum(q * code), sum over groups of min * code sum), the first with four steps of 32
+    bytes of two ``vpmaddubsw`` (quants x codes -> 16-bit pairs) and two ``vpmaddwd`` (pairs x the group's
+    scale -> 32-bit), the six-bit scales and mins unpacked as ggml's AVX2 code does."""
+    qs_at = 48 if five_bits else 16
 
-    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-        i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-        v32, v16, v8 = ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, 8)
-        mod = builder.module
-        maddubs = mod.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (), ir.FunctionType(v16, [v32, v32]))
-        madd = mod.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (), ir.FunctionType(v8, [v16, v16]))
-        total = mod.declare_intrinsic("llvm.vector.reduce.add.v8i32", (), ir.FunctionType(i32, [v8]))
+    def block(typingctx, b, o, xp, so, co):  # noqa: ANN001, ANN202
+        if not all(isinstance(t, types.Integer) for t in (o, so, co)):
+            return None
 
-        def at(k: int, offset: ir.Value) -> ir.Value:
-            data = context.make_array(signature.args[k])(context, builder, args[k]).data
-            return builder.gep(builder.bitcast(data, i8.as_pointer()), [offset], inbounds=True)
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+            v32, v16, v8 = ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, 8)
+            mod = builder.module
+            maddubs = mod.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (), ir.FunctionType(v16, [v32, v32]))
+            madd = mod.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (), ir.FunctionType(v8, [v16, v16]))
+            total = mod.declare_intrinsic("llvm.vector.reduce.add.v8i32", (), ir.FunctionType(i32, [v8]))
 
-        def load(p: ir.Value, off: int, ty: ir.Type) -> ir.Value:
-            q = builder.gep(p, [ir.Constant(i64, off)], inbounds=True)
-            return builder.load(builder.bitcast(q, ty.as_pointer()), align=1)
+            def at(k: int, offset: ir.Value) -> ir.Value:
+                data = context.make_array(signature.args[k])(context, builder, args[k]).data
+                return builder.gep(builder.bitcast(data, i8.as_pointer()), [offset], inbounds=True)
 
-        def const(v: int) -> ir.Value:
-            return ir.Constant(i32, v)
+            def load(p: ir.Value, off: int, ty: ir.Type) -> ir.Value:
+                q = builder.gep(p, [ir.Constant(i64, off)], inbounds=True)
+                return builder.load(builder.bitcast(q, ty.as_pointer()), align=1)
 
-        block = at(0, args[1])
-        u0, u1, u2 = (load(block, 4 + 4 * k, i32) for k in range(3))
-        m2, m4 = const(0x0F0F0F0F), const(0x03030303)
-        sc_hi = builder.or_(
-            builder.and_(u2, m2), builder.shl(builder.and_(builder.lshr(u0, const(6)), m4), const(4))
-        )
-        mn_hi = builder.or_(
-            builder.and_(builder.lshr(u2, const(4)), m2),
-            builder.shl(builder.and_(builder.lshr(u1, const(6)), m4), const(4)),
-        )
-        m6 = const(0x3F3F3F3F)
+            def const(v: int) -> ir.Value:
+                return ir.Constant(i32, v)
 
-        def bytes8(lo: ir.Value, hi: ir.Value) -> ir.Value:
-            pair = builder.insert_element(ir.Constant(ir.VectorType(i32, 2), None), lo, const(0))
-            pair = builder.insert_element(pair, hi, const(1))
-            return builder.bitcast(pair, ir.VectorType(i8, 8))
+            block = at(0, args[1])
+            u0, u1, u2 = (load(block, 4 + 4 * k, i32) for k in range(3))
+            m2, m4 = const(0x0F0F0F0F), const(0x03030303)
+            sc_hi = builder.or_(
+                builder.and_(u2, m2), builder.shl(builder.and_(builder.lshr(u0, const(6)), m4), const(4))
+            )
+            mn_hi = builder.or_(
+                builder.and_(builder.lshr(u2, const(4)), m2),
+                builder.shl(builder.and_(builder.lshr(u1, const(6)), m4), const(4)),
+            )
+            m6 = const(0x3F3F3F3F)
 
-        scales = builder.zext(bytes8(builder.and_(u0, m6), sc_hi), ir.VectorType(i16, 8))
-        mins = builder.zext(bytes8(builder.and_(u1, m6), mn_hi), ir.VectorType(i32, 8))
-        sums = builder.sext(load(at(2, args[3]), 0, ir.VectorType(i16, 8)), v8)
-        msum = builder.call(total, [builder.mul(mins, sums)])
+            def bytes8(lo: ir.Value, hi: ir.Value) -> ir.Value:
+                pair = builder.insert_element(ir.Constant(ir.VectorType(i32, 2), None), lo, const(0))
+                pair = builder.insert_element(pair, hi, const(1))
+                return builder.bitcast(pair, ir.VectorType(i8, 8))
 
-        codes = at(2, args[4])
-        low, four = ir.Constant(v32, [15] * 32), ir.Constant(v32, [4] * 32)
-        acc = ir.Constant(v8, [0] * 8)
-        for j in range(4):
-            nib = load(block, 16 + 32 * j, v32)
-            for half, part in enumerate((builder.and_(nib, low), builder.lshr(nib, four))):
-                pairs = builder.call(maddubs, [part, load(codes, 64 * j + 32 * half, v32)])
-                splat = builder.shuffle_vector(
-                    scales, scales, ir.Constant(ir.VectorType(i32, 16), [2 * j + half] * 16)
-                )
-                acc = builder.add(acc, builder.call(madd, [pairs, splat]))
-        isum = builder.call(total, [acc])
-        pair = context.make_tuple(
-            builder, signature.return_type, [builder.sext(isum, i64), builder.sext(msum, i64)]
-        )
-        return pair
+            scales = builder.zext(bytes8(builder.and_(u0, m6), sc_hi), ir.VectorType(i16, 8))
+            mins = builder.zext(bytes8(builder.and_(u1, m6), mn_hi), ir.VectorType(i32, 8))
+            sums = builder.sext(load(at(2, args[3]), 0, ir.VectorType(i16, 8)), v8)
+            msum = builder.call(total, [builder.mul(mins, sums)])
 
-    return types.UniTuple(types.int64, 2)(b, o, xp, so, co), codegen
+            codes = at(2, args[4])
+            low, four = ir.Constant(v32, [15] * 32), ir.Constant(v32, [4] * 32)
+            high = load(block, 16, v32) if five_bits else None
+            acc = ir.Constant(v8, [0] * 8)
+            for j in range(4):
+                nib = load(block, qs_at + 32 * j, v32)
+                for half, part in enumerate((builder.and_(nib, low), builder.lshr(nib, four))):
+                    if high is not None:  # bit 2j + half of each high-bit byte, as 16
+                        bit = builder.and_(
+                            builder.lshr(high, ir.Constant(v32, [2 * j + half] * 32)),
+                            ir.Constant(v32, [1] * 32),
+                        )
+                        part = builder.or_(part, builder.shl(bit, four))
+                    pairs = builder.call(maddubs, [part, load(codes, 64 * j + 32 * half, v32)])
+                    splat = builder.shuffle_vector(
+                        scales, scales, ir.Constant(ir.VectorType(i32, 16), [2 * j + half] * 16)
+                    )
+                    acc = builder.add(acc, builder.call(madd, [pairs, splat]))
+            isum = builder.call(total, [acc])
+            pair = context.make_tuple(
+                builder, signature.return_type, [builder.sext(isum, i64), builder.sext(msum, i64)]
+            )
+            return pair
+
+        return types.UniTuple(types.int64, 2)(b, o, xp, so, co), codegen
+
+    block.__name__ = block.__qualname__ = f"q{5 if five_bits else 4}_k_block_avx2"
+    return intrinsic(block)
+
+
+_block4_avx2, _block5_avx2 = _k_block_avx2(False), _k_block_avx2(True)
 
 
 @intrinsic
@@ -243,23 +259,49 @@ def _scale_min(b: np.ndarray, s: int, j: int) -> tuple[int, int]:
 
 
 @njit(inline="always", **_FAST)
-def _block_loop(b: np.ndarray, o: int, xp: np.ndarray, so: int, co: int) -> tuple[int, int]:
-    """``_block_avx2`` as plain loops, for hosts without AVX2."""
+def _block_loop(b: np.ndarray, o: int, xp: np.ndarray, so: int, co: int, qh_at: int) -> tuple[int, int]:
+    """``_k_block_avx2``'s intrinsics as plain loops, for hosts without AVX2: Q4_K (qh_at < 0) or Q5_K (its high
+    bits at byte qh_at of the block)."""
     codes, sums = xp.view(np.int8), xp.view(np.int16)
+    qs_at = 16 if qh_at < 0 else 48
     isum = 0
     msum = 0
     for g in range(8):
         sc, m = _scale_min(b, o + 4, g)
-        q, shift = o + 16 + 32 * (g // 2), 4 * (g % 2)
+        q, shift = o + qs_at + 32 * (g // 2), 4 * (g % 2)
         s = 0
         for lane in range(32):
-            s += ((np.int64(b[q + lane]) >> shift) & 15) * np.int64(codes[co + 32 * g + lane])
+            v = (np.int64(b[q + lane]) >> shift) & 15
+            if qh_at >= 0:
+                v |= ((np.int64(b[o + qh_at + lane]) >> g) & 1) << 4
+            s += v * np.int64(codes[co + 32 * g + lane])
         isum += sc * s
         msum += m * np.int64(sums[so // 2 + g])
     return isum, msum
 
 
-_block, _block6 = (_block_avx2, _block6_avx2) if _host_has_avx2() else (_block_loop, _block6_loop)
+@njit(inline="always", **_FAST)
+def _block4_loop(b: np.ndarray, o: int, xp: np.ndarray, so: int, co: int) -> tuple[int, int]:
+    return _block_loop(b, o, xp, so, co, -1)
+
+
+@njit(inline="always", **_FAST)
+def _block5_loop(b: np.ndarray, o: int, xp: np.ndarray, so: int, co: int) -> tuple[int, int]:
+    return _block_loop(b, o, xp, so, co, 16)
+
+
+_AVX2 = _host_has_avx2()
+_block4, _block5, _block6 = (
+    (_block4_avx2, _block5_avx2, _block6_avx2) if _AVX2 else (_block4_loop, _block5_loop, _block6_loop)
+)
+
+
+@njit(inline="always", **_FAST)
+def _k_value(b: np.ndarray, o: int, xp: np.ndarray, at: int, isum: int, msum: int) -> float:
+    """A Q4_K / Q5_K block's product from its integer sums: x's scale * (d * isum - dmin * msum)."""
+    d = fp16_to_f32(np.int64(b[o]) | (np.int64(b[o + 1]) << 8))
+    dmin = fp16_to_f32(np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8))
+    return xp[at] * (d * F32(isum) - dmin * F32(msum))
 
 
 @njit(inline="always", **_FAST)
@@ -268,11 +310,19 @@ def dot_q4_k(b: np.ndarray, xp: np.ndarray, n: int) -> float:
     d_at, s_at, c_at = layout(n)
     acc = F32(0)
     for blk in range(n // 256):
-        o = 144 * blk
-        isum, msum = _block(b, o, xp, s_at + 16 * blk, c_at + 256 * blk)
-        d = fp16_to_f32(np.int64(b[o]) | (np.int64(b[o + 1]) << 8))
-        dmin = fp16_to_f32(np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8))
-        acc += xp[d_at + blk] * (d * F32(isum) - dmin * F32(msum))
+        isum, msum = _block4(b, 144 * blk, xp, s_at + 16 * blk, c_at + 256 * blk)
+        acc += _k_value(b, 144 * blk, xp, d_at + blk, isum, msum)
+    return acc
+
+
+@njit(inline="always", **_FAST)
+def dot_q5_k(b: np.ndarray, xp: np.ndarray, n: int) -> float:
+    """A Q5_K row times the Q8_K input prepared in ``xp``: llama.cpp's vec_dot_q5_K_q8_K."""
+    d_at, s_at, c_at = layout(n)
+    acc = F32(0)
+    for blk in range(n // 256):
+        isum, msum = _block5(b, 176 * blk, xp, s_at + 16 * blk, c_at + 256 * blk)
+        acc += _k_value(b, 176 * blk, xp, d_at + blk, isum, msum)
     return acc
 
 

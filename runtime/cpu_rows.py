@@ -363,6 +363,8 @@ def dot_row(b: np.ndarray, qtype: int, x: np.ndarray, xsum: np.ndarray, buf: np.
             return cpu_q8.dot_q6_k(b, xsum, x.shape[0])
         return _dot_q6_k(b, x, buf)
     if qtype == _Q5_K:
+        if cpu_q8.has_q8(xsum, x.shape[0]):
+            return cpu_q8.dot_q5_k(b, xsum, x.shape[0])
         return _dot_k4(b, x, xsum, buf, 176, 48, 16)
     if qtype == _Q8_0:
         return _dot_q8_0(b, x, buf)

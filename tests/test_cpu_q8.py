@@ -13,7 +13,6 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from numba import njit
 
-from forge.quant.codecs.kquants import encode_q4_k
 from runtime import cpu_kernels as ck
 from runtime import cpu_q8
 from runtime.cpu_rows import dot_row, prepare_input
@@ -48,47 +47,55 @@ def test_q8_k_form_is_the_torch_paths_rounding() -> None:
     assert np.array_equal(sums, codes.reshape(-1, 32).sum(1))
 
 
-def test_q4_k_rows_times_q8_input_equal_ggml_numerics() -> None:
-    n, rows = 1024, 40
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_rows_times_q8_input_equal_ggml_numerics(name: str) -> None:
+    from forge.quant.types import get_type
+
+    n, rows, qtype = 1024, 40, Q[name]
     rng = np.random.default_rng(2)
-    raw = encode_q4_k(rng.standard_normal((rows, n)).astype(np.float32), None)
-    w = dequantize(torch.from_numpy(raw), Q.Q4_K, n).double().numpy()
+    raw = get_type(qtype).encode(rng.standard_normal((rows, n)).astype(np.float32))
+    w = dequantize(torch.from_numpy(raw), qtype, n).double().numpy()
     x = _input(n, 3)
     want = w @ _round_q8_k(torch.from_numpy(x)).double().numpy()
     xp, buf = prepare_input(x, True), np.empty(n, np.float32)
-    got = np.array([dot_row(raw[r], int(Q.Q4_K), x, xp, buf) for r in range(rows)])
+    got = np.array([dot_row(raw[r], int(qtype), x, xp, buf) for r in range(rows)])
     assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
     exact = w @ x.astype(np.float64)  # what the float32 path computes: the rounding moved the result
     assert np.abs(got - exact).max() > 1e-4 * np.abs(exact).max()
 
 
 @njit
-def _block(avx2: bool, b: np.ndarray, xp: np.ndarray) -> tuple[int, int]:
+def _block(avx2: bool, five: bool, b: np.ndarray, xp: np.ndarray) -> tuple[int, int]:
     if avx2:
-        return cpu_q8._block_avx2(b, 0, xp, 0, 16)
-    return cpu_q8._block_loop(b, 0, xp, 0, 16)
+        return cpu_q8._block5_avx2(b, 0, xp, 0, 16) if five else cpu_q8._block4_avx2(b, 0, xp, 0, 16)
+    return cpu_q8._block5_loop(b, 0, xp, 0, 16) if five else cpu_q8._block4_loop(b, 0, xp, 0, 16)
 
 
-def test_block_products_are_exact_on_both_implementations() -> None:
+@pytest.mark.parametrize("five", [False, True], ids=["Q4_K", "Q5_K"])
+def test_block_products_are_exact_on_both_implementations(five: bool) -> None:
     """The AVX2 form (where this host has it) and the plain loops give the exact integer sums (scales times
-    nibble-code products, mins times code sums), at the extremes too (nibble 15 x code -127 everywhere,
+    quant-code products, mins times code sums), at the extremes too (quant 15 / 31 x code -127 everywhere,
     every six-bit scale and min 63)."""
     from runtime.dequant_kquants import _scales_mins_k4
 
     rng = np.random.default_rng(4)
+    size, qs_at = (176, 48) if five else (144, 16)
     for trial in range(20):
-        b = rng.integers(0, 256, 144, dtype=np.uint8)
+        b = rng.integers(0, 256, size, dtype=np.uint8)
         codes = rng.integers(-127, 128, 256).astype(np.int8)
         if trial == 0:
             b[4:], codes[:] = 255, -127
         sums = codes.astype(np.int64).reshape(8, 32).sum(1)
         xp = np.concatenate([sums.astype(np.int16).view(np.float32), codes.view(np.float32)])
         sc, mn = (a[0].numpy().astype(np.int64) for a in _scales_mins_k4(torch.from_numpy(b[4:16][None])))
-        nib = np.stack([b[16:].reshape(4, 32) & 15, b[16:].reshape(4, 32) >> 4], 1).reshape(8, 32)
-        want = (int(sc @ (nib.astype(np.int64) * codes.reshape(8, 32)).sum(1)), int(mn @ sums))
-        assert _block(False, b, xp) == want
-        if cpu_q8._block is cpu_q8._block_avx2:
-            assert _block(True, b, xp) == want
+        qs = b[qs_at:].reshape(4, 32).astype(np.int64)
+        q = np.stack([qs & 15, qs >> 4], 1).reshape(8, 32)
+        if five:
+            q |= ((b[16:48].astype(np.int64)[None, :] >> np.arange(8)[:, None]) & 1) << 4
+        want = (int(sc @ (q * codes.reshape(8, 32)).sum(1)), int(mn @ sums))
+        assert _block(False, five, b, xp) == want
+        if cpu_q8._AVX2:
+            assert _block(True, five, b, xp) == want
 
 
 def test_the_option_switches_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -161,19 +168,5 @@ def test_q6_k_block_products_are_exact_on_both_implementations() -> None:
         want = int(((q - 32) * scales) @ codes.astype(np.int64))
         xp = codes.view(np.float32)
         assert _block6(False, b, xp) == want
-        if cpu_q8._block6 is cpu_q8._block6_avx2:
+        if cpu_q8._AVX2:
             assert _block6(True, b, xp) == want
-
-
-def test_q6_k_rows_times_q8_input_equal_ggml_numerics() -> None:
-    from forge.quant.codecs.kquants import encode_q6_k
-
-    n, rows = 1024, 40
-    rng = np.random.default_rng(6)
-    raw = encode_q6_k(rng.standard_normal((rows, n)).astype(np.float32), None)
-    w = dequantize(torch.from_numpy(raw), Q.Q6_K, n).double().numpy()
-    x = _input(n, 7)
-    want = w @ _round_q8_k(torch.from_numpy(x)).double().numpy()
-    xp, buf = prepare_input(x, True), np.empty(n, np.float32)
-    got = np.array([dot_row(raw[r], int(Q.Q6_K), x, xp, buf) for r in range(rows)])
-    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
