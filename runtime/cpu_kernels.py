@@ -108,7 +108,7 @@ def _prefetch_compiled(w, index, r):  # noqa: ANN001, ANN202
 def _gemv_serial(
     x: np.ndarray, w: np.ndarray, index: np.ndarray, res: np.ndarray, has_res: bool, out: np.ndarray, q8: bool
 ) -> None:
-    """out[r] = w's row r . x (+ res[r]); w, index: float32 rows or encoded rows (see ``_row_dot``); q8: Q4_K
+    """out[r] = w's row r . x (+ res[r]); w, index: float32 rows or encoded rows (see ``_row_dot``); q8: K-quant
     rows take x in 8 bits (``runtime.cpu_q8``)."""
     xsum, scratch = prepare_input(x, q8), np.empty(x.shape[0], np.float32)
     n = out.shape[0]
@@ -177,7 +177,7 @@ def _routed_ffn_encoded(
     out: np.ndarray,
     q8: bool,
 ) -> None:
-    """``_routed_ffn`` over encoded experts (q8: Q4_K rows take their inputs in 8 bits, see ``runtime.cpu_q8``).
+    """``_routed_ffn`` over encoded experts (q8: K-quant rows take their inputs in 8 bits, see ``runtime.cpu_q8``).
 
     gate, up, down: flat uint8 buffers; meta (3, 5): per part the offset, expert stride, row stride, row bytes
     and type of its rows (see ``EncodedExperts``). Each row's dot product is taken from its bytes (``dot_row``).
@@ -563,7 +563,7 @@ class EncodedExperts:
             [[0, a.strides[0], a.strides[1], a.shape[2], int(t)] for a, t in parts], np.int64
         )
         self.n_ff = gate.shape[1]
-        self.q8 = cpu_q8.enabled()  # Q4_K rows take their inputs in 8 bits
+        self.q8 = cpu_q8.enabled()  # K-quant rows take their inputs in 8 bits
 
 
 def _flat_bytes(a: np.ndarray) -> np.ndarray:
@@ -589,7 +589,7 @@ class Rows(NamedTuple):
 
     data: np.ndarray
     index: np.ndarray
-    q8: bool = False  # Q4_K rows take their input in 8 bits (``runtime.cpu_q8``)
+    q8: bool = False  # K-quant rows take their input in 8 bits (``runtime.cpu_q8``)
 
     @classmethod
     def floats(cls, w: np.ndarray) -> Rows:

@@ -1,7 +1,7 @@
-"""Dot products of Q4_K rows with 8-bit activations, as llama.cpp's CPU backend computes them: the input
+"""Dot products of K-quant rows (Q4_K, Q5_K, Q6_K) with 8-bit activations, as llama.cpp's CPU backend computes them: the input
 vector is quantized once to ggml's Q8_K (per 256 values an int8 code each and a float32 scale, plus the codes'
 sums per 32), then each row block is integer multiply-adds (``vpmaddubsw`` / ``vpmaddwd`` on AVX2 hosts, plain
-loops elsewhere) scaled once. The one-token CPU kernels take this path for the Q4_K weights of a model loaded
+loops elsewhere) scaled once. The one-token CPU kernels take this path for the K-quant weights of a model loaded
 with ``FORGE_Q8_ACTIVATIONS=1`` (``forge run|eval|serve --q8-activations``): faster products, logits about 1% of
 their scale from the float32 path (llama.cpp's own numerics); float32 activations stay the default, and
 prefill batches keep them.
@@ -29,7 +29,7 @@ F32 = np.float32
 
 def enabled() -> bool:
     """``FORGE_Q8_ACTIVATIONS`` is set (to anything but empty or 0): matrices built for the CPU kernels now
-    multiply their Q4_K rows with 8-bit activations."""
+    multiply their Q4_K, Q5_K and Q6_K rows with 8-bit activations."""
     return os.environ.get("FORGE_Q8_ACTIVATIONS", "") not in ("", "0")
 
 

@@ -352,7 +352,7 @@ def prefetch_row(b: np.ndarray) -> None:
 @njit(**_FAST)
 def dot_row(b: np.ndarray, qtype: int, x: np.ndarray, xsum: np.ndarray, buf: np.ndarray) -> float:
     """sum_j row_j * x_j for the encoded row ``b`` of ``qtype``; xsum: ``prepare_input(x, q8)`` (the sums per 32
-    values, and with q8 the Q8_K form that Q4_K rows are multiplied with instead of x); buf: scratch of len(x)
+    values, and with q8 the Q8_K form that K-quant rows are multiplied with instead of x); buf: scratch of len(x)
     (at least 32)."""
     if qtype == _Q4_K:
         if cpu_q8.has_q8(xsum, x.shape[0]):
