@@ -176,12 +176,12 @@ def _setup(device: str, threads: int | None, expert_cache_mib: int = 0, q8: bool
     require_int("--expert-cache-mib", expert_cache_mib, 0)
 
     require_choice("--device", device, ("cpu", "cuda", "mps"))
+    if q8 and device != "cpu":
+        raise ForgeError("--q8-activations is for --device cpu (the CPU kernels' dot products)")
     if device == "cuda" and not torch.cuda.is_available():
         raise ForgeError("--device cuda: no CUDA device is available")
     if device == "mps" and not torch.backends.mps.is_available():
         raise ForgeError("--device mps: Metal (MPS) is not available")
-    if q8 and device != "cpu":
-        raise ForgeError("--q8-activations is for --device cpu (the CPU kernels' dot products)")
     if threads is not None:
         torch.set_num_threads(threads)
     if q8:

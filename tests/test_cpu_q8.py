@@ -170,3 +170,27 @@ def test_q6_k_block_products_are_exact_on_both_implementations() -> None:
         assert _block6(False, b, xp) == want
         if cpu_q8._AVX2:
             assert _block6(True, b, xp) == want
+
+
+def test_the_cli_option_runs_a_model_and_refuses_other_devices(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from runtime.synth import synthesize
+    from tests.test_synth import TINY
+
+    path = tmp_path / "model.gguf"
+    synthesize(path, TINY, "q4_k")
+    code = "import sys; from forge.cli import main; sys.argv = ['forge', *sys.argv[1:]]; main()"
+
+    def forge(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300
+        )
+
+    ok = forge("run", str(path), "-p", "hello", "-n", "4", "--q8-activations")
+    assert ok.returncode == 0, ok.stderr
+    assert "decode: 4 tokens" in ok.stderr
+    bad = forge("run", str(path), "-p", "hello", "-n", "4", "--q8-activations", "--device", "mps")
+    assert bad.returncode != 0
+    assert "--q8-activations is for --device cpu" in bad.stderr and "Traceback" not in bad.stderr
