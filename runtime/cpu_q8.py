@@ -85,6 +85,47 @@ def quantize_q8_k(x: np.ndarray, xp: np.ndarray) -> None:
         xp[d_at + blk] = F32(1) / iscale if amax != 0 else F32(0)
 
 
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+V32, V16, V8 = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8)
+
+
+class _Avx2:
+    """What the block intrinsics' code generators share: the AVX2 multiply-adds, a vector's sum, byte pointers
+    into the arguments, unaligned loads, constants."""
+
+    def __init__(self, context, builder, signature, args) -> None:  # noqa: ANN001
+        self.context, self.b, self.signature, self.args = context, builder, signature, args
+        mod = builder.module
+        self._maddubs = mod.declare_intrinsic(
+            "llvm.x86.avx2.pmadd.ub.sw", (), ir.FunctionType(V16, [V32, V32])
+        )
+        self._madd = mod.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (), ir.FunctionType(V8, [V16, V16]))
+        self._total = mod.declare_intrinsic("llvm.vector.reduce.add.v8i32", (), ir.FunctionType(I32, [V8]))
+
+    def maddubs(self, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
+        """32 unsigned x 32 signed bytes -> 16 sums of adjacent products (16-bit)."""
+        return self.b.call(self._maddubs, [unsigned, signed])
+
+    def madd(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        """16 x 16 16-bit values -> 8 sums of adjacent products (32-bit)."""
+        return self.b.call(self._madd, [a, b])
+
+    def total(self, v: ir.Value) -> ir.Value:
+        return self.b.call(self._total, [v])
+
+    def at(self, k: int, offset: ir.Value) -> ir.Value:
+        """A byte pointer to byte ``offset`` of array argument k."""
+        data = self.context.make_array(self.signature.args[k])(self.context, self.b, self.args[k]).data
+        return self.b.gep(self.b.bitcast(data, I8.as_pointer()), [offset], inbounds=True)
+
+    def load(self, p: ir.Value, off: int, ty: ir.Type) -> ir.Value:
+        q = self.b.gep(p, [ir.Constant(I64, off)], inbounds=True)
+        return self.b.load(self.b.bitcast(q, ty.as_pointer()), align=1)
+
+    def spread(self, ty: ir.VectorType, v: int) -> ir.Constant:
+        return ir.Constant(ty, [v] * ty.count)
+
+
 def _k_block_avx2(five_bits: bool):  # noqa: ANN202
     """The intrinsic for a Q4_K block (Q5_K with ``five_bits``: a fifth bit per value from its 32 high-bit bytes)
     at byte o of b times its 256 Q8_K codes (byte co of xp; their sums per 32 at byte so), as integers: (sum
@@ -98,27 +139,14 @@ def _k_block_avx2(five_bits: bool):  # noqa: ANN202
             return None
 
         def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-            i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-            v32, v16, v8 = ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, 8)
-            mod = builder.module
-            maddubs = mod.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (), ir.FunctionType(v16, [v32, v32]))
-            madd = mod.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (), ir.FunctionType(v8, [v16, v16]))
-            total = mod.declare_intrinsic("llvm.vector.reduce.add.v8i32", (), ir.FunctionType(i32, [v8]))
-
-            def at(k: int, offset: ir.Value) -> ir.Value:
-                data = context.make_array(signature.args[k])(context, builder, args[k]).data
-                return builder.gep(builder.bitcast(data, i8.as_pointer()), [offset], inbounds=True)
-
-            def load(p: ir.Value, off: int, ty: ir.Type) -> ir.Value:
-                q = builder.gep(p, [ir.Constant(i64, off)], inbounds=True)
-                return builder.load(builder.bitcast(q, ty.as_pointer()), align=1)
+            x = _Avx2(context, builder, signature, args)
 
             def const(v: int) -> ir.Value:
-                return ir.Constant(i32, v)
+                return ir.Constant(I32, v)
 
-            block = at(0, args[1])
-            u0, u1, u2 = (load(block, 4 + 4 * k, i32) for k in range(3))
-            m2, m4 = const(0x0F0F0F0F), const(0x03030303)
+            blk = x.at(0, args[1])
+            u0, u1, u2 = (x.load(blk, 4 + 4 * k, I32) for k in range(3))
+            m2, m4, m6 = const(0x0F0F0F0F), const(0x03030303), const(0x3F3F3F3F)
             sc_hi = builder.or_(
                 builder.and_(u2, m2), builder.shl(builder.and_(builder.lshr(u0, const(6)), m4), const(4))
             )
@@ -126,41 +154,33 @@ def _k_block_avx2(five_bits: bool):  # noqa: ANN202
                 builder.and_(builder.lshr(u2, const(4)), m2),
                 builder.shl(builder.and_(builder.lshr(u1, const(6)), m4), const(4)),
             )
-            m6 = const(0x3F3F3F3F)
 
             def bytes8(lo: ir.Value, hi: ir.Value) -> ir.Value:
-                pair = builder.insert_element(ir.Constant(ir.VectorType(i32, 2), None), lo, const(0))
-                pair = builder.insert_element(pair, hi, const(1))
-                return builder.bitcast(pair, ir.VectorType(i8, 8))
+                pair = builder.insert_element(ir.Constant(ir.VectorType(I32, 2), None), lo, const(0))
+                return builder.bitcast(builder.insert_element(pair, hi, const(1)), ir.VectorType(I8, 8))
 
-            scales = builder.zext(bytes8(builder.and_(u0, m6), sc_hi), ir.VectorType(i16, 8))
-            mins = builder.zext(bytes8(builder.and_(u1, m6), mn_hi), ir.VectorType(i32, 8))
-            sums = builder.sext(load(at(2, args[3]), 0, ir.VectorType(i16, 8)), v8)
-            msum = builder.call(total, [builder.mul(mins, sums)])
+            scales = builder.zext(bytes8(builder.and_(u0, m6), sc_hi), ir.VectorType(I16, 8))
+            mins = builder.zext(bytes8(builder.and_(u1, m6), mn_hi), V8)
+            sums = builder.sext(x.load(x.at(2, args[3]), 0, ir.VectorType(I16, 8)), V8)
+            msum = x.total(builder.mul(mins, sums))
 
-            codes = at(2, args[4])
-            low, four = ir.Constant(v32, [15] * 32), ir.Constant(v32, [4] * 32)
-            high = load(block, 16, v32) if five_bits else None
-            acc = ir.Constant(v8, [0] * 8)
+            codes = x.at(2, args[4])
+            low, four = x.spread(V32, 15), x.spread(V32, 4)
+            high = x.load(blk, 16, V32) if five_bits else None
+            acc = x.spread(V8, 0)
             for j in range(4):
-                nib = load(block, qs_at + 32 * j, v32)
+                nib = x.load(blk, qs_at + 32 * j, V32)
                 for half, part in enumerate((builder.and_(nib, low), builder.lshr(nib, four))):
                     if high is not None:  # bit 2j + half of each high-bit byte, as 16
-                        bit = builder.and_(
-                            builder.lshr(high, ir.Constant(v32, [2 * j + half] * 32)),
-                            ir.Constant(v32, [1] * 32),
-                        )
+                        bit = builder.and_(builder.lshr(high, x.spread(V32, 2 * j + half)), x.spread(V32, 1))
                         part = builder.or_(part, builder.shl(bit, four))
-                    pairs = builder.call(maddubs, [part, load(codes, 64 * j + 32 * half, v32)])
+                    pairs = x.maddubs(part, x.load(codes, 64 * j + 32 * half, V32))
                     splat = builder.shuffle_vector(
-                        scales, scales, ir.Constant(ir.VectorType(i32, 16), [2 * j + half] * 16)
+                        scales, scales, x.spread(ir.VectorType(I32, 16), 2 * j + half)
                     )
-                    acc = builder.add(acc, builder.call(madd, [pairs, splat]))
-            isum = builder.call(total, [acc])
-            pair = context.make_tuple(
-                builder, signature.return_type, [builder.sext(isum, i64), builder.sext(msum, i64)]
-            )
-            return pair
+                    acc = builder.add(acc, x.madd(pairs, splat))
+            sums = [builder.sext(x.total(acc), I64), builder.sext(msum, I64)]
+            return context.make_tuple(builder, signature.return_type, sums)
 
         return types.UniTuple(types.int64, 2)(b, o, xp, so, co), codegen
 
@@ -180,52 +200,36 @@ def _block6_avx2(typingctx, b, o, xp, co):  # noqa: ANN001, ANN202
         return None
 
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-        i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-        v32, v16, v8 = ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, 8)
-        mod = builder.module
-        maddubs = mod.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (), ir.FunctionType(v16, [v32, v32]))
-        madd = mod.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (), ir.FunctionType(v8, [v16, v16]))
-        total = mod.declare_intrinsic("llvm.vector.reduce.add.v8i32", (), ir.FunctionType(i32, [v8]))
+        x = _Avx2(context, builder, signature, args)
 
-        def at(k: int, offset: ir.Value) -> ir.Value:
-            data = context.make_array(signature.args[k])(context, builder, args[k]).data
-            return builder.gep(builder.bitcast(data, i8.as_pointer()), [offset], inbounds=True)
+        def bits(v: int) -> ir.Value:
+            return x.spread(V32, v)
 
-        def load(p: ir.Value, off: int, ty: ir.Type) -> ir.Value:
-            q = builder.gep(p, [ir.Constant(i64, off)], inbounds=True)
-            return builder.load(builder.bitcast(q, ty.as_pointer()), align=1)
-
-        def splat8(v: int) -> ir.Value:
-            return ir.Constant(v32, [v] * 32)
-
-        block, codes = at(0, args[1]), at(2, args[3])
-        scales = builder.sext(load(block, 192, ir.VectorType(i8, 16)), v16)
-        acc = ir.Constant(v8, [0] * 8)
+        blk, codes = x.at(0, args[1]), x.at(2, args[3])
+        scales = builder.sext(x.load(blk, 192, ir.VectorType(I8, 16)), V16)
+        acc = x.spread(V8, 0)
         for half in range(2):
-            ql0, ql1 = load(block, 64 * half, v32), load(block, 64 * half + 32, v32)
-            qh = load(block, 128 + 32 * half, v32)
+            ql0, ql1 = x.load(blk, 64 * half, V32), x.load(blk, 64 * half + 32, V32)
+            qh = x.load(blk, 128 + 32 * half, V32)
             high = (
-                builder.shl(builder.and_(qh, splat8(0x03)), splat8(4)),
-                builder.shl(builder.and_(qh, splat8(0x0C)), splat8(2)),
-                builder.and_(qh, splat8(0x30)),
-                builder.lshr(builder.and_(qh, splat8(0xC0)), splat8(2)),
+                builder.shl(builder.and_(qh, bits(0x03)), bits(4)),
+                builder.shl(builder.and_(qh, bits(0x0C)), bits(2)),
+                builder.and_(qh, bits(0x30)),
+                builder.lshr(builder.and_(qh, bits(0xC0)), bits(2)),
             )
             low = (
-                builder.and_(ql0, splat8(15)),
-                builder.and_(ql1, splat8(15)),
-                builder.lshr(ql0, splat8(4)),
-                builder.lshr(ql1, splat8(4)),
+                builder.and_(ql0, bits(15)),
+                builder.and_(ql1, bits(15)),
+                builder.lshr(ql0, bits(4)),
+                builder.lshr(ql1, bits(4)),
             )
             for k in range(4):
-                q = builder.or_(low[k], high[k])
-                c = load(codes, 128 * half + 32 * k, v32)
-                pairs = builder.sub(builder.call(maddubs, [q, c]), builder.call(maddubs, [splat8(32), c]))
+                c = x.load(codes, 128 * half + 32 * k, V32)
+                pairs = builder.sub(x.maddubs(builder.or_(low[k], high[k]), c), x.maddubs(bits(32), c))
                 g = 8 * half + 2 * k
-                mask = ir.Constant(ir.VectorType(i32, 16), [g] * 8 + [g + 1] * 8)
-                acc = builder.add(
-                    acc, builder.call(madd, [pairs, builder.shuffle_vector(scales, scales, mask)])
-                )
-        return builder.sext(builder.call(total, [acc]), i64)
+                mask = ir.Constant(ir.VectorType(I32, 16), [g] * 8 + [g + 1] * 8)
+                acc = builder.add(acc, x.madd(pairs, builder.shuffle_vector(scales, scales, mask)))
+        return builder.sext(x.total(acc), I64)
 
     return types.int64(b, o, xp, co), codegen
 
@@ -297,32 +301,21 @@ _block4, _block5, _block6 = (
 
 
 @njit(inline="always", **_FAST)
-def _k_value(b: np.ndarray, o: int, xp: np.ndarray, at: int, isum: int, msum: int) -> float:
-    """A Q4_K / Q5_K block's product from its integer sums: x's scale * (d * isum - dmin * msum)."""
-    d = fp16_to_f32(np.int64(b[o]) | (np.int64(b[o + 1]) << 8))
-    dmin = fp16_to_f32(np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8))
-    return xp[at] * (d * F32(isum) - dmin * F32(msum))
-
-
-@njit(inline="always", **_FAST)
-def dot_q4_k(b: np.ndarray, xp: np.ndarray, n: int) -> float:
-    """A Q4_K row times the Q8_K input prepared in ``xp``: llama.cpp's vec_dot_q4_K_q8_K."""
+def dot_k(b: np.ndarray, xp: np.ndarray, n: int, five_bits: bool) -> float:
+    """A Q4_K row (Q5_K with ``five_bits``) times the Q8_K input prepared in ``xp``: llama.cpp's
+    vec_dot_q4_K_q8_K / vec_dot_q5_K_q8_K."""
     d_at, s_at, c_at = layout(n)
+    size = 176 if five_bits else 144
     acc = F32(0)
     for blk in range(n // 256):
-        isum, msum = _block4(b, 144 * blk, xp, s_at + 16 * blk, c_at + 256 * blk)
-        acc += _k_value(b, 144 * blk, xp, d_at + blk, isum, msum)
-    return acc
-
-
-@njit(inline="always", **_FAST)
-def dot_q5_k(b: np.ndarray, xp: np.ndarray, n: int) -> float:
-    """A Q5_K row times the Q8_K input prepared in ``xp``: llama.cpp's vec_dot_q5_K_q8_K."""
-    d_at, s_at, c_at = layout(n)
-    acc = F32(0)
-    for blk in range(n // 256):
-        isum, msum = _block5(b, 176 * blk, xp, s_at + 16 * blk, c_at + 256 * blk)
-        acc += _k_value(b, 176 * blk, xp, d_at + blk, isum, msum)
+        o = size * blk
+        if five_bits:
+            isum, msum = _block5(b, o, xp, s_at + 16 * blk, c_at + 256 * blk)
+        else:
+            isum, msum = _block4(b, o, xp, s_at + 16 * blk, c_at + 256 * blk)
+        d = fp16_to_f32(np.int64(b[o]) | (np.int64(b[o + 1]) << 8))
+        dmin = fp16_to_f32(np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8))
+        acc += xp[d_at + blk] * (d * F32(isum) - dmin * F32(msum))
     return acc
 
 

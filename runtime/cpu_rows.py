@@ -245,6 +245,12 @@ def _k4_scales(b: np.ndarray, s: int) -> tuple[int, ...]:
 
 
 @njit(inline="always", **_FAST)
+def _k4_lane(b: np.ndarray, q: int) -> tuple[np.uint8, np.uint8, np.uint8, np.uint8]:
+    """A lane's four nibble bytes in a K-quant block (one per pair of groups), from b[q]."""
+    return at(b, q), at(b, q + 32), at(b, q + 64), at(b, q + 96)
+
+
+@njit(inline="always", **_FAST)
 def _k5_high(h: np.uint8, bit: int) -> float:
     """16 times bit ``bit`` of a Q5_K high-bit byte."""
     return F32(16) * u8_field(h, bit, 1)
@@ -282,12 +288,7 @@ def _dot_k4(
         q = o + qs_at
         if qh_at >= 0:
             for lane in range(32):
-                v0, v1, v2, v3 = (
-                    at(b, q + lane),
-                    at(b, q + 32 + lane),
-                    at(b, q + 64 + lane),
-                    at(b, q + 96 + lane),
-                )
+                v0, v1, v2, v3 = _k4_lane(b, q + lane)
                 h = at(b, o + qh_at + lane)
                 lanes[lane] += (
                     (c0 * (u8_field(v0, 0, 15) + _k5_high(h, 0)) * at(x, y + lane)
@@ -302,12 +303,7 @@ def _dot_k4(
                 )  # fmt: skip
         else:
             for lane in range(32):
-                v0, v1, v2, v3 = (
-                    at(b, q + lane),
-                    at(b, q + 32 + lane),
-                    at(b, q + 64 + lane),
-                    at(b, q + 96 + lane),
-                )
+                v0, v1, v2, v3 = _k4_lane(b, q + lane)
                 lanes[lane] += (
                     (c0 * u8_field(v0, 0, 15) * at(x, y + lane) + c1 * u8_field(v0, 4, 15) * at(x, y + 32 + lane))
                     + (c2 * u8_field(v1, 0, 15) * at(x, y + 64 + lane) + c3 * u8_field(v1, 4, 15) * at(x, y + 96 + lane))
@@ -356,7 +352,7 @@ def dot_row(b: np.ndarray, qtype: int, x: np.ndarray, xsum: np.ndarray, buf: np.
     (at least 32)."""
     if qtype == _Q4_K:
         if cpu_q8.has_q8(xsum, x.shape[0]):
-            return cpu_q8.dot_q4_k(b, xsum, x.shape[0])
+            return cpu_q8.dot_k(b, xsum, x.shape[0], False)
         return _dot_k4(b, x, xsum, buf, 144, 16, -1)
     if qtype == _Q6_K:
         if cpu_q8.has_q8(xsum, x.shape[0]):
@@ -364,7 +360,7 @@ def dot_row(b: np.ndarray, qtype: int, x: np.ndarray, xsum: np.ndarray, buf: np.
         return _dot_q6_k(b, x, buf)
     if qtype == _Q5_K:
         if cpu_q8.has_q8(xsum, x.shape[0]):
-            return cpu_q8.dot_q5_k(b, xsum, x.shape[0])
+            return cpu_q8.dot_k(b, xsum, x.shape[0], True)
         return _dot_k4(b, x, xsum, buf, 176, 48, 16)
     if qtype == _Q8_0:
         return _dot_q8_0(b, x, buf)
