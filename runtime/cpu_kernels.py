@@ -766,7 +766,7 @@ def attention_step(
     _attention_step(
         _vec(h), _vec(norm), eps, w_in.data, w_in.index, n_head, n_gate, qk_norm, cos.numpy(), sin.numpy(),
         keys.numpy(), values.numpy(), pos, w_out.data, w_out.index, x.numpy()[0], att.numpy()[0], out.numpy()[0],
-        w_in.q8,
+        w_in.q8 or w_out.q8,
     )  # fmt: skip
     return out, x, att
 
@@ -795,7 +795,7 @@ def deltanet_step(
     _deltanet_step(
         _vec(h), _vec(norm), eps, w_in.data, w_in.index, n_k, conv_state.numpy(), conv_w, _vec(dt_bias), _vec(a),
         _vec(out_norm), recurrent.numpy(), w_out.data, w_out.index, x.numpy()[0], o.numpy()[0], out.numpy()[0],
-        w_in.q8,
+        w_in.q8 or w_out.q8,
     )  # fmt: skip
     return out, x, o
 
@@ -814,7 +814,7 @@ def shared_ffn(
         _vec(h),
         act.numpy()[0],
         out.numpy()[0],
-        w_in.q8,
+        w_in.q8 or w_down.q8,
     )
     return out, act
 

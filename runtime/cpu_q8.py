@@ -253,13 +253,15 @@ def _block6_loop(b: np.ndarray, o: int, xp: np.ndarray, co: int) -> int:
     return total
 
 
-@njit(inline="always", **_FAST)
-def _scale_min(b: np.ndarray, s: int, j: int) -> tuple[int, int]:
-    """ggml's get_scale_min_k4 of group j over the 12 scale bytes at b[s:]."""
+@njit(inline="always", **JIT)
+def scale_min_k4(j: int, s: np.ndarray, base: int) -> tuple[int, int]:
+    """ggml's get_scale_min_k4: group j's six-bit scale and min from a K-quant block's 12 scale bytes at
+    s[base:] (also ``runtime.cpu_rows``' decoder's)."""
     if j < 4:
-        return np.int64(b[s + j]) & 63, np.int64(b[s + j + 4]) & 63
-    sc = (np.int64(b[s + j + 4]) & 0xF) | ((np.int64(b[s + j - 4]) >> 6) << 4)
-    return sc, (np.int64(b[s + j + 4]) >> 4) | ((np.int64(b[s + j]) >> 6) << 4)
+        return np.int64(s[base + j]) & 63, np.int64(s[base + j + 4]) & 63
+    sc = (np.int64(s[base + j + 4]) & 0xF) | ((np.int64(s[base + j - 4]) >> 6) << 4)
+    m = (np.int64(s[base + j + 4]) >> 4) | ((np.int64(s[base + j]) >> 6) << 4)
+    return sc, m
 
 
 @njit(inline="always", **_FAST)
@@ -271,7 +273,7 @@ def _block_loop(b: np.ndarray, o: int, xp: np.ndarray, so: int, co: int, qh_at: 
     isum = 0
     msum = 0
     for g in range(8):
-        sc, m = _scale_min(b, o + 4, g)
+        sc, m = scale_min_k4(g, b, o + 4)
         q, shift = o + qs_at + 32 * (g // 2), 4 * (g % 2)
         s = 0
         for lane in range(32):

@@ -44,25 +44,15 @@ def _bits(u: int) -> float:
 
 
 @njit(inline="always", **_JIT)
-def _scale_min_k4(j: int, s: np.ndarray, base: int) -> tuple[int, int]:
-    """ggml's get_scale_min_k4 over the 12 scale bytes at b[base:]."""
-    if j < 4:
-        return np.int64(s[base + j]) & 63, np.int64(s[base + j + 4]) & 63
-    sc = (np.int64(s[base + j + 4]) & 0xF) | ((np.int64(s[base + j - 4]) >> 6) << 4)
-    m = (np.int64(s[base + j + 4]) >> 4) | ((np.int64(s[base + j]) >> 6) << 4)
-    return sc, m
-
-
-@njit(inline="always", **_JIT)
 def _decode_k4(b: np.ndarray, out: np.ndarray, block_bytes: int, qs_at: int, qh_at: int) -> None:
     """Q4_K (qh_at < 0) and Q5_K rows: fp16 d, dmin, 12 scale bytes, [32 high-bit bytes at qh_at], nibbles."""
     for blk in range(out.shape[0] // 256):
         o, y = block_bytes * blk, 256 * blk
         d, dmin = fp16_to_f32(_u16(b, o)), fp16_to_f32(_u16(b, o + 2))
         for j in range(4):
-            sc, m = _scale_min_k4(2 * j, b, o + 4)
+            sc, m = cpu_q8.scale_min_k4(2 * j, b, o + 4)
             d1, m1 = d * F32(sc), dmin * F32(m)
-            sc, m = _scale_min_k4(2 * j + 1, b, o + 4)
+            sc, m = cpu_q8.scale_min_k4(2 * j + 1, b, o + 4)
             d2, m2 = d * F32(sc), dmin * F32(m)
             q, ya = o + qs_at + 32 * j, y + 64 * j
             if qh_at >= 0:
