@@ -29,7 +29,7 @@ Q8Opt = Annotated[
     bool,
     typer.Option(
         "--q8-activations",
-        help="CPU: multiply Q4_K/Q5_K/Q6_K weights with 8-bit activations as llama.cpp does (faster decode; logits move by about 1 percent)",
+        help="CPU decode steps: multiply Q4_K/Q5_K/Q6_K weights with 8-bit activations as llama.cpp does (faster; logits move by about 1 percent)",
     ),
 ]
 ExpertCacheOpt = Annotated[
@@ -279,7 +279,6 @@ def eval_(
     threads: ThreadsOpt = None,
     expert_cache_mib: ExpertCacheOpt = 1024,
     ggml_numerics: GgmlOpt = False,
-    q8_activations: Q8Opt = False,
     prune_mask: PruneMaskOpt = None,
     resident: ResidentOpt = False,
     ssd_streaming: StreamingOpt = False,
@@ -305,7 +304,7 @@ def eval_(
     require_int("--top-k", top_k, 1)
     require_int("--ctx", ctx, 2)
     body = read_text(text)  # before the model loads: a bad text fails at once
-    dev = _setup(device, threads, expert_cache_mib, q8_activations)
+    dev = _setup(device, threads, expert_cache_mib)
     budget = expert_cache_mib << 20
     residency = Residency(
         resident, ssd_streaming, cache_experts, cache_bytes, memory_budget, cache_policy, prefetch,
