@@ -246,7 +246,8 @@ def prefill(args: argparse.Namespace, gen: torch.Generator) -> None:
 
 
 def gemm_sweep(qtype: Q, dense, moe) -> None:
-    """Times of the integer-code GEMM over tile configurations (ck.GEMM_CONFIG), best first."""
+    """Times of the integer-code GEMM over tile configurations (ck.GEMM_CONFIG), best first; then at the default
+    tiles with K split in 2, 4 and 8 parts."""
     rows = []
     prec = "bf16x3"
     for bn in (64, 128):
@@ -264,6 +265,16 @@ def gemm_sweep(qtype: Q, dense, moe) -> None:
                         continue
                     rows.append((t_moe, t_dense, prec, bn, warps, stages, bm))
     ck.GEMM_CONFIG.update(bn=None, warps=None, stages=None, bm=None)
+    for split in (2, 4, 8):  # K split in parts, each a program (at the default tiles)
+        ck.GEMM_CONFIG.update(split=split)
+        t_moe, t_dense = (
+            do_bench(lambda: moe(prec), warmup=5, rep=30),
+            do_bench(lambda: dense(prec), warmup=5, rep=30),
+        )
+        print(
+            f"  {qtype.name} {prec} default tiles, K split {split}: moe {t_moe:.3f} ms, dense {t_dense:.3f} ms"
+        )
+    ck.GEMM_CONFIG.update(split=None)
     print(
         f"\n{qtype.name} GEMM sweep (ms): moe gate, dense attn_q (BM 128), precision, bn, warps, stages, moe bm"
     )

@@ -200,6 +200,26 @@ def test_gemv_tile_configurations_agree(qtype: Q) -> None:
         ck.GEMV_CONFIG.update(bn=None, warps=None, split=None)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("precision", ["auto", "ieee"])
+def test_gemm_split_k_agrees(qtype: Q, precision: str) -> None:
+    """K split in 2 or 4 parts (programs of their own, partial sums added after; the sweep's option) keeps
+    dense and grouped-by-expert products float32-accurate; a split that does not divide K falls back to one."""
+    experts, n, k, n_tok, top_k = 4, 40, k_for(qtype, 4), 40, 2  # 80 pairs: the GEMM, not the GEMV
+    raw = random_rows(qtype, experts * n, k, seed=11).view(experts, n, -1).to(DEVICE)
+    ids = _ids(n_tok, top_k, experts, 12).to(DEVICE)
+    x = torch.randn(n_tok, k, generator=torch.Generator().manual_seed(13)).to(DEVICE)
+    ref = _moe_reference(x.cpu(), raw.cpu(), qtype, ids.cpu())[0]
+    dense_ref = reference(x.cpu(), raw[1].cpu(), qtype)[0]
+    try:
+        for split in (2, 4, 3):
+            ck.GEMM_CONFIG.update(split=split)
+            assert_close(ck.moe_linear(x, raw, qtype, ids, precision=precision), ref)
+            assert_close(ck.linear(x, raw[1], qtype, precision=precision), dense_ref)
+    finally:
+        ck.GEMM_CONFIG.update(split=None)
+
+
 def test_group_by_expert_tiles_cover_every_pair_once() -> None:
     ids = torch.tensor([[3, 3], [0, 3], [3, 1], [3, 3]], dtype=torch.int32, device=DEVICE)
     order, expert, start, rows = (t.cpu() for t in ck._group_by_expert(ids, 5, bm=2))

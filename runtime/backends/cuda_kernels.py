@@ -513,7 +513,7 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _int_gemm(x, w, xrow, rmask, row_off, K, BS: tl.constexpr, TS: tl.constexpr, S: tl.constexpr,
+    def _int_gemm(x, w, xrow, rmask, row_off, k_lo, k_hi, BS: tl.constexpr, TS: tl.constexpr, S: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, PARTS: tl.constexpr,
                   INTERP: tl.constexpr):  # fmt: skip
         """The K loop on integer codes: per group, x (split in bfloat16 parts, exact with 3) times the
@@ -521,7 +521,7 @@ if triton is not None:
         sum of x over the group, in float32."""
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         li = tl.arange(0, S)
-        for k in range(0, K, S):  # one group a step: unrolling a block's groups overflows shared memory
+        for k in range(k_lo, k_hi, S):  # one group a step: unrolling a block's groups overflows shared memory
             q, scale, minimum = _int_group(w, row_off + (k // BS) * TS, (k % BS) // S, li, QT)
             if INTERP:
                 qt = tl.trans(q.to(tl.float32))
@@ -555,6 +555,7 @@ if triton is not None:
         sx_tok,
         sx_slot,
         sy,
+        split_stride,
         TOPK: tl.constexpr,
         QT: tl.constexpr,
         BS: tl.constexpr,
@@ -565,12 +566,20 @@ if triton is not None:
         BN: tl.constexpr,
         PREC: tl.constexpr,
         MOE: tl.constexpr,
+        SPLIT: tl.constexpr,
         INTERP: tl.constexpr,
     ):
         """Dense: rows m of x. MoE: tile pid_m holds up to BM (token, slot) pairs of one expert, listed
         by ``order[tile_start : tile_start + tile_rows]``; tiles past the last have 0 rows.
-        PREC 5 / 6 (bf16x3 / bf16x2): the integer-code loop (_int_gemm), for the types of _INT_TYPES."""
+        PREC 5 / 6 (bf16x3 / bf16x2): the integer-code loop (_int_gemm), for the types of _INT_TYPES.
+        SPLIT > 1: program (., ., s) takes the s-th of SPLIT equal parts of K and writes its partial sums
+        ``split_stride`` elements after y's start times s (summed by the caller)."""
         pid_m = tl.program_id(1)
+        k_lo, k_part = 0, K
+        if SPLIT > 1:  # resolved when compiling: the one-part kernel is the one before splits existed
+            k_part = K // SPLIT
+            k_lo = tl.program_id(2) * k_part
+            y += tl.program_id(2) * split_stride
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nc = tl.minimum(n, N - 1).to(tl.int64)
         r = tl.arange(0, BM)
@@ -591,10 +600,12 @@ if triton is not None:
             yrow = m.to(tl.int64) * sy
             row_off = nc * row_stride
         if PREC >= 5:
-            acc = _int_gemm(x, w, xrow, rmask, row_off, K, BS, TS, S, BM, BN, QT, 8 - PREC, INTERP)
+            acc = _int_gemm(
+                x, w, xrow, rmask, row_off, k_lo, k_lo + k_part, BS, TS, S, BM, BN, QT, 8 - PREC, INTERP
+            )
         else:
             acc = tl.zeros([BM, BN], dtype=tl.float32)
-            for k0 in range(0, K, G * S):
+            for k0 in range(k_lo, k_lo + k_part, G * S):
                 bp, jg, si, kg, kmask = _tile_offsets(k0, row_off, K, G, S, BS, TS)
                 wt = tl.reshape(_decode(w, bp, jg, si, kmask, tab, QT), (BN, G * S))
                 k = k0 + tl.arange(0, G * S)
@@ -884,18 +895,20 @@ def _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, sy, top_k, nt
 
 
 # GEMM tiles, read at each launch so the benchmark can sweep them (None: _gemm_plan's).
-GEMM_CONFIG: dict[str, int | None] = {"bn": None, "warps": None, "stages": None, "bm": None}
+GEMM_CONFIG: dict[str, int | None] = {"bn": None, "warps": None, "stages": None, "bm": None, "split": None}
 
 
 class GemmPlan(NamedTuple):
     """How a prefill product runs: the kernel's PREC code, weight rows per program, warps, pipeline stages
-    (0: Triton's default) and the fewest (token, slot) pairs an MoE tile is cut for."""
+    (0: Triton's default), the fewest (token, slot) pairs an MoE tile is cut for, and the parts K is split in
+    (a program each, their partial sums added after; 1 unless the sweep asks)."""
 
     prec: int
     bn: int
     warps: int
     stages: int
     smallest_tile: int
+    split: int = 1
 
 
 def _gemm_plan(qtype: GGMLQuantizationType, precision: str | None, moe: bool) -> GemmPlan:
@@ -919,7 +932,8 @@ def _gemm_plan(qtype: GGMLQuantizationType, precision: str | None, moe: bool) ->
     else:  # dense products take 128-row tiles of x, MoE tiles at most 64 pairs
         bn, warps, stages, smallest = 64, (4 if moe else 8), 0, 16
     cfg = GEMM_CONFIG
-    return GemmPlan(prec, cfg["bn"] or bn, cfg["warps"] or warps, cfg["stages"] or stages, smallest)
+    stages = cfg["stages"] or stages
+    return GemmPlan(prec, cfg["bn"] or bn, cfg["warps"] or warps, stages, smallest, cfg["split"] or 1)
 
 
 def _launch_gemm(
@@ -931,10 +945,12 @@ def _launch_gemm(
         g = max(g, 16 // s)
     order, tile_expert, tile_start, tile_rows = maps if moe else (tab, tab, tab, tab)
     tiles_m = tile_rows.numel() if moe else _cdiv(m, bm)
-    _gemm_kernel[(_cdiv(n, plan.bn), tiles_m)](
+    split = plan.split if k % (plan.split * g * s) == 0 else 1
+    out = y if split == 1 else torch.empty((split, *y.shape), dtype=y.dtype, device=y.device)
+    _gemm_kernel[(_cdiv(n, plan.bn), tiles_m, split)](
         x,
         w,
-        y,
+        out,
         tab,
         order,
         tile_expert,
@@ -947,6 +963,7 @@ def _launch_gemm(
         sx_tok,
         sx_slot,
         sy,
+        y.numel(),
         TOPK=top_k,
         QT=int(qtype),
         BS=bs,
@@ -957,7 +974,10 @@ def _launch_gemm(
         BN=plan.bn,
         PREC=plan.prec,
         MOE=moe,
+        SPLIT=split,
         INTERP=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=plan.warps,
         **({"num_stages": plan.stages} if plan.stages else {}),
     )
+    if split > 1:
+        torch.sum(out, 0, out=y)
