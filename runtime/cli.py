@@ -29,7 +29,7 @@ Q8Opt = Annotated[
     bool,
     typer.Option(
         "--q8-activations",
-        help="CPU decode steps: multiply Q4_K/Q5_K/Q6_K weights with 8-bit activations as llama.cpp does (faster; logits move by about 1 percent)",
+        help="CPU decode steps: multiply Q4_K/Q5_K/Q6_K weights with 8-bit activations as llama.cpp does (faster; each product moves by about 1 percent)",
     ),
 ]
 ExpertCacheOpt = Annotated[

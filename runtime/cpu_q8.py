@@ -2,9 +2,10 @@
 them: the input vector is quantized once to ggml's Q8_K (per 256 values an int8 code each and a float32 scale,
 plus the codes' sums per 32), then each row block is integer multiply-adds (``vpmaddubsw`` / ``vpmaddwd`` on
 AVX2 hosts, plain loops elsewhere) scaled once. The one-token CPU kernels take this path for the K-quant weights
-of a model loaded with ``FORGE_Q8_ACTIVATIONS=1`` (``forge run|serve --q8-activations``): faster products,
-logits about 1% of their scale from the float32 path (llama.cpp's own numerics); float32 activations stay the
-default, and prefill batches (and so ``forge eval``) keep them.
+of a model loaded with ``FORGE_Q8_ACTIVATIONS=1`` (``forge run|serve --q8-activations``): faster products, each
+about 1% from the float32 one (llama.cpp's own numerics; the tiny Q4_K_M fixture's logits move by up to 6% of
+their scale over 32 decode steps); float32 activations stay the default, and prefill batches (and so ``forge
+eval``) keep them.
 
 The prepared input (``runtime.cpu_rows.prepare_input``) is one float32 array: the float sums per 32 values that
 ``dot_row`` takes anyway, then the Q8_K scales (float32), the code sums per 32 (int16, two to a slot) and the

@@ -110,7 +110,7 @@ def test_the_option_switches_the_kernels(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_a_model_decodes_with_8_bit_activations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A synthesized Q4_K model's decode logits with --q8-activations: close to the float32 path's (the
-    inputs' rounding moves them by about 1% of their scale) and not equal to them (the kernels took the path)."""
+    inputs' rounding moves each product by about 1%) and not equal to them (the kernels took the path)."""
     from runtime.models import load_model
     from runtime.synth import synthesize
     from tests.test_synth import TINY
