@@ -218,23 +218,6 @@ def _dot_mxfp4(b: np.ndarray, x: np.ndarray) -> float:
 
 
 @njit(inline="always", **_FAST)
-def _k4_scales(b: np.ndarray, s: int) -> tuple[int, ...]:
-    """The 8 six-bit scales, then the 8 six-bit mins, of a K-quant block's 12 scale bytes at b[s:] (ggml's
-    get_scale_min_k4 for every group, without its branch)."""
-    a0, a1, a2, a3 = np.int64(b[s]), np.int64(b[s + 1]), np.int64(b[s + 2]), np.int64(b[s + 3])
-    a4, a5, a6, a7 = np.int64(b[s + 4]), np.int64(b[s + 5]), np.int64(b[s + 6]), np.int64(b[s + 7])
-    a8, a9, a10, a11 = np.int64(b[s + 8]), np.int64(b[s + 9]), np.int64(b[s + 10]), np.int64(b[s + 11])
-    return (
-        a0 & 63, a1 & 63, a2 & 63, a3 & 63,
-        (a8 & 15) | ((a0 >> 6) << 4), (a9 & 15) | ((a1 >> 6) << 4),
-        (a10 & 15) | ((a2 >> 6) << 4), (a11 & 15) | ((a3 >> 6) << 4),
-        a4 & 63, a5 & 63, a6 & 63, a7 & 63,
-        (a8 >> 4) | ((a4 >> 6) << 4), (a9 >> 4) | ((a5 >> 6) << 4),
-        (a10 >> 4) | ((a6 >> 6) << 4), (a11 >> 4) | ((a7 >> 6) << 4),
-    )  # fmt: skip
-
-
-@njit(inline="always", **_FAST)
 def _k4_lane(b: np.ndarray, q: int) -> tuple[np.uint8, np.uint8, np.uint8, np.uint8]:
     """A lane's four nibble bytes in a K-quant block (one per pair of groups), from b[q]."""
     return at(b, q), at(b, q + 32), at(b, q + 64), at(b, q + 96)
@@ -259,15 +242,19 @@ def _dot_k4(
     """Q4_K (qh_at < 0) and Q5_K rows: fp16 d, dmin, 12 scale bytes, then [32 high-bit bytes at qh_at], nibbles.
 
     A block is one vectorized loop over its 32 byte lanes, each lane taking its value of all 8 groups, the sum
-    of the 8 products written as a tree: the block's scales are decoded once (not per pair of groups, with
-    the aliasing checks of a loop each) and the additions do not wait on one another (1.2x on this CPU)."""
+    of the 8 products written as a tree: the block's scales are decoded once (``scale_min_k4`` with constant
+    groups: its branch folds away), not per pair of groups with the aliasing checks of a loop each, and the
+    additions do not wait on one another (1.2x on this CPU)."""
     lanes = scratch[:32]
     _zero(lanes)
     mins = F32(0)
     for blk in range(x.shape[0] // 256):
         o, y, g = block_bytes * blk, 256 * blk, 8 * blk
         d, dmin = fp16_to_f32(_u16(b, o)), fp16_to_f32(_u16(b, o + 2))
-        s0, s1, s2, s3, s4, s5, s6, s7, m0, m1, m2, m3, m4, m5, m6, m7 = _k4_scales(b, o + 4)
+        (s0, m0), (s1, m1) = cpu_q8.scale_min_k4(0, b, o + 4), cpu_q8.scale_min_k4(1, b, o + 4)
+        (s2, m2), (s3, m3) = cpu_q8.scale_min_k4(2, b, o + 4), cpu_q8.scale_min_k4(3, b, o + 4)
+        (s4, m4), (s5, m5) = cpu_q8.scale_min_k4(4, b, o + 4), cpu_q8.scale_min_k4(5, b, o + 4)
+        (s6, m6), (s7, m7) = cpu_q8.scale_min_k4(6, b, o + 4), cpu_q8.scale_min_k4(7, b, o + 4)
         mins += dmin * (
             (F32(m0) * xsum[g] + F32(m1) * xsum[g + 1]) + (F32(m2) * xsum[g + 2] + F32(m3) * xsum[g + 3])
         ) + dmin * (
