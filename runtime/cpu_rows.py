@@ -327,17 +327,16 @@ def dot_row(b: np.ndarray, qtype: int, x: np.ndarray, xsum: np.ndarray, buf: np.
     """sum_j row_j * x_j for the encoded row ``b`` of ``qtype``; xsum: ``prepare_input(x, q8)`` (the sums per 32
     values, and with q8 the Q8_K form that K-quant rows are multiplied with instead of x); buf: scratch of len(x)
     (at least 32)."""
+    if cpu_q8.has_q8(xsum, x.shape[0]):  # K-quant rows take the 8-bit input
+        if qtype in (_Q4_K, _Q5_K):
+            return cpu_q8.dot_k(b, xsum, x.shape[0], qtype == _Q5_K)
+        if qtype == _Q6_K:
+            return cpu_q8.dot_q6_k(b, xsum, x.shape[0])
     if qtype == _Q4_K:
-        if cpu_q8.has_q8(xsum, x.shape[0]):
-            return cpu_q8.dot_k(b, xsum, x.shape[0], False)
         return _dot_k4(b, x, xsum, buf, 144, 16, -1)
     if qtype == _Q6_K:
-        if cpu_q8.has_q8(xsum, x.shape[0]):
-            return cpu_q8.dot_q6_k(b, xsum, x.shape[0])
         return _dot_q6_k(b, x, buf)
     if qtype == _Q5_K:
-        if cpu_q8.has_q8(xsum, x.shape[0]):
-            return cpu_q8.dot_k(b, xsum, x.shape[0], True)
         return _dot_k4(b, x, xsum, buf, 176, 48, 16)
     if qtype == _Q8_0:
         return _dot_q8_0(b, x, buf)
