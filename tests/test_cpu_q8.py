@@ -173,21 +173,12 @@ def test_q6_k_block_products_are_exact_on_both_implementations() -> None:
 
 
 def test_the_cli_option_runs_a_model_and_refuses_other_devices(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     from runtime.synth import synthesize
+    from tests.test_experts import _forge as forge
     from tests.test_synth import TINY
 
     path = tmp_path / "model.gguf"
     synthesize(path, TINY, "q4_k")
-    code = "import sys; from forge.cli import main; sys.argv = ['forge', *sys.argv[1:]]; main()"
-
-    def forge(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300
-        )
-
     ok = forge("run", str(path), "-p", "hello", "-n", "4", "--q8-activations")
     assert ok.returncode == 0, ok.stderr
     assert "decode: 4 tokens" in ok.stderr
