@@ -210,6 +210,12 @@ def fp16_bits(f: float) -> int:
 
 
 @njit(inline="always", **JIT)
+def u16_at(b: np.ndarray, i: int) -> int:
+    """The little-endian uint16 at bytes b[i], b[i + 1] (e.g. a block's fp16 scale, for ``fp16_to_f32``)."""
+    return np.int64(b[i]) | (np.int64(b[i + 1]) << 8)
+
+
+@njit(inline="always", **JIT)
 def fp16_to_f32(h: int) -> float:
     """IEEE half bits -> float32 (exact). Without branches: in a dot product over a row's blocks, a branch on
     subnormal scales (common in quiet weights) is mispredicted; both forms are computed and one selected."""

@@ -21,7 +21,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from forge.jit import JIT, fp16_to_f32
+from forge.jit import JIT, fp16_to_f32, u16_at
 
 _FAST = {"fastmath": {"reassoc", "contract"}, "nogil": True, "cache": True, "error_model": "numpy"}
 F32 = np.float32
@@ -315,8 +315,8 @@ def dot_k(b: np.ndarray, xp: np.ndarray, n: int, five_bits: bool) -> float:
             isum, msum = _block5(b, o, xp, s_at + 16 * blk, c_at + 256 * blk)
         else:
             isum, msum = _block4(b, o, xp, s_at + 16 * blk, c_at + 256 * blk)
-        d = fp16_to_f32(np.int64(b[o]) | (np.int64(b[o + 1]) << 8))
-        dmin = fp16_to_f32(np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8))
+        d = fp16_to_f32(u16_at(b, o))
+        dmin = fp16_to_f32(u16_at(b, o + 2))
         acc += xp[d_at + blk] * (d * F32(isum) - dmin * F32(msum))
     return acc
 
@@ -328,6 +328,6 @@ def dot_q6_k(b: np.ndarray, xp: np.ndarray, n: int) -> float:
     acc = F32(0)
     for blk in range(n // 256):
         o = 210 * blk
-        d = fp16_to_f32(np.int64(b[o + 208]) | (np.int64(b[o + 209]) << 8))
+        d = fp16_to_f32(u16_at(b, o + 208))
         acc += xp[d_at + blk] * d * F32(_block6(b, o, xp, c_at + 256 * blk))
     return acc

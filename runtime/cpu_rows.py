@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 from numba import njit
 
 from forge import ggml_types
-from forge.jit import at, bits_f32, fp16_to_f32, i8_f32, prefetch, put, u8_field
+from forge.jit import at, bits_f32, fp16_to_f32, i8_f32, prefetch, put, u8_field, u16_at
 from runtime import cpu_q8
 
 # the types whose rows ``decode_row`` decodes and ``dot_row`` multiplies (the float types, those of the
@@ -33,11 +33,6 @@ _FP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.fl
 
 
 @njit(inline="always", **_JIT)
-def _u16(b: np.ndarray, i: int) -> int:
-    return np.int64(b[i]) | (np.int64(b[i + 1]) << 8)
-
-
-@njit(inline="always", **_JIT)
 def _bits(u: int) -> float:
     """The float32 with bit pattern ``u`` (0 <= u < 2**32)."""
     return bits_f32(np.int32(u - (np.int64(1) << 32) if u >= 0x80000000 else u))
@@ -48,7 +43,7 @@ def _decode_k4(b: np.ndarray, out: np.ndarray, block_bytes: int, qs_at: int, qh_
     """Q4_K (qh_at < 0) and Q5_K rows: fp16 d, dmin, 12 scale bytes, [32 high-bit bytes at qh_at], nibbles."""
     for blk in range(out.shape[0] // 256):
         o, y = block_bytes * blk, 256 * blk
-        d, dmin = fp16_to_f32(_u16(b, o)), fp16_to_f32(_u16(b, o + 2))
+        d, dmin = fp16_to_f32(u16_at(b, o)), fp16_to_f32(u16_at(b, o + 2))
         for j in range(4):
             sc, m = cpu_q8.scale_min_k4(2 * j, b, o + 4)
             d1, m1 = d * F32(sc), dmin * F32(m)
@@ -99,17 +94,17 @@ def decode_row(b: np.ndarray, qtype: int, out: np.ndarray) -> None:
     n = out.shape[0]
     if qtype == _F32:
         for j in range(n):
-            out[j] = _bits(_u16(b, 4 * j) | (_u16(b, 4 * j + 2) << 16))
+            out[j] = _bits(u16_at(b, 4 * j) | (u16_at(b, 4 * j + 2) << 16))
     elif qtype == _F16:
         for j in range(n):
-            out[j] = fp16_to_f32(_u16(b, 2 * j))
+            out[j] = fp16_to_f32(u16_at(b, 2 * j))
     elif qtype == _BF16:
         for j in range(n):
-            out[j] = _bits(_u16(b, 2 * j) << 16)
+            out[j] = _bits(u16_at(b, 2 * j) << 16)
     elif qtype == _Q8_0:
         for blk in range(n // 32):
             o = 34 * blk
-            d = fp16_to_f32(_u16(b, o))
+            d = fp16_to_f32(u16_at(b, o))
             for j in range(32):
                 put(out, 32 * blk + j, i8_f32(at(b, o + 2 + j)) * d)
     elif qtype == _Q4_K:
@@ -119,7 +114,7 @@ def decode_row(b: np.ndarray, qtype: int, out: np.ndarray) -> None:
     elif qtype == _Q6_K:
         for blk in range(n // 256):
             o, y = 210 * blk, 256 * blk
-            d = fp16_to_f32(_u16(b, o + 208))
+            d = fp16_to_f32(u16_at(b, o + 208))
             for half in range(2):
                 ql, qh, sc, yh = o + 64 * half, o + 128 + 32 * half, o + 192 + 8 * half, y + 128 * half
                 for g in range(2):  # lanes 16 g .. 16 g + 15 of each of the four 32-value parts share a scale
@@ -198,7 +193,7 @@ def _dot_q8_0(b: np.ndarray, x: np.ndarray, scratch: np.ndarray) -> float:
     _zero(lanes)
     for blk in range(x.shape[0] // 32):
         o, y = 34 * blk, 32 * blk
-        d = fp16_to_f32(_u16(b, o))
+        d = fp16_to_f32(u16_at(b, o))
         for lane in range(32):
             lanes[lane] += d * i8_f32(at(b, o + 2 + lane)) * at(x, y + lane)
     return _total(lanes)
@@ -250,7 +245,7 @@ def _dot_k4(
     mins = F32(0)
     for blk in range(x.shape[0] // 256):
         o, y, g = block_bytes * blk, 256 * blk, 8 * blk
-        d, dmin = fp16_to_f32(_u16(b, o)), fp16_to_f32(_u16(b, o + 2))
+        d, dmin = fp16_to_f32(u16_at(b, o)), fp16_to_f32(u16_at(b, o + 2))
         (s0, m0), (s1, m1) = cpu_q8.scale_min_k4(0, b, o + 4), cpu_q8.scale_min_k4(1, b, o + 4)
         (s2, m2), (s3, m3) = cpu_q8.scale_min_k4(2, b, o + 4), cpu_q8.scale_min_k4(3, b, o + 4)
         (s4, m4), (s5, m5) = cpu_q8.scale_min_k4(4, b, o + 4), cpu_q8.scale_min_k4(5, b, o + 4)
@@ -297,7 +292,7 @@ def _dot_q6_k(b: np.ndarray, x: np.ndarray, scratch: np.ndarray) -> float:
     _zero(lanes)
     for blk in range(x.shape[0] // 256):
         o, y = 210 * blk, 256 * blk
-        d = fp16_to_f32(_u16(b, o + 208))
+        d = fp16_to_f32(u16_at(b, o + 208))
         for half in range(2):
             ql, qh, sc, yh = o + 64 * half, o + 128 + 32 * half, o + 192 + 8 * half, y + 128 * half
             for g in range(2):  # lanes 16 g .. 16 g + 15 of each of the four 32-value parts share a scale
