@@ -19,6 +19,8 @@ from numba.core import registry
 from numba.extending import intrinsic
 
 JIT = {"cache": True, "nogil": True, "error_model": "numpy"}
+#: ``JIT`` for dot products: sums may be reassociated (vectorized) and fused; no assumptions about NaN or inf
+FAST_JIT = {**JIT, "fastmath": {"reassoc", "contract"}}
 
 #: LLVM tuning for Intel CPUs with AVX-512 (see :func:`_tune_for_intel_avx512`)
 INTEL_AVX512_TUNING = "skylake"

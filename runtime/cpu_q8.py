@@ -21,9 +21,9 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from forge.jit import FAST_JIT as _FAST
 from forge.jit import JIT, fp16_to_f32, u16_at
 
-_FAST = {"fastmath": {"reassoc", "contract"}, "nogil": True, "cache": True, "error_model": "numpy"}
 F32 = np.float32
 
 

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as Q
 from numba import njit
 
 from forge import ggml_types
+from forge.jit import FAST_JIT as _FAST
 from forge.jit import at, bits_f32, fp16_to_f32, i8_f32, prefetch, put, u8_field, u16_at
 from runtime import cpu_q8
 
@@ -142,7 +143,6 @@ def decode_row(b: np.ndarray, qtype: int, out: np.ndarray) -> None:
 # of 32 (or 16) lanes (``lanes``, in the caller's scratch) that is summed once per row: a loop that reduces to one float per
 # 32 values would end every block in a horizontal sum. Loads in them go through ``at`` (no wraparound check,
 # which would turn vector loads into gathers), and bytes are unpacked on 8 bits (``u8_field``).
-_FAST = {"fastmath": {"reassoc", "contract"}, "nogil": True, "cache": True, "error_model": "numpy"}
 
 
 @njit(**_FAST)
