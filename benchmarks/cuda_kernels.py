@@ -15,7 +15,6 @@ gate projection (tokens grouped by expert on the device), against dequantize-to-
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 from gguf import GGML_QUANT_SIZES
@@ -155,6 +154,9 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.prefill:
         prefill(args, gen)
+    if args.gemm_sweep:
+        for name in args.types.split(","):
+            gemm_sweep(Q[name.strip().upper()], gen, args.prefill or 512)
 
 
 def sweep(args: argparse.Namespace, gen: torch.Generator, bw: float) -> None:
@@ -183,7 +185,8 @@ def sweep(args: argparse.Namespace, gen: torch.Generator, bw: float) -> None:
                 def kernel(x=x, raw=raw, qtype=qtype):
                     return ck.linear(x, raw, qtype)
 
-            for words in ("all", "0") if qtype in ck._WORD_TYPES else ("",):
+            has_words = ck.ggml_types.implementation("cuda", qtype).words is not None
+            for words in ("all", "0") if has_words else ("",):
                 os.environ["FORGE_CUDA_WORDS"] = words
                 for bn, warps, split in ((0, 0, 0), (8, 4, 1), (16, 4, 1), (16, 2, 1), (8, 4, 2), (16, 4, 2),
                                          (16, 4, 4), (8, 2, 4)):  # fmt: skip
@@ -224,7 +227,6 @@ def prefill(args: argparse.Namespace, gen: torch.Generator) -> None:
             print(
                 f"{qtype.name:8} {'attn_q':18} {prec:>9} {ms:10.3f} {2 * m * n * k / ms / 1e9:8.1f} {t_ms:14.3f}"
             )
-        dense = lambda prec, raw=raw, x=x, qtype=qtype: ck.linear(x, raw, qtype, precision=prec)  # noqa: E731
         n, k = MOE["ffn_gate/up_exps"]
         raw = random_rows(qtype, EXPERTS * n, k, gen).view(EXPERTS, n, -1)
         ids = torch.stack(
@@ -238,51 +240,50 @@ def prefill(args: argparse.Namespace, gen: torch.Generator) -> None:
             print(
                 f"{qtype.name:8} {'ffn_gate_exps':18} {prec:>9} {ms:10.3f} {flops / ms / 1e9:8.1f} {'':>14}"
             )
-        if args.gemm_sweep:
-            moe = lambda prec, raw=raw, x=x, ids=ids, qtype=qtype: ck.moe_linear(x, raw, qtype, ids, prec)  # noqa: E731
-            gemm_sweep(qtype, dense, moe)
         del raw
         torch.cuda.empty_cache()
 
 
-def gemm_sweep(qtype: Q, dense, moe) -> None:
-    """Times of the integer-code GEMM over tile configurations (ck.GEMM_CONFIG), best first; then at the default
-    tiles with K split in 2, 4 and 8 parts."""
-    rows = []
+def gemm_sweep(qtype: Q, gen: torch.Generator, m: int) -> None:
+    """Times of the prefill products of one layer at m tokens (routed gate+up as one 1,024-row weight and down,
+    top-8 of 256 experts at random; the q projection) over the integer-code GEMM's configurations
+    (ck.GEMM_CONFIG): the kernel on x as it is (xt 0, at its default tiles) and on x split once (xt 1) at
+    each tile shape; best first by the layer's routed time."""
+    gate_up = random_rows(qtype, EXPERTS * 2 * EXPERT_FF, HIDDEN, gen).view(EXPERTS, 2 * EXPERT_FF, -1)
+    down = random_rows(qtype, EXPERTS * HIDDEN, EXPERT_FF, gen).view(EXPERTS, HIDDEN, -1)
+    attn_q = random_rows(qtype, DENSE["attn_q"][0], HIDDEN, gen)
+    ids = torch.stack([torch.randperm(EXPERTS, device="cuda", generator=gen)[:TOP_K] for _ in range(m)]).int()
+    x = torch.randn(m, HIDDEN, device="cuda", generator=gen)
+    act = torch.randn(m, TOP_K, EXPERT_FF, device="cuda", generator=gen)
     prec = "bf16x3"
-    for bn in (64, 128):
-        for warps in (4, 8):
-            for stages in (2, 3):
-                for bm in (16, 32):
-                    ck.GEMM_CONFIG.update(bn=bn, warps=warps, stages=stages, bm=bm)
-                    try:
-                        t_moe = do_bench(lambda: moe(prec), warmup=5, rep=30)
-                        t_dense = (
-                            do_bench(lambda: dense(prec), warmup=5, rep=30) if bm == 16 else float("nan")
-                        )
-                    except Exception as e:  # a configuration past the shared memory of the chip
-                        print(f"  {prec} bn {bn} warps {warps} stages {stages} bm {bm}: {type(e).__name__}")
-                        continue
-                    rows.append((t_moe, t_dense, prec, bn, warps, stages, bm))
-    ck.GEMM_CONFIG.update(bn=None, warps=None, stages=None, bm=None)
-    for split in (2, 4, 8):  # K split in parts, each a program (at the default tiles)
-        ck.GEMM_CONFIG.update(split=split)
-        t_moe, t_dense = (
-            do_bench(lambda: moe(prec), warmup=5, rep=30),
-            do_bench(lambda: dense(prec), warmup=5, rep=30),
-        )
-        print(
-            f"  {qtype.name} {prec} default tiles, K split {split}: moe {t_moe:.3f} ms, dense {t_dense:.3f} ms"
-        )
-    ck.GEMM_CONFIG.update(split=None)
+    products = {
+        "gate_up": lambda: ck.moe_linear(x, gate_up, qtype, ids, prec),
+        "down": lambda: ck.moe_linear(act, down, qtype, ids, prec),
+        "attn_q": lambda: ck.linear(x, attn_q, qtype, precision=prec),
+    }
+    configs = [dict(xt=0)] + [
+        dict(xt=1, bn=bn, warps=warps, stages=stages, bm=bm)
+        for bn in (64, 128, 256)
+        for warps in (4, 8)
+        for stages in (2, 3)
+        for bm in (16, 32)
+    ]
+    rows = []
+    for cfg in configs:
+        ck.GEMM_CONFIG.update(cfg)
+        try:
+            times = {name: do_bench(fn, warmup=5, rep=30) for name, fn in products.items()}
+        except Exception as e:  # a configuration past the shared memory or registers of the chip
+            print(f"  {qtype.name} {cfg}: {type(e).__name__}")
+            continue
+        finally:
+            ck.GEMM_CONFIG.update(dict.fromkeys(ck.GEMM_CONFIG))
+        rows.append((times["gate_up"] + times["down"], times, cfg))
     print(
-        f"\n{qtype.name} GEMM sweep (ms): moe gate, dense attn_q (BM 128), precision, bn, warps, stages, moe bm"
+        f"\n{qtype.name} prefill GEMM sweep, {m} tokens, {prec} (ms): gate_up + down, gate_up, down, attn_q"
     )
-    for row in sorted(rows)[:12]:
-        print("  {:.3f} {:.3f} {} bn {} warps {} stages {} bm {}".format(*row))
-    best_dense = sorted((r for r in rows if not math.isnan(r[1])), key=lambda r: r[1])[:4]
-    for row in best_dense:
-        print("  dense {1:.3f} (moe {0:.3f}) {2} bn {3} warps {4} stages {5}".format(*row))
+    for total, t, cfg in sorted(rows, key=lambda r: r[0]):
+        print(f"  {total:7.3f} {t['gate_up']:7.3f} {t['down']:7.3f} {t['attn_q']:7.3f}  {cfg}")
 
 
 if __name__ == "__main__":

@@ -220,6 +220,36 @@ def test_gemm_split_k_agrees(qtype: Q, precision: str) -> None:
         ck.GEMM_CONFIG.update(split=None)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("precision", ["bf16x3", "bf16x2"])
+def test_gemm_on_split_x_agrees(qtype: Q, precision: str) -> None:
+    """x split once into bfloat16 parts (and group sums) with the weight rows as the product's rows: routed
+    products with x shared by a token's slots and one x per slot, and dense ones, at 16- and 32-pair tiles."""
+    experts, n, k, n_tok, top_k = 4, 40, k_for(qtype, 2), 40, 2
+    raw = random_rows(qtype, experts * n, k, seed=14).view(experts, n, -1).to(DEVICE)
+    ids = _ids(n_tok, top_k, experts, 15).to(DEVICE)
+    x = torch.randn(n_tok, k, generator=torch.Generator().manual_seed(16)).to(DEVICE)
+    xs = torch.randn(n_tok, top_k, k, generator=torch.Generator().manual_seed(17)).to(DEVICE)
+    cases = [
+        (lambda: ck.moe_linear(x, raw, qtype, ids, precision=precision), _moe_reference(x, raw, qtype, ids)),
+        (
+            lambda: ck.moe_linear(xs, raw, qtype, ids, precision=precision),
+            _moe_reference(xs, raw, qtype, ids),
+        ),
+        (lambda: ck.linear(x, raw[1], qtype, precision=precision), reference(x, raw[1], qtype)),
+    ]
+    try:
+        for bm in (16, 32):
+            ck.GEMM_CONFIG.update(xt=1, bm=bm)
+            for run, (ref, mag) in cases:
+                if precision == "bf16x3":
+                    assert_close(run(), ref)
+                else:
+                    assert_rounding_bound(run(), ref, mag, ck.UNIT_ROUNDOFF[precision], k)
+    finally:
+        ck.GEMM_CONFIG.update(xt=None, bm=None)
+
+
 def test_group_by_expert_tiles_cover_every_pair_once() -> None:
     ids = torch.tensor([[3, 3], [0, 3], [3, 1], [3, 3]], dtype=torch.int32, device=DEVICE)
     order, expert, start, rows = (t.cpu() for t in ck._group_by_expert(ids, 5, bm=2))

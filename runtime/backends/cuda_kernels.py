@@ -539,6 +539,52 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _int_gemm_t(xs, xsum, part, w, xrow, rmask, row_off, k_lo, k_hi, BS: tl.constexpr, TS: tl.constexpr,
+                    S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, PARTS: tl.constexpr,
+                    INTERP: tl.constexpr):  # fmt: skip
+        """_int_gemm with the operands swapped: the weight rows are the product's rows (BN of them, a full
+        tensor-core tile however few pairs an expert has) and x arrives split already (_split_x: PARTS
+        bfloat16 parts ``part`` elements apart, group sums in xsum), so each program only loads it.
+        Returns acc [BN, BM]."""
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+        li = tl.arange(0, S)
+        for k in range(k_lo, k_hi, S):
+            q, scale, minimum = _int_group(w, row_off + (k // BS) * TS, (k % BS) // S, li, QT)
+            if INTERP:
+                a = q.to(tl.float32)
+            else:
+                a = q.to(tl.float32).to(tl.bfloat16)
+            at = xrow[None, :] + (k + li)[:, None]
+            p = _exact_dot(
+                a,
+                tl.load(xs + at, mask=rmask[None, :], other=0.0),
+                tl.zeros([BN, BM], dtype=tl.float32),
+                INTERP,
+            )
+            p = _exact_dot(a, tl.load(xs + part + at, mask=rmask[None, :], other=0.0), p, INTERP)
+            if PARTS == 3:
+                p = _exact_dot(a, tl.load(xs + 2 * part + at, mask=rmask[None, :], other=0.0), p, INTERP)
+            acc += p * scale[:, None]
+            if QT != 8 and QT != 14:
+                acc -= minimum[:, None] * tl.load(xsum + xrow // S + k // S, mask=rmask, other=0.0)[None, :]
+        return acc
+
+    @triton.jit
+    def _split_x_kernel(x, parts, sums, numel, PARTS: tl.constexpr, S: tl.constexpr, SUMS: tl.constexpr,
+                        B: tl.constexpr):  # fmt: skip
+        """x float32 -> PARTS parts (as _bf16_parts) ``numel`` elements apart, and the sum of each S values."""
+        off = tl.program_id(0) * B + tl.arange(0, B)
+        v = tl.load(x + off, mask=off < numel, other=0.0)
+        hi, mid, lo = _bf16_parts(v, PARTS, False)
+        tl.store(parts + off, hi.to(parts.dtype.element_ty), mask=off < numel)
+        tl.store(parts + numel + off, mid.to(parts.dtype.element_ty), mask=off < numel)
+        if PARTS == 3:
+            tl.store(parts + 2 * numel + off, lo.to(parts.dtype.element_ty), mask=off < numel)
+        if SUMS:
+            g = tl.program_id(0) * (B // S) + tl.arange(0, B // S)
+            tl.store(sums + g, tl.sum(tl.reshape(v, (B // S, S)), axis=1), mask=g < numel // S)
+
+    @triton.jit
     def _gemm_kernel(
         x,
         w,
@@ -556,6 +602,8 @@ if triton is not None:
         sx_slot,
         sy,
         split_stride,
+        xsum,
+        x_part,
         TOPK: tl.constexpr,
         QT: tl.constexpr,
         BS: tl.constexpr,
@@ -568,12 +616,14 @@ if triton is not None:
         MOE: tl.constexpr,
         SPLIT: tl.constexpr,
         INTERP: tl.constexpr,
+        XT: tl.constexpr,
     ):
         """Dense: rows m of x. MoE: tile pid_m holds up to BM (token, slot) pairs of one expert, listed
         by ``order[tile_start : tile_start + tile_rows]``; tiles past the last have 0 rows.
         PREC 5 / 6 (bf16x3 / bf16x2): the integer-code loop (_int_gemm), for the types of _INT_TYPES.
         SPLIT > 1: program (., ., s) takes the s-th of SPLIT equal parts of K and writes its partial sums
-        ``split_stride`` elements after y's start times s (summed by the caller)."""
+        ``split_stride`` elements after y's start times s (summed by the caller).
+        XT (with PREC 5 / 6): x is _split_x's parts and xsum its group sums: _int_gemm_t."""
         pid_m = tl.program_id(1)
         k_lo, k_part = 0, K
         if SPLIT > 1:  # resolved when compiling: the one-part kernel is the one before splits existed
@@ -599,6 +649,13 @@ if triton is not None:
             xrow = m.to(tl.int64) * sx_tok
             yrow = m.to(tl.int64) * sy
             row_off = nc * row_stride
+        if XT:
+            acc = _int_gemm_t(
+                x, xsum, x_part, w, xrow, rmask, row_off, k_lo, k_lo + k_part, BS, TS, S, BM, BN, QT,
+                8 - PREC, INTERP,
+            )  # fmt: skip
+            tl.store(y + yrow[None, :] + n[:, None], acc, mask=rmask[None, :] & (n[:, None] < N))
+            return
         if PREC >= 5:
             acc = _int_gemm(
                 x, w, xrow, rmask, row_off, k_lo, k_lo + k_part, BS, TS, S, BM, BN, QT, 8 - PREC, INTERP
@@ -895,7 +952,9 @@ def _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, sy, top_k, nt
 
 
 # GEMM tiles, read at each launch so the benchmark can sweep them (None: _gemm_plan's).
-GEMM_CONFIG: dict[str, int | None] = {"bn": None, "warps": None, "stages": None, "bm": None, "split": None}
+GEMM_CONFIG: dict[str, int | None] = {
+    "bn": None, "warps": None, "stages": None, "bm": None, "split": None, "xt": None
+}  # fmt: skip
 
 
 class GemmPlan(NamedTuple):
@@ -909,6 +968,8 @@ class GemmPlan(NamedTuple):
     stages: int
     smallest_tile: int
     split: int = 1
+    #: x split once (_split_x) and the weight rows as the product's rows (_int_gemm_t); integer codes only
+    xt: bool = False
 
 
 def _gemm_plan(qtype: GGMLQuantizationType, precision: str | None, moe: bool) -> GemmPlan:
@@ -927,13 +988,19 @@ def _gemm_plan(qtype: GGMLQuantizationType, precision: str | None, moe: bool) ->
     prec = _PRECISIONS[precision]
     if prec >= 5 and qtype not in _INT_TYPES:
         prec = _PRECISIONS["tf32x3"]  # float32-accurate too, on the decoded values
-    if prec >= 5:
+    xt = GEMM_CONFIG["xt"]
+    xt = bool(xt) if xt is not None else os.environ.get("FORGE_CUDA_XT", "0") == "1"
+    if prec >= 5 and xt:
+        bn, warps, stages, smallest = 128, 4, 3, 16
+    elif prec >= 5:
         bn, warps, stages, smallest = (128, 4, 3, 32) if moe else (64, 4, 2, 32)
     else:  # dense products take 128-row tiles of x, MoE tiles at most 64 pairs
         bn, warps, stages, smallest = 64, (4 if moe else 8), 0, 16
     cfg = GEMM_CONFIG
     stages = cfg["stages"] or stages
-    return GemmPlan(prec, cfg["bn"] or bn, cfg["warps"] or warps, stages, smallest, cfg["split"] or 1)
+    return GemmPlan(
+        prec, cfg["bn"] or bn, cfg["warps"] or warps, stages, smallest, cfg["split"] or 1, xt and prec >= 5
+    )
 
 
 def _launch_gemm(
@@ -947,6 +1014,11 @@ def _launch_gemm(
     tiles_m = tile_rows.numel() if moe else _cdiv(m, bm)
     split = plan.split if k % (plan.split * g * s) == 0 else 1
     out = y if split == 1 else torch.empty((split, *y.shape), dtype=y.dtype, device=y.device)
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    xsum, x_part = tab, 0
+    if plan.xt:
+        x_part = x.numel()
+        x, xsum = _split_x(x, 8 - plan.prec, s, qtype in (T.Q4_K, T.Q5_K), interp)
     _gemm_kernel[(_cdiv(n, plan.bn), tiles_m, split)](
         x,
         w,
@@ -964,6 +1036,8 @@ def _launch_gemm(
         sx_slot,
         sy,
         y.numel(),
+        xsum,
+        x_part,
         TOPK=top_k,
         QT=int(qtype),
         BS=bs,
@@ -975,9 +1049,23 @@ def _launch_gemm(
         PREC=plan.prec,
         MOE=moe,
         SPLIT=split,
-        INTERP=os.environ.get("TRITON_INTERPRET") == "1",
+        INTERP=interp,
+        XT=plan.xt,
         num_warps=plan.warps,
         **({"num_stages": plan.stages} if plan.stages else {}),
     )
     if split > 1:
         torch.sum(out, 0, out=y)
+
+
+def _split_x(
+    x: torch.Tensor, parts: int, s: int, sums: bool, interp: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x float32 -> (its ``parts`` bfloat16 parts, x.numel() apart; float32 sums of each ``s`` values, or a
+    1-value dummy) in one launch. The interpreter has no bfloat16 products: float32 parts there (exact)."""
+    numel = x.numel()
+    out = torch.empty(parts * numel, dtype=torch.float32 if interp else torch.bfloat16, device=x.device)
+    group_sums = torch.empty(numel // s if sums else 1, dtype=torch.float32, device=x.device)
+    block = 1024
+    _split_x_kernel[(_cdiv(numel, block),)](x, out, group_sums, numel, PARTS=parts, S=s, SUMS=sums, B=block)
+    return out, group_sums
