@@ -548,25 +548,23 @@ if triton is not None:
         Returns acc [BN, BM]."""
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         li = tl.arange(0, S)
-        for k in range(k_lo, k_hi, S):
+        xm = rmask[:, None]
+        for g in range(k_lo // S, k_hi // S):  # k = g S: the compiler sees the alignment of every load
+            k = g * S
             q, scale, minimum = _int_group(w, row_off + (k // BS) * TS, (k % BS) // S, li, QT)
             if INTERP:
                 a = q.to(tl.float32)
             else:
                 a = q.to(tl.float32).to(tl.bfloat16)
-            at = xrow[None, :] + (k + li)[:, None]
-            p = _exact_dot(
-                a,
-                tl.load(xs + at, mask=rmask[None, :], other=0.0),
-                tl.zeros([BN, BM], dtype=tl.float32),
-                INTERP,
-            )
-            p = _exact_dot(a, tl.load(xs + part + at, mask=rmask[None, :], other=0.0), p, INTERP)
+            at = xrow[:, None] + (k + li)[None, :]  # x tiles [BM, S], each row contiguous
+            zero = tl.zeros([BN, BM], dtype=tl.float32)
+            p = _exact_dot(a, tl.trans(tl.load(xs + at, mask=xm, other=0.0)), zero, INTERP)
+            p = _exact_dot(a, tl.trans(tl.load(xs + part + at, mask=xm, other=0.0)), p, INTERP)
             if PARTS == 3:
-                p = _exact_dot(a, tl.load(xs + 2 * part + at, mask=rmask[None, :], other=0.0), p, INTERP)
+                p = _exact_dot(a, tl.trans(tl.load(xs + 2 * part + at, mask=xm, other=0.0)), p, INTERP)
             acc += p * scale[:, None]
             if QT != 8 and QT != 14:
-                acc -= minimum[:, None] * tl.load(xsum + xrow // S + k // S, mask=rmask, other=0.0)[None, :]
+                acc -= minimum[:, None] * tl.load(xsum + xrow // S + g, mask=rmask, other=0.0)[None, :]
         return acc
 
     @triton.jit
@@ -655,22 +653,22 @@ if triton is not None:
                 8 - PREC, INTERP,
             )  # fmt: skip
             tl.store(y + yrow[None, :] + n[:, None], acc, mask=rmask[None, :] & (n[:, None] < N))
-            return
-        if PREC >= 5:
-            acc = _int_gemm(
-                x, w, xrow, rmask, row_off, k_lo, k_lo + k_part, BS, TS, S, BM, BN, QT, 8 - PREC, INTERP
-            )
         else:
-            acc = tl.zeros([BM, BN], dtype=tl.float32)
-            for k0 in range(k_lo, k_lo + k_part, G * S):
-                bp, jg, si, kg, kmask = _tile_offsets(k0, row_off, K, G, S, BS, TS)
-                wt = tl.reshape(_decode(w, bp, jg, si, kmask, tab, QT), (BN, G * S))
-                k = k0 + tl.arange(0, G * S)
-                xt = tl.load(
-                    x + xrow[:, None] + k[None, :], mask=rmask[:, None] & (k[None, :] < K), other=0.0
+            if PREC >= 5:
+                acc = _int_gemm(
+                    x, w, xrow, rmask, row_off, k_lo, k_lo + k_part, BS, TS, S, BM, BN, QT, 8 - PREC, INTERP
                 )
-                acc = _dot(xt.to(tl.float32), tl.trans(wt), acc, PREC)
-        tl.store(y + yrow[:, None] + n[None, :], acc, mask=rmask[:, None] & (n[None, :] < N))
+            else:
+                acc = tl.zeros([BM, BN], dtype=tl.float32)
+                for k0 in range(k_lo, k_lo + k_part, G * S):
+                    bp, jg, si, kg, kmask = _tile_offsets(k0, row_off, K, G, S, BS, TS)
+                    wt = tl.reshape(_decode(w, bp, jg, si, kmask, tab, QT), (BN, G * S))
+                    k = k0 + tl.arange(0, G * S)
+                    xt = tl.load(
+                        x + xrow[:, None] + k[None, :], mask=rmask[:, None] & (k[None, :] < K), other=0.0
+                    )
+                    acc = _dot(xt.to(tl.float32), tl.trans(wt), acc, PREC)
+            tl.store(y + yrow[:, None] + n[None, :], acc, mask=rmask[:, None] & (n[None, :] < N))
 
 
 # ---------------------------------------------------------------------------------------------------
