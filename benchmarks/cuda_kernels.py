@@ -244,7 +244,7 @@ def prefill(args: argparse.Namespace, gen: torch.Generator) -> None:
         torch.cuda.empty_cache()
 
 
-def gemm_sweep(qtype: Q, gen: torch.Generator, m: int) -> None:
+def gemm_sweep(qtype: Q, gen: torch.Generator, m: int) -> list[tuple[float, dict, dict]]:
     """Times of the prefill products of one layer at m tokens (routed gate+up as one 1,024-row weight and down,
     top-8 of 256 experts at random; the q projection) over the integer-code GEMM's configurations
     (ck.GEMM_CONFIG): the kernel on x as it is (xt 0, at its default tiles) and on x split once (xt 1) at
@@ -264,8 +264,8 @@ def gemm_sweep(qtype: Q, gen: torch.Generator, m: int) -> None:
     configs = [dict(xt=0)] + [
         dict(xt=1, bn=bn, warps=warps, stages=stages, bm=bm)
         for bm in (16, 32)
-        for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8))  # larger tiles spill at 4 warps
-        for stages in ((2, 3, 4) if bm == 16 else (3,))
+        for bn, warps in ((64, 4), (64, 8), (128, 4), (128, 8), (256, 8))  # larger tiles spill at 4 warps
+        for stages in (2, 3, 4)
     ]
     rows = []
     for cfg in configs:
@@ -281,8 +281,10 @@ def gemm_sweep(qtype: Q, gen: torch.Generator, m: int) -> None:
     print(
         f"\n{qtype.name} prefill GEMM sweep, {m} tokens, {prec} (ms): gate_up + down, gate_up, down, attn_q"
     )
-    for total, t, cfg in sorted(rows, key=lambda r: r[0]):
+    rows.sort(key=lambda r: r[0])
+    for total, t, cfg in rows:
         print(f"  {total:7.3f} {t['gate_up']:7.3f} {t['down']:7.3f} {t['attn_q']:7.3f}  {cfg}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -539,16 +539,25 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _int_gemm_t(xs, xsum, part, w, xrow, rmask, row_off, k_lo, k_hi, BS: tl.constexpr, TS: tl.constexpr,
-                    S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, PARTS: tl.constexpr,
-                    INTERP: tl.constexpr):  # fmt: skip
+    def _tile_rows(r, pid_m, rows, order, tile_start, sx_tok, sx_slot, sy, TOPK: tl.constexpr, BM: tl.constexpr,
+                   MOE: tl.constexpr):  # fmt: skip
+        """For tile row indices r (< BM): (row in use, x offset, y offset). MoE: the tile's (token, slot) pairs."""
+        rmask = r < rows
+        if MOE:
+            pair = tl.load(order + tl.load(tile_start + pid_m) + r, mask=rmask, other=0).to(tl.int64)
+            return rmask, (pair // TOPK) * sx_tok + (pair % TOPK) * sx_slot, pair * sy
+        m = (pid_m * BM + r).to(tl.int64)
+        return rmask, m * sx_tok, m * sy
+
+    @triton.jit
+    def _int_gemm_t(xs, xsum, xoff, xsrow, xmask, smask, w, row_off, k_lo, k_hi, BS: tl.constexpr, TS: tl.constexpr,
+                    S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
         """_int_gemm with the operands swapped: the weight rows are the product's rows (BN of them, a full
-        tensor-core tile however few pairs an expert has) and x arrives split already (_split_x: PARTS
-        bfloat16 parts ``part`` elements apart, group sums in xsum), so each program only loads it.
-        Returns acc [BN, BM]."""
+        tensor-core tile however few pairs an expert has), x arrives split already (_split_x) and its BM
+        operand rows are (part, pair) at xoff (xmask: in use); the group sums at xsrow are taken where smask.
+        Returns acc [BN, BM], the parts' products apart."""
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         li = tl.arange(0, S)
-        xm = rmask[:, None]
         for g in range(k_lo // S, k_hi // S):  # k = g S: the compiler sees the alignment of every load
             k = g * S
             q, scale, minimum = _int_group(w, row_off + (k // BS) * TS, (k % BS) // S, li, QT)
@@ -556,15 +565,11 @@ if triton is not None:
                 a = q.to(tl.float32)
             else:
                 a = q.to(tl.float32).to(tl.bfloat16)
-            at = xrow[:, None] + (k + li)[None, :]  # x tiles [BM, S], each row contiguous
-            zero = tl.zeros([BN, BM], dtype=tl.float32)
-            p = _exact_dot(a, tl.trans(tl.load(xs + at, mask=xm, other=0.0)), zero, INTERP)
-            p = _exact_dot(a, tl.trans(tl.load(xs + part + at, mask=xm, other=0.0)), p, INTERP)
-            if PARTS == 3:
-                p = _exact_dot(a, tl.trans(tl.load(xs + 2 * part + at, mask=xm, other=0.0)), p, INTERP)
+            xt = tl.load(xs + xoff[:, None] + (k + li)[None, :], mask=xmask[:, None], other=0.0)
+            p = _exact_dot(a, tl.trans(xt), tl.zeros([BN, BM], dtype=tl.float32), INTERP)
             acc += p * scale[:, None]
             if QT != 8 and QT != 14:
-                acc -= minimum[:, None] * tl.load(xsum + xrow // S + g, mask=rmask, other=0.0)[None, :]
+                acc -= minimum[:, None] * tl.load(xsum + xsrow + g, mask=smask, other=0.0)[None, :]
         return acc
 
     @triton.jit
@@ -631,27 +636,28 @@ if triton is not None:
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nc = tl.minimum(n, N - 1).to(tl.int64)
         r = tl.arange(0, BM)
+        rows = M - pid_m * BM
         if MOE:
             rows = tl.load(tile_rows + pid_m)
             if rows == 0:
                 return
             e = tl.load(tile_expert + pid_m).to(tl.int64)
-            rmask = r < rows
-            pair = tl.load(order + tl.load(tile_start + pid_m) + r, mask=rmask, other=0).to(tl.int64)
-            xrow = (pair // TOPK) * sx_tok + (pair % TOPK) * sx_slot
-            yrow = pair * sy
             row_off = (e * N + nc) * row_stride
         else:
-            m = pid_m * BM + r
-            rmask = m < M
-            xrow = m.to(tl.int64) * sx_tok
-            yrow = m.to(tl.int64) * sy
             row_off = nc * row_stride
-        if XT:
-            acc = _int_gemm_t(
-                x, xsum, x_part, w, xrow, rmask, row_off, k_lo, k_lo + k_part, BS, TS, S, BM, BN, QT,
-                8 - PREC, INTERP,
+        rmask, xrow, yrow = _tile_rows(r, pid_m, rows, order, tile_start, sx_tok, sx_slot, sy, TOPK, BM, MOE)
+        if XT:  # x's parts stacked as NP row blocks of one operand: one product per group, parts summed at the end
+            NP: tl.constexpr = 4 if PREC == 5 else 2
+            r4 = tl.arange(0, NP * BM)
+            m4, x4, _ = _tile_rows(
+                r4 % BM, pid_m, rows, order, tile_start, sx_tok, sx_slot, sy, TOPK, BM, MOE
+            )
+            part = r4 // BM
+            acc4 = _int_gemm_t(
+                x, xsum, x4 + part * x_part, x4 // S, m4 & (part < 8 - PREC), m4 & (part == 0), w, row_off,
+                k_lo, k_lo + k_part, BS, TS, S, NP * BM, BN, QT, INTERP,
             )  # fmt: skip
+            acc = tl.sum(tl.reshape(acc4, (BN, NP, BM)), axis=1)
             tl.store(y + yrow[None, :] + n[:, None], acc, mask=rmask[None, :] & (n[:, None] < N))
         else:
             if PREC >= 5:
