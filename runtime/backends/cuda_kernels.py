@@ -983,7 +983,11 @@ def _gemm_plan(qtype: GGMLQuantizationType, precision: str | None, moe: bool) ->
     From benchmarks/cuda_kernels.py --gemm-sweep on the H200 at the 35B-A3B shapes, 512 tokens: the
     routed-expert products on integer codes (128 rows, 4 warps, 3 stages, 32-pair tiles) took 0.81 ms
     (Q4_K) and 0.66 ms (Q6_K) where the tf32x3 kernel on decoded values took 1.21 and 1.87; for a dense
-    product of 512 rows the Q4_K codes were slower (0.23 vs 0.18 ms), the Q6_K ones faster (0.18 vs 0.28)."""
+    product of 512 rows the Q4_K codes were slower (0.23 vs 0.18 ms), the Q6_K ones faster (0.18 vs 0.28).
+    Routed products take x split once (xt; FORGE_CUDA_XT=0|1 overrides): at the layer's shapes, Q4_K gate+up
+    (1,024 rows) and down 1.30 + 0.64 ms at 64 rows, 4 warps, 3 stages, 32-pair tiles, against 1.49 + 0.70
+    for the kernel on x as it is; a whole 40-layer prefill of 512 tokens 119 vs 139 ms. Dense products keep
+    x as it is (x split, 128-token tiles: 4x slower)."""
     precision = precision or os.environ.get("FORGE_CUDA_PRECISION") or DEFAULT_PRECISION
     if precision == "auto":
         precision = "bf16x3" if qtype in _INT_TYPES and (moe or qtype == T.Q6_K) else "tf32x3"
@@ -993,9 +997,9 @@ def _gemm_plan(qtype: GGMLQuantizationType, precision: str | None, moe: bool) ->
     if prec >= 5 and qtype not in _INT_TYPES:
         prec = _PRECISIONS["tf32x3"]  # float32-accurate too, on the decoded values
     xt = GEMM_CONFIG["xt"]
-    xt = bool(xt) if xt is not None else os.environ.get("FORGE_CUDA_XT", "0") == "1"
+    xt = bool(xt) if xt is not None else os.environ.get("FORGE_CUDA_XT", "1" if moe else "0") == "1"
     if prec >= 5 and xt:
-        bn, warps, stages, smallest = 128, 4, 3, 16
+        bn, warps, stages, smallest = 64, 4, 3, 32
     elif prec >= 5:
         bn, warps, stages, smallest = (128, 4, 3, 32) if moe else (64, 4, 2, 32)
     else:  # dense products take 128-row tiles of x, MoE tiles at most 64 pairs
