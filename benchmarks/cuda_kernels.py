@@ -1,6 +1,7 @@
 """The cuda backend's Triton kernels on GGUF blocks vs torch dequantize + matmul, on one GPU.
 
     python benchmarks/cuda_kernels.py [--types Q4_K,Q6_K] [--tokens 1] [--prefill 512] [--no-torch]
+    python benchmarks/cuda_kernels.py --types Q4_K --gemm-sweep [--model F.gguf]   # prefill GEMM configurations
 
 Shapes are the decode products of the Qwen3.6-35B-A3B geometry: hidden 2048, 256 experts of FFN 512,
 top 8, attention 16 heads x 256 (q 4096 rows, 2 KV heads: k/v 512 rows, o 2048 x 4096), vocab 248320.
@@ -15,6 +16,8 @@ gate projection (tokens grouped by expert on the device), against dequantize-to-
 from __future__ import annotations
 
 import argparse
+import os
+import time
 
 import torch
 from gguf import GGML_QUANT_SIZES
@@ -96,6 +99,7 @@ def main() -> None:
     ap.add_argument(
         "--gemm-sweep", action="store_true", help="also time the prefill GEMM's tile configurations"
     )
+    ap.add_argument("--model", help="with --gemm-sweep: a GGUF whose whole prefill is timed at the best ones")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     bw = copy_bandwidth()
@@ -156,13 +160,13 @@ def main() -> None:
         prefill(args, gen)
     if args.gemm_sweep:
         for name in args.types.split(","):
-            gemm_sweep(Q[name.strip().upper()], gen, args.prefill or 512)
+            rows = gemm_sweep(Q[name.strip().upper()], gen, args.prefill or 512)
+            if args.model:
+                model_prefill(args.model, args.prefill or 512, rows)
 
 
 def sweep(args: argparse.Namespace, gen: torch.Generator, bw: float) -> None:
     """Graph time per call of each GEMV tile configuration (and the word kernel on/off) per type."""
-    import os
-
     shapes = {"output": (VOCAB, HIDDEN, False), "attn_q": (4096, HIDDEN, False), "gate_exps": (512, HIDDEN, True),
               "down_exps": (HIDDEN, 512, True)}  # fmt: skip
     for name in args.types.split(","):
@@ -245,46 +249,84 @@ def prefill(args: argparse.Namespace, gen: torch.Generator) -> None:
 
 
 def gemm_sweep(qtype: Q, gen: torch.Generator, m: int) -> list[tuple[float, dict, dict]]:
-    """Times of the prefill products of one layer at m tokens (routed gate+up as one 1,024-row weight and down,
-    top-8 of 256 experts at random; the q projection) over the integer-code GEMM's configurations
-    (ck.GEMM_CONFIG): the kernel on x as it is (xt 0, at its default tiles) and on x split once (xt 1) at
-    each tile shape; best first by the layer's routed time."""
+    """Times of one layer's routed prefill products at m tokens (gate+up as one 1,024-row weight, and down; top-8
+    of 256 experts at random) over the integer-code GEMM's configurations (ck.GEMM_CONFIG): the kernel on x as
+    it is (xt 0, its default tiles), on x split once (xt 1) at each tile shape with and without the scales
+    loaded a step ahead, then the best three at bf16x2; best first."""
     gate_up = random_rows(qtype, EXPERTS * 2 * EXPERT_FF, HIDDEN, gen).view(EXPERTS, 2 * EXPERT_FF, -1)
     down = random_rows(qtype, EXPERTS * HIDDEN, EXPERT_FF, gen).view(EXPERTS, HIDDEN, -1)
-    attn_q = random_rows(qtype, DENSE["attn_q"][0], HIDDEN, gen)
     ids = torch.stack([torch.randperm(EXPERTS, device="cuda", generator=gen)[:TOP_K] for _ in range(m)]).int()
     x = torch.randn(m, HIDDEN, device="cuda", generator=gen)
     act = torch.randn(m, TOP_K, EXPERT_FF, device="cuda", generator=gen)
-    prec = "bf16x3"
     products = {
-        "gate_up": lambda: ck.moe_linear(x, gate_up, qtype, ids, prec),
-        "down": lambda: ck.moe_linear(act, down, qtype, ids, prec),
-        "attn_q": lambda: ck.linear(x, attn_q, qtype, precision=prec),
+        "gate_up": lambda prec: ck.moe_linear(x, gate_up, qtype, ids, prec),
+        "down": lambda prec: ck.moe_linear(act, down, qtype, ids, prec),
     }
+
+    def timed(configs: list[dict], prec: str) -> list[tuple[float, dict, dict]]:
+        out = []
+        for cfg in configs:
+            ck.GEMM_CONFIG.update(cfg)
+            try:
+                times = {
+                    name: do_bench(lambda f=fn: f(prec), warmup=5, rep=30) for name, fn in products.items()
+                }
+            except Exception as e:  # a configuration past the shared memory or registers of the chip
+                print(f"  {qtype.name} {cfg}: {type(e).__name__}")
+                continue
+            finally:
+                ck.GEMM_CONFIG.update(dict.fromkeys(ck.GEMM_CONFIG))
+            out.append((times["gate_up"] + times["down"], times, {**cfg, "precision": prec}))
+        return out
+
     configs = [dict(xt=0)] + [
-        dict(xt=1, bn=bn, warps=warps, stages=stages, bm=bm)
+        dict(xt=1, bn=bn, warps=warps, stages=stages, bm=bm, ahead=ahead)
+        for ahead in (0, 1)
         for bm in (16, 32)
         for bn, warps in ((64, 4), (64, 8), (128, 4), (128, 8), (256, 8))  # larger tiles spill at 4 warps
-        for stages in (2, 3, 4)
+        for stages in (3, 4)
     ]
-    rows = []
-    for cfg in configs:
-        ck.GEMM_CONFIG.update(cfg)
+    rows = sorted(timed(configs, "bf16x3"), key=lambda r: r[0])
+    best = [{k: v for k, v in cfg.items() if k != "precision"} for _, _, cfg in rows[:3]]
+    rows = sorted(rows + timed(best, "bf16x2"), key=lambda r: r[0])
+    print(
+        f"\n{qtype.name} routed prefill GEMMs, {m} tokens (ms): gate_up + down, gate_up, down; configuration"
+    )
+    for total, t, cfg in rows:
+        print(f"  {total:7.3f} {t['gate_up']:7.3f} {t['down']:7.3f}  {cfg}")
+    return rows
+
+
+def model_prefill(path: str, m: int, rows: list[tuple[float, dict, dict]], top: int = 4) -> None:
+    """Whole-model prefill of m random tokens (last-token logits, as llama-bench; best of 5) at the default plan
+    and at the ``top`` best sweep configurations, with the logits' largest deviation from the default's."""
+    from runtime.models import load_model
+
+    model = load_model(path, "cuda")
+    ids = torch.randint(0, model.vocab_size, (m,), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def prefill_ms(cfg: dict) -> tuple[float, torch.Tensor]:
+        ck.GEMM_CONFIG.update({k: v for k, v in cfg.items() if k != "precision"})
+        os.environ["FORGE_CUDA_PRECISION"] = cfg.get("precision", "auto")
+        best = float("inf")
         try:
-            times = {name: do_bench(fn, warmup=5, rep=30) for name, fn in products.items()}
-        except Exception as e:  # a configuration past the shared memory or registers of the chip
-            print(f"  {qtype.name} {cfg}: {type(e).__name__}")
-            continue
+            for _ in range(5):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                logits = model.forward(ids, model.new_state(), last_only=True)
+                torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t)
         finally:
             ck.GEMM_CONFIG.update(dict.fromkeys(ck.GEMM_CONFIG))
-        rows.append((times["gate_up"] + times["down"], times, cfg))
-    print(
-        f"\n{qtype.name} prefill GEMM sweep, {m} tokens, {prec} (ms): gate_up + down, gate_up, down, attn_q"
-    )
-    rows.sort(key=lambda r: r[0])
-    for total, t, cfg in rows:
-        print(f"  {total:7.3f} {t['gate_up']:7.3f} {t['down']:7.3f} {t['attn_q']:7.3f}  {cfg}")
-    return rows
+            os.environ.pop("FORGE_CUDA_PRECISION")
+        return best * 1e3, logits
+
+    base_ms, base = prefill_ms({})
+    print(f"\nmodel prefill, {m} tokens: default plan {base_ms:.1f} ms ({m / base_ms * 1e3:.0f} tok/s)")
+    for _, _, cfg in rows[:top]:
+        ms, logits = prefill_ms(cfg)
+        dev = ((logits - base).abs().max() / base.abs().max()).item()
+        print(f"  {ms:7.1f} ms ({m / ms * 1e3:6.0f} tok/s), logits within {dev:.1e} of the default's: {cfg}")
 
 
 if __name__ == "__main__":

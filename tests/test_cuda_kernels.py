@@ -224,7 +224,8 @@ def test_gemm_split_k_agrees(qtype: Q, precision: str) -> None:
 @pytest.mark.parametrize("precision", ["bf16x3", "bf16x2"])
 def test_gemm_on_split_x_agrees(qtype: Q, precision: str) -> None:
     """x split once into bfloat16 parts (and group sums) with the weight rows as the product's rows: routed
-    products with x shared by a token's slots and one x per slot, and dense ones, at 16- and 32-pair tiles."""
+    products with x shared by a token's slots and one x per slot, and dense ones, at 16- and 32-pair tiles,
+    with each group's scales loaded with the group or a step ahead."""
     experts, n, k, n_tok, top_k = 4, 40, k_for(qtype, 2), 40, 2
     raw = random_rows(qtype, experts * n, k, seed=14).view(experts, n, -1).to(DEVICE)
     ids = _ids(n_tok, top_k, experts, 15).to(DEVICE)
@@ -239,15 +240,15 @@ def test_gemm_on_split_x_agrees(qtype: Q, precision: str) -> None:
         (lambda: ck.linear(x, raw[1], qtype, precision=precision), reference(x, raw[1], qtype)),
     ]
     try:
-        for bm in (16, 32):
-            ck.GEMM_CONFIG.update(xt=1, bm=bm)
+        for bm, ahead in ((16, 0), (32, 0), (32, 1)):
+            ck.GEMM_CONFIG.update(xt=1, bm=bm, ahead=ahead)
             for run, (ref, mag) in cases:
                 if precision == "bf16x3":
                     assert_close(run(), ref)
                 else:
                     assert_rounding_bound(run(), ref, mag, ck.UNIT_ROUNDOFF[precision], k)
     finally:
-        ck.GEMM_CONFIG.update(xt=None, bm=None)
+        ck.GEMM_CONFIG.update(xt=None, bm=None, ahead=None)
 
 
 def test_group_by_expert_tiles_cover_every_pair_once() -> None:

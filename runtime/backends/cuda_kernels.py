@@ -475,22 +475,34 @@ if triton is not None:
         """Group c of the blocks at byte offsets bp [R]: (integer codes [R, S] for li = arange(S), the
         group's scale [R], the value its zero code stands for [R]); a value is scale * code - minimum,
         the same products as _decode's."""
+        scale, minimum = _int_scale(w, bp, c, QT)
+        return _int_codes(w, bp, c, li, QT), scale, minimum
+
+    @triton.jit
+    def _int_codes(w, bp, c, li, QT: tl.constexpr):
         at = bp[:, None] + li[None, :]
         if QT == 8:  # Q8_0
-            return _i8(w + at + 2), _f16(w + bp), 0.0
-        elif QT == 12 or QT == 13:  # Q4_K / Q5_K
-            sc, m = _k4_scale_min(w, bp, c)
-            if QT == 12:
-                q = (_u8(w + at + 16 + (c // 2) * 32) >> ((c % 2) * 4)) & 15
-            else:
-                q = (_u8(w + at + 48 + (c // 2) * 32) >> ((c % 2) * 4)) & 15
-                q = q | (((_u8(w + at + 16) >> c) & 1) << 4)
-            return q, _f16(w + bp) * sc, _f16(w + bp + 2) * m
+            return _i8(w + at + 2)
+        elif QT == 12:  # Q4_K
+            return (_u8(w + at + 16 + (c // 2) * 32) >> ((c % 2) * 4)) & 15
+        elif QT == 13:  # Q5_K
+            q = (_u8(w + at + 48 + (c // 2) * 32) >> ((c % 2) * 4)) & 15
+            return q | (((_u8(w + at + 16) >> c) & 1) << 4)
         else:  # Q6_K, 16-value groups: value j = 16 c + l of ggml's ql / qh interleave
             r = c // 8
             ql = (_u8(w + at + r * 64 + (c % 4) * 16) >> (((c % 8) // 4) * 4)) & 15
             qh = (_u8(w + at + 128 + r * 32 + (c % 2) * 16) >> (((c % 8) // 2) * 2)) & 3
-            return (ql | (qh << 4)) - 32, _f16(w + bp + 208) * _i8(w + bp + 192 + c).to(tl.float32), 0.0
+            return (ql | (qh << 4)) - 32
+
+    @triton.jit
+    def _int_scale(w, bp, c, QT: tl.constexpr):
+        if QT == 8:
+            return _f16(w + bp), 0.0
+        elif QT == 12 or QT == 13:
+            sc, m = _k4_scale_min(w, bp, c)
+            return _f16(w + bp) * sc, _f16(w + bp + 2) * m
+        else:
+            return _f16(w + bp + 208) * _i8(w + bp + 192 + c).to(tl.float32), 0.0
 
     @triton.jit
     def _bf16_parts(x, PARTS: tl.constexpr, INTERP: tl.constexpr):
@@ -551,16 +563,26 @@ if triton is not None:
 
     @triton.jit
     def _int_gemm_t(xs, xsum, xoff, xsrow, xmask, smask, w, row_off, k_lo, k_hi, BS: tl.constexpr, TS: tl.constexpr,
-                    S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+                    S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, AHEAD: tl.constexpr,
+                    INTERP: tl.constexpr):  # fmt: skip
         """_int_gemm with the operands swapped: the weight rows are the product's rows (BN of them, a full
         tensor-core tile however few pairs an expert has), x arrives split already (_split_x) and its BM
         operand rows are (part, pair) at xoff (xmask: in use); the group sums at xsrow are taken where smask.
         Returns acc [BN, BM], the parts' products apart."""
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         li = tl.arange(0, S)
-        for g in range(k_lo // S, k_hi // S):  # k = g S: the compiler sees the alignment of every load
+        g_lo, g_hi = k_lo // S, k_hi // S
+        if AHEAD:
+            s_next, m_next, x_next = _group_terms(w, xsum, row_off, xsrow, smask, g_lo, BS, TS, S, QT)
+        for g in range(g_lo, g_hi):  # k = g S: the compiler sees the alignment of every load
             k = g * S
-            q, scale, minimum = _int_group(w, row_off + (k // BS) * TS, (k % BS) // S, li, QT)
+            if AHEAD:  # this group's scales and x sums were loaded one step ago; load the next group's now
+                scale, minimum, xsum_g = s_next, m_next, x_next
+                nxt = tl.minimum(g + 1, g_hi - 1)
+                s_next, m_next, x_next = _group_terms(w, xsum, row_off, xsrow, smask, nxt, BS, TS, S, QT)
+            else:
+                scale, minimum, xsum_g = _group_terms(w, xsum, row_off, xsrow, smask, g, BS, TS, S, QT)
+            q = _int_codes(w, row_off + (k // BS) * TS, (k % BS) // S, li, QT)
             if INTERP:
                 a = q.to(tl.float32)
             else:
@@ -569,8 +591,19 @@ if triton is not None:
             p = _exact_dot(a, tl.trans(xt), tl.zeros([BN, BM], dtype=tl.float32), INTERP)
             acc += p * scale[:, None]
             if QT != 8 and QT != 14:
-                acc -= minimum[:, None] * tl.load(xsum + xsrow + g, mask=smask, other=0.0)[None, :]
+                acc -= minimum[:, None] * xsum_g[None, :]
         return acc
+
+    @triton.jit
+    def _group_terms(w, xsum, row_off, xsrow, smask, g, BS: tl.constexpr, TS: tl.constexpr, S: tl.constexpr,
+                     QT: tl.constexpr):  # fmt: skip
+        """Group g's scales and minimums [BN] and x's sums over it [BM] (0 for the types without minimums)."""
+        k = g * S
+        scale, minimum = _int_scale(w, row_off + (k // BS) * TS, (k % BS) // S, QT)
+        if QT != 8 and QT != 14:
+            return scale, minimum, tl.load(xsum + xsrow + g, mask=smask, other=0.0)
+        else:
+            return scale, minimum, 0.0
 
     @triton.jit
     def _split_x_kernel(x, parts, sums, numel, PARTS: tl.constexpr, S: tl.constexpr, SUMS: tl.constexpr,
@@ -620,13 +653,15 @@ if triton is not None:
         SPLIT: tl.constexpr,
         INTERP: tl.constexpr,
         XT: tl.constexpr,
+        AHEAD: tl.constexpr,
     ):
         """Dense: rows m of x. MoE: tile pid_m holds up to BM (token, slot) pairs of one expert, listed
         by ``order[tile_start : tile_start + tile_rows]``; tiles past the last have 0 rows.
         PREC 5 / 6 (bf16x3 / bf16x2): the integer-code loop (_int_gemm), for the types of _INT_TYPES.
         SPLIT > 1: program (., ., s) takes the s-th of SPLIT equal parts of K and writes its partial sums
         ``split_stride`` elements after y's start times s (summed by the caller).
-        XT (with PREC 5 / 6): x is _split_x's parts and xsum its group sums: _int_gemm_t."""
+        XT (with PREC 5 / 6): x is _split_x's parts and xsum its group sums: _int_gemm_t, which with AHEAD
+        loads each group's scales one step before its product."""
         pid_m = tl.program_id(1)
         k_lo, k_part = 0, K
         if SPLIT > 1:  # resolved when compiling: the one-part kernel is the one before splits existed
@@ -655,7 +690,7 @@ if triton is not None:
             part = r4 // BM
             acc4 = _int_gemm_t(
                 x, xsum, x4 + part * x_part, x4 // S, m4 & (part < 8 - PREC), m4 & (part == 0), w, row_off,
-                k_lo, k_lo + k_part, BS, TS, S, NP * BM, BN, QT, INTERP,
+                k_lo, k_lo + k_part, BS, TS, S, NP * BM, BN, QT, AHEAD, INTERP,
             )  # fmt: skip
             acc = tl.sum(tl.reshape(acc4, (BN, NP, BM)), axis=1)
             tl.store(y + yrow[None, :] + n[:, None], acc, mask=rmask[None, :] & (n[:, None] < N))
@@ -957,7 +992,7 @@ def _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, sy, top_k, nt
 
 # GEMM tiles, read at each launch so the benchmark can sweep them (None: _gemm_plan's).
 GEMM_CONFIG: dict[str, int | None] = {
-    "bn": None, "warps": None, "stages": None, "bm": None, "split": None, "xt": None
+    "bn": None, "warps": None, "stages": None, "bm": None, "split": None, "xt": None, "ahead": None
 }  # fmt: skip
 
 
@@ -974,6 +1009,8 @@ class GemmPlan(NamedTuple):
     split: int = 1
     #: x split once (_split_x) and the weight rows as the product's rows (_int_gemm_t); integer codes only
     xt: bool = False
+    #: (with xt) each group's scales loaded one step ahead
+    ahead: bool = False
 
 
 def _gemm_plan(qtype: GGMLQuantizationType, precision: str | None, moe: bool) -> GemmPlan:
@@ -1006,8 +1043,10 @@ def _gemm_plan(qtype: GGMLQuantizationType, precision: str | None, moe: bool) ->
         bn, warps, stages, smallest = 64, (4 if moe else 8), 0, 16
     cfg = GEMM_CONFIG
     stages = cfg["stages"] or stages
+    xt = xt and prec >= 5
+    ahead = xt and bool(cfg["ahead"])
     return GemmPlan(
-        prec, cfg["bn"] or bn, cfg["warps"] or warps, stages, smallest, cfg["split"] or 1, xt and prec >= 5
+        prec, cfg["bn"] or bn, cfg["warps"] or warps, stages, smallest, cfg["split"] or 1, xt, ahead
     )
 
 
@@ -1059,6 +1098,7 @@ def _launch_gemm(
         SPLIT=split,
         INTERP=interp,
         XT=plan.xt,
+        AHEAD=plan.ahead,
         num_warps=plan.warps,
         **({"num_stages": plan.stages} if plan.stages else {}),
     )
