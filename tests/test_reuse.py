@@ -39,6 +39,15 @@ def test_fnv1a64_uses_ds4_basis() -> None:
     assert fnv1a64(b"a") == ((FNV_BASIS ^ 0x61) * 0x100000001B3) % (1 << 64)
 
 
+def test_fnv1a64_compiled_equals_the_byte_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled hash and the plain loop agree on bytes of every value, chained over chunks."""
+    data = [bytes(range(256)) * 3, b"", np.random.default_rng(0).integers(0, 256, 4099, np.uint8).tobytes()]
+    compiled = fnv1a64(data)
+    monkeypatch.setenv("FORGE_NO_NUMBA", "1")
+    assert compiled == fnv1a64(data) == fnv1a64(b"".join(data))
+    assert compiled != fnv1a64(data[::-1])
+
+
 def test_boost_regenerates_only_changed_tensors(base: Path, tmp_path: Path) -> None:
     _, rep = quantize(EXAMPLE, tmp_path / "boost.gguf", "q8_0", tensor_types=[BOOST], reuse=[base])
     assert _actions(rep) == {

@@ -26,7 +26,9 @@ from pathlib import Path
 
 import numpy as np
 import xxhash
+from numba import njit
 
+from forge import jit
 from forge.atomic import same_file
 from forge.errors import ForgeError
 from forge.fileio import copy_ranges
@@ -50,11 +52,23 @@ KEYS, SOURCES, IMATRIX, ENCODERS, DIGESTS = (
 
 
 def fnv1a64(data: bytes | Iterable[bytes], h: int = FNV_BASIS) -> int:
-    """ds4's FNV-1a 64 (same prime, ds4's basis); ``data`` may be several byte strings in sequence."""
+    """ds4's FNV-1a 64 (same prime, ds4's basis); ``data`` may be several byte strings in sequence.
+    Compiled: an imatrix of a 256-expert model is ~200 MB, which a Python loop over bytes took seconds on."""
     chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
     for chunk in chunks:
+        if jit.enabled():
+            h = int(_fnv1a64_bytes(np.frombuffer(chunk, np.uint8), np.uint64(h)))
+            continue
         for b in bytes(chunk):
             h = ((h ^ b) * FNV_PRIME) & _MASK
+    return h
+
+
+@njit(**jit.JIT)
+def _fnv1a64_bytes(buf: np.ndarray, h: np.uint64) -> np.uint64:
+    prime = np.uint64(FNV_PRIME)
+    for i in range(buf.size):
+        h = (h ^ np.uint64(buf[i])) * prime  # unsigned 64-bit arithmetic wraps, as C's
     return h
 
 
