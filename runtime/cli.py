@@ -29,7 +29,7 @@ Q8Opt = Annotated[
     bool,
     typer.Option(
         "--q8-activations",
-        help="CPU decode steps: multiply Q4_K/Q5_K/Q6_K weights with 8-bit activations as llama.cpp does (faster; each product moves by about 1 percent)",
+        help="CPU decode steps (--device cpu, or the CPU side of --gpu-expert-cache): multiply Q4_K/Q5_K/Q6_K weights with 8-bit activations as llama.cpp does (faster; each product moves by about 1 percent)",
     ),
 ]
 ExpertCacheOpt = Annotated[
@@ -165,9 +165,12 @@ def print_stats(m) -> None:  # noqa: ANN001
     sys.stderr.write(model_stats(m) + "\n")
 
 
-def _setup(device: str, threads: int | None, expert_cache_mib: int = 0, q8: bool = False) -> str:
+def _setup(
+    device: str, threads: int | None, expert_cache_mib: int = 0, q8: bool = False, hybrid: bool = False
+) -> str:
     """Check the device and thread options (and the expert cache size), then apply the thread count and
-    ``--q8-activations`` (``runtime.cpu_q8``: every model this process loads next)."""
+    ``--q8-activations`` (``runtime.cpu_q8``: every model this process loads next; with ``hybrid``, a
+    ``--gpu-expert-cache``, the CPU side's experts)."""
     import os
 
     import torch
@@ -176,8 +179,10 @@ def _setup(device: str, threads: int | None, expert_cache_mib: int = 0, q8: bool
     require_int("--expert-cache-mib", expert_cache_mib, 0)
 
     require_choice("--device", device, ("cpu", "cuda", "mps"))
-    if q8 and device != "cpu":
-        raise ForgeError("--q8-activations is for --device cpu (the CPU kernels' dot products)")
+    if q8 and device != "cpu" and not hybrid:
+        raise ForgeError(
+            "--q8-activations is for --device cpu or the CPU side of --gpu-expert-cache (the CPU kernels' products)"
+        )
     if device == "cuda" and not torch.cuda.is_available():
         raise ForgeError("--device cuda: no CUDA device is available")
     if device == "mps" and not torch.backends.mps.is_available():
@@ -228,7 +233,7 @@ def run(
     require_int("--top-k", top_k, 0)
     require_float("--top-p", top_p, 0, 1, lo_open=True)
     require_seed("--seed", seed)
-    dev = _setup(device, threads, expert_cache_mib, q8_activations)
+    dev = _setup(device, threads, expert_cache_mib, q8_activations, gpu_expert_cache is not None)
     residency = Residency(
         resident, ssd_streaming, cache_experts, cache_bytes, memory_budget, cache_policy, prefetch,
         gpu_expert_cache, expert_profile,

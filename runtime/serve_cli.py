@@ -166,7 +166,7 @@ def serve(
     from forge.imatrix.live import LiveImatrix
     from runtime.server import create_app, load_engine
 
-    device = _setup(device, threads, q8=q8_activations)
+    device = _setup(device, threads, q8=q8_activations, hybrid=gpu_expert_cache is not None)
     gpu_cache = _gpu_cache(gpu_expert_cache, expert_profile, device)
     live = None
     if imatrix_out is not None:
