@@ -47,6 +47,9 @@ if want hybrid; then
   echo "== routed experts beyond the GPU: hybrid pools of 1/4/8 GiB, SSD streaming, llama.cpp -ot exps=CPU"
   python3 benchmarks/hybrid_experts.py "$WORK/q35.gguf" --llama-bench "$BIN/llama-bench" \
     --json "$WORK/results/hybrid.json"
+  echo "== the same hybrid 4 GiB row with the CPU side on 8-bit activations (--q8-activations)"
+  FORGE_Q8_ACTIVATIONS=1 python3 benchmarks/hybrid_experts.py "$WORK/q35.gguf" --caches-gib 4 --rows hybrid \
+    --json "$WORK/results/hybrid-q8.json"
 fi
 if want quantize; then
   echo "== quantize the 5 B-parameter benchmark model: forge on the CPU and the GPU, llama-quantize"

@@ -30,6 +30,8 @@ permutation scatters the blocks), so the popularity of experts and its drift alo
 router's. A synthesized file's own routers are random: they choose with no locality to learn
 (before 2026-12-02 they sent nearly every token to the same experts).
 
+``FORGE_Q8_ACTIVATIONS=1`` gives the hybrid rows' CPU side 8-bit activations (``--q8-activations``).
+
 Without CUDA the GPU rows are skipped with a note and the forge rows run on the CPU (``CPU, mapped file``:
 every expert computed by the CPU kernels from the mapped file; ``SSD streaming``). ``--cold`` drops the file
 from the page cache before each timed run (as on a machine whose RAM cannot hold it); otherwise the file
