@@ -251,6 +251,28 @@ def test_gemm_on_split_x_agrees(qtype: Q, precision: str) -> None:
         ck.GEMM_CONFIG.update(xt=None, bm=None, ahead=None)
 
 
+def test_products_over_the_same_ids_share_one_grouping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer's gate/up and down products group the pairs by expert once (``groups``), with the results of
+    grouping each on its own."""
+    experts, n, k, n_tok, top_k = 4, 40, k_for(Q.Q4_K, 2), 40, 2
+    up = random_rows(Q.Q4_K, experts * n, k, seed=18).view(experts, n, -1).to(DEVICE)
+    down = random_rows(Q.Q4_K, experts * k, 256, seed=19).view(experts, k, -1).to(DEVICE)
+    ids = _ids(n_tok, top_k, experts, 20).to(DEVICE)
+    x = torch.randn(n_tok, k, generator=torch.Generator().manual_seed(21)).to(DEVICE)
+    act = torch.randn(n_tok, top_k, 256, generator=torch.Generator().manual_seed(22)).to(DEVICE)
+    alone = ck.moe_linear(x, up, Q.Q4_K, ids), ck.moe_linear(act, down, Q.Q4_K, ids)
+    calls = []
+    group = ck._group_by_expert
+    monkeypatch.setattr(ck, "_group_by_expert", lambda *a: calls.append(1) or group(*a))
+    groups: dict = {}
+    shared = (
+        ck.moe_linear(x, up, Q.Q4_K, ids, groups=groups),
+        ck.moe_linear(act, down, Q.Q4_K, ids, groups=groups),
+    )
+    assert len(calls) == 1
+    assert all(torch.equal(a, b) for a, b in zip(alone, shared, strict=True))
+
+
 def test_group_by_expert_tiles_cover_every_pair_once() -> None:
     ids = torch.tensor([[3, 3], [0, 3], [3, 1], [3, 3]], dtype=torch.int32, device=DEVICE)
     order, expert, start, rows = (t.cpu() for t in ck._group_by_expert(ids, 5, bm=2))

@@ -32,19 +32,20 @@ def routed_ffn(
     assert parts is not None
     *gate_up, down = parts
     n_ff = source.n_ff
+    groups: dict = {}  # the (token, slot) pairs grouped by expert once for the layer's products
     if len(gate_up) == 1:
-        gu = cuda_kernels.moe_linear(x, gate_up[0].raw, gate_up[0].qtype, ids)
+        gu = cuda_kernels.moe_linear(x, gate_up[0].raw, gate_up[0].qtype, ids, groups=groups)
         gate, up = gu[..., :n_ff], gu[..., n_ff:]
     else:
-        gate = cuda_kernels.moe_linear(x, gate_up[0].raw, gate_up[0].qtype, ids)
-        up = cuda_kernels.moe_linear(x, gate_up[1].raw, gate_up[1].qtype, ids)
+        gate = cuda_kernels.moe_linear(x, gate_up[0].raw, gate_up[0].qtype, ids, groups=groups)
+        up = cuda_kernels.moe_linear(x, gate_up[1].raw, gate_up[1].qtype, ids, groups=groups)
     act = (
         cuda_fused.swiglu(gate, up) if cuda_fused.available(x) else F.silu(gate).mul_(up)
     )  # (T, top_k, n_ff)
     if taps.observers:
         k = ids.shape[1]
         taps.inputs(x.repeat_interleave(k, 0), act.reshape(-1, n_ff), ids.reshape(-1))
-    y = cuda_kernels.moe_linear(act, down.raw, down.qtype, ids)  # (T, top_k, n_embd)
+    y = cuda_kernels.moe_linear(act, down.raw, down.qtype, ids, groups=groups)  # (T, top_k, n_embd)
     if cuda_fused.available(y):
         return cuda_fused.weighted_sum(y, weights, residual)
     out = (y * weights[..., None].to(y.dtype)).sum(1)  # a weighted sum over k slots: no GEMM launch

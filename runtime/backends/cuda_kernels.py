@@ -826,13 +826,16 @@ def moe_linear(
     qtype: GGMLQuantizationType | int,
     ids: torch.Tensor,
     precision: str | None = None,
+    groups: dict | None = None,
 ) -> torch.Tensor:
     """Every selected expert's product in one launch: out[t, s] = x[t] @ W[ids[t, s]].T.
 
     ``raw`` uint8 (E, N, row_bytes); ``x`` (T, K) shared by a token's slots or (T, top_k, K), one row
     per slot (the down projection); ``ids`` (T, top_k) integer expert ids on x's device. Returns
     float32 (T, top_k, N). Decode (T * top_k <= 64 pairs) takes the GEMV kernel, one program per
-    pair; more pairs are grouped by expert on the device and take the GEMM kernel."""
+    pair; more pairs are grouped by expert on the device and take the GEMM kernel. ``groups``: a dict the
+    caller passes to every product over the same ``ids`` (a layer's gate/up and down) so that the grouping is
+    computed once."""
     qtype = qtype if isinstance(qtype, T) else T(int(qtype))
     raw = raw if raw.is_contiguous() else raw.contiguous()
     n_tok, top_k = ids.shape
@@ -859,8 +862,12 @@ def moe_linear(
     # a tile holds one expert's pairs: about pairs / E of them (16 at prefill 512 of the 35B-A3B)
     plan = _gemm_plan(qtype, precision, moe=True)
     bm = GEMM_CONFIG["bm"] or min(64, max(plan.smallest_tile, _next_pow2(-(-pairs // e_count))))
-    order, tile_expert, tile_start, tile_rows = _group_by_expert(ids, e_count, bm)
-    maps = (order, tile_expert, tile_start, tile_rows)
+    key = (e_count, bm)
+    maps = groups.get(key) if groups is not None else None
+    if maps is None:
+        maps = _group_by_expert(ids, e_count, bm)
+        if groups is not None:
+            groups[key] = maps
     _launch_gemm(x, w, y, tab, maps, 0, n, k, stride, sx_tok, sx_slot, n, top_k, qtype, bs, ts, s, plan, bm)
     return y
 
