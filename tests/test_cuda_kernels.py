@@ -273,15 +273,30 @@ def test_products_over_the_same_ids_share_one_grouping(monkeypatch: pytest.Monke
     assert all(torch.equal(a, b) for a, b in zip(alone, shared, strict=True))
 
 
-def test_group_by_expert_tiles_cover_every_pair_once() -> None:
-    ids = torch.tensor([[3, 3], [0, 3], [3, 1], [3, 3]], dtype=torch.int32, device=DEVICE)
-    order, expert, start, rows = (t.cpu() for t in ck._group_by_expert(ids, 5, bm=2))
-    seen = []
+@pytest.mark.parametrize(
+    ("experts", "n_tok", "top_k", "bm"), [(5, 4, 2, 2), (128, 300, 8, 16), (256, 512, 8, 32), (3, 1, 1, 64)]
+)
+def test_group_by_expert_tiles_cover_every_pair_once(experts: int, n_tok: int, top_k: int, bm: int) -> None:
+    """Every pair in exactly one tile of its expert, an expert's pairs in ceil(count / bm) full-first tiles, the
+    spare tiles empty: on a hand-made case and on random routing past one 1,024-pair block of the table kernel."""
+    if experts == 5:
+        ids = torch.tensor([[3, 3], [0, 3], [3, 1], [3, 3]], dtype=torch.int32)
+    else:
+        ids = _ids(n_tok, top_k, experts, experts)
+    order, expert, start, rows = (t.cpu() for t in ck._group_by_expert(ids.to(DEVICE), experts, bm=bm))
+    flat = ids.view(-1)
+    seen, tiles = [], {}
     for e, s, r in zip(expert.tolist(), start.tolist(), rows.tolist(), strict=True):
         pairs = order[s : s + r].tolist()
-        assert all(int(ids.view(-1)[p]) == e for p in pairs)
+        assert all(int(flat[p]) == e for p in pairs)
         seen += pairs
-    assert sorted(seen) == list(range(8))
+        if r:
+            tiles.setdefault(e, []).append(r)
+    assert sorted(seen) == list(range(flat.numel()))
+    counts = torch.bincount(flat.long(), minlength=experts).tolist()
+    for e, c in enumerate(counts):
+        want = [bm] * (c // bm) + ([c % bm] if c % bm else [])
+        assert tiles.get(e, []) == want, e
 
 
 def test_type_without_kernel_falls_back_to_torch() -> None:

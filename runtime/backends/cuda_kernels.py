@@ -5,8 +5,8 @@
 
 Both pick a GEMV kernel for decode (T <= 8: the weights are read once, every token's products are
 summed from the same dequantized registers) and a dequant-in-kernel GEMM (``tl.dot``) for prefill.
-MoE prefill groups the (token, slot) pairs by expert on the device (sort, scatter counts, a tile ->
-expert table with a fixed upper bound on the tile count), so no call synchronizes with the host.
+MoE prefill groups the (token, slot) pairs by expert on the device (a sort, then one launch for the tile ->
+expert table, whose length has a fixed upper bound), so no call synchronizes with the host.
 
 The blocks are decoded in registers by the same formulas as runtime/dequant_*.py (ggml's layouts
 and order of operations), in float32; products accumulate in float32. A weight tile is handled as
@@ -606,6 +606,38 @@ if triton is not None:
             return scale, minimum, 0.0
 
     @triton.jit
+    def _tile_table_kernel(ids, table, pairs, E, bm, n_tiles, EP: tl.constexpr, BLOCK: tl.constexpr,
+                           BB: tl.constexpr):  # fmt: skip
+        """For pairs sorted by expert (stably), tile b of the grouped GEMM: its expert, first position in the
+        sorted order and rows (rows [0, E) of table); an expert's pairs take ceil(count / bm) tiles in expert
+        order, the tiles past the last get 0 rows."""
+        e = tl.arange(0, EP)
+        counts = tl.zeros([EP], dtype=tl.int32)
+        for p0 in range(0, pairs, BLOCK):
+            p = p0 + tl.arange(0, BLOCK)
+            v = tl.load(ids + p, mask=p < pairs, other=0).to(tl.int32)
+            counts += tl.histogram(v, EP)
+        counts -= tl.where(
+            e == 0, tl.cdiv(pairs, BLOCK) * BLOCK - pairs, 0
+        )  # the padding counted as expert 0
+        tiles = (counts + bm - 1) // bm
+        tile_end = tl.cumsum(tiles, 0)
+        seg_start = tl.cumsum(counts, 0) - counts
+        for b0 in range(0, n_tiles, BB):
+            b = b0 + tl.arange(0, BB)
+            te = tl.sum(((tile_end[None, :] <= b[:, None]) & (e[None, :] < E)).to(tl.int32), axis=1)
+            at = e[None, :] == tl.minimum(te, E - 1)[:, None]  # the tile's expert, as a one-hot row
+            first = tl.sum(tl.where(at, tile_end - tiles, 0), axis=1)
+            row0 = (b - first) * bm
+            rows = tl.sum(tl.where(at, counts, 0), axis=1) - row0
+            rows = tl.where(te >= E, 0, tl.minimum(tl.maximum(rows, 0), bm))
+            start = tl.sum(tl.where(at, seg_start, 0), axis=1) + row0
+            keep = b < n_tiles
+            tl.store(table + b, tl.minimum(te, E - 1), mask=keep)
+            tl.store(table + n_tiles + b, start, mask=keep)
+            tl.store(table + 2 * n_tiles + b, rows, mask=keep)
+
+    @triton.jit
     def _split_x_kernel(x, parts, sums, numel, PARTS: tl.constexpr, S: tl.constexpr, SUMS: tl.constexpr,
                         B: tl.constexpr):  # fmt: skip
         """x float32 -> PARTS parts (as _bf16_parts) ``numel`` elements apart, and the sum of each S values."""
@@ -875,24 +907,20 @@ def moe_linear(
 def _group_by_expert(
     ids: torch.Tensor, e_count: int, bm: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token, slot) pairs sorted by expert, cut in tiles of <= bm pairs of one expert, on the device.
+    """(token, slot) pairs sorted by expert, cut in tiles of <= bm pairs of one expert, on the device: the sort,
+    then one launch for the tile table (_tile_table_kernel).
 
     The tile count is bounded on the host (ceil(pairs / bm) + min(E, pairs)); the spare tiles get 0 rows
     and return at once, so nothing here waits for the device."""
-    flat = ids.reshape(-1).long()
+    flat = ids.reshape(-1)
     pairs = flat.numel()
     order = torch.sort(flat, stable=True).indices.to(torch.int32)
-    counts = torch.zeros(e_count, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    tiles = (counts + bm - 1) // bm
-    tile_end = torch.cumsum(tiles, 0)
-    b = torch.arange(-(-pairs // bm) + min(e_count, pairs), device=ids.device)
-    tile_e = torch.searchsorted(tile_end, b, right=True)
-    ec = tile_e.clamp(max=e_count - 1)
-    row0 = (b - (tile_end[ec] - tiles[ec])) * bm
-    seg_start = torch.cumsum(counts, 0) - counts
-    rows = (counts[ec] - row0).clamp(0, bm).masked_fill(tile_e >= e_count, 0)
-    return order, ec.to(torch.int32), (seg_start[ec] + row0).to(torch.int32), rows.to(torch.int32)
+    n_tiles = -(-pairs // bm) + min(e_count, pairs)
+    table = torch.empty((3, n_tiles), dtype=torch.int32, device=ids.device)
+    _tile_table_kernel[(1,)](
+        flat, table, pairs, e_count, bm, n_tiles, EP=_next_pow2(e_count), BLOCK=1024, BB=64
+    )
+    return order, table[0], table[1], table[2]
 
 
 def _cdiv(a: int, b: int) -> int:
