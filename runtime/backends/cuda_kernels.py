@@ -617,9 +617,8 @@ if triton is not None:
             p = p0 + tl.arange(0, BLOCK)
             v = tl.load(ids + p, mask=p < pairs, other=0).to(tl.int32)
             counts += tl.histogram(v, EP)
-        counts -= tl.where(
-            e == 0, tl.cdiv(pairs, BLOCK) * BLOCK - pairs, 0
-        )  # the padding counted as expert 0
+        padding = tl.cdiv(pairs, BLOCK) * BLOCK - pairs  # the masked lanes, counted as expert 0
+        counts -= tl.where(e == 0, padding, 0)
         tiles = (counts + bm - 1) // bm
         tile_end = tl.cumsum(tiles, 0)
         seg_start = tl.cumsum(counts, 0) - counts
@@ -918,7 +917,7 @@ def _group_by_expert(
     n_tiles = -(-pairs // bm) + min(e_count, pairs)
     table = torch.empty((3, n_tiles), dtype=torch.int32, device=ids.device)
     _tile_table_kernel[(1,)](
-        flat, table, pairs, e_count, bm, n_tiles, EP=_next_pow2(e_count), BLOCK=1024, BB=64
+        flat, table, pairs, e_count, bm, n_tiles, EP=_next_pow2(e_count), BLOCK=1024, BB=32
     )
     return order, table[0], table[1], table[2]
 
