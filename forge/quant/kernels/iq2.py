@@ -23,7 +23,7 @@ def _clamp(v: int, lo: int, hi: int) -> int:
     return lo if v < lo else (hi if v > hi else v)
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def _snap_group(
     xval: np.ndarray,
     waux: np.ndarray,
@@ -408,8 +408,8 @@ def _tables(gtype: T) -> tuple[np.ndarray, ...]:
             np.ascontiguousarray(cb.point_of_code, np.int32),
             np.ascontiguousarray(cb.nb_start, np.int32),
             np.ascontiguousarray(cb.nb_count, np.int32),
-            np.ascontiguousarray(cb.nb_flat, np.int32),
-            np.ascontiguousarray(cb.nb_term_cols, np.int32),
+            np.ascontiguousarray(cb.nb_flat, np.uint16),  # points < 2048
+            np.ascontiguousarray(cb.nb_term_cols, np.uint8),  # < 24: a quarter of the cache lines
         )
     return _TABLES[gtype]
 
