@@ -251,8 +251,8 @@ def prefill(args: argparse.Namespace, gen: torch.Generator) -> None:
 def gemm_sweep(qtype: Q, gen: torch.Generator, m: int) -> list[tuple[float, dict, dict]]:
     """Times of one layer's routed prefill products at m tokens (gate+up as one 1,024-row weight, and down; top-8
     of 256 experts at random) over the integer-code GEMM's configurations (ck.GEMM_CONFIG): the kernel on x as
-    it is (xt 0, its default tiles), on x split once (xt 1) at each tile shape with and without the scales
-    loaded a step ahead, then the best three at bf16x2; best first."""
+    it is (xt 0, its default tiles), both with K split in 2 and 4 parts, on x split once (xt 1) at each tile
+    shape with and without the scales loaded a step ahead, then the best three at bf16x2; best first."""
     gate_up = random_rows(qtype, EXPERTS * 2 * EXPERT_FF, HIDDEN, gen).view(EXPERTS, 2 * EXPERT_FF, -1)
     down = random_rows(qtype, EXPERTS * HIDDEN, EXPERT_FF, gen).view(EXPERTS, HIDDEN, -1)
     ids = torch.stack([torch.randperm(EXPERTS, device="cuda", generator=gen)[:TOP_K] for _ in range(m)]).int()
@@ -279,13 +279,17 @@ def gemm_sweep(qtype: Q, gen: torch.Generator, m: int) -> list[tuple[float, dict
             out.append((times["gate_up"] + times["down"], times, {**cfg, "precision": prec}))
         return out
 
-    configs = [dict(xt=0)] + [
-        dict(xt=1, bn=bn, warps=warps, stages=stages, bm=bm, ahead=ahead)
-        for ahead in (0, 1)
-        for bm in (16, 32)
-        for bn, warps in ((64, 4), (64, 8), (128, 4), (128, 8), (256, 8))  # larger tiles spill at 4 warps
-        for stages in (3, 4)
-    ]
+    configs = (
+        [dict(xt=0)]
+        + [dict(xt=xt, split=split) for xt in (0, 1) for split in (2, 4)]
+        + [
+            dict(xt=1, bn=bn, warps=warps, stages=stages, bm=bm, ahead=ahead)
+            for ahead in (0, 1)
+            for bm in (16, 32)
+            for bn, warps in ((64, 4), (64, 8), (128, 4), (128, 8), (256, 8))  # larger tiles spill at 4 warps
+            for stages in (3, 4)
+        ]
+    )
     rows = sorted(timed(configs, "bf16x3"), key=lambda r: r[0])
     best = [{k: v for k, v in cfg.items() if k != "precision"} for _, _, cfg in rows[:3]]
     rows = sorted(rows + timed(best, "bf16x2"), key=lambda r: r[0])
