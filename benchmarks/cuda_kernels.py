@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
+from prefill_precision import best_prefill
 from triton.testing import do_bench
 
 from runtime.backends import cuda_kernels as ck
@@ -196,15 +196,16 @@ def sweep(args: argparse.Namespace, gen: torch.Generator, bw: float) -> None:
                                          (16, 4, 4), (8, 2, 4)):  # fmt: skip
                     if split > 1 and (words == "0" or k // 256 % split):
                         continue
-                    ck.GEMV_CONFIG.update(bn=bn or None, warps=warps or None, split=split or None)
-                    us = graph_us(qtype, raw, kernel, moe, gen, args.tokens)
+                    with ck.configured(
+                        ck.GEMV_CONFIG, bn=bn or None, warps=warps or None, split=split or None
+                    ):
+                        us = graph_us(qtype, raw, kernel, moe, gen, args.tokens)
                     gbs = nbytes / (us * 1e-6) / 1e9
                     print(f"{qtype.name:8} {label:10} words={words} BN={bn:3} warps={warps} split={split} "
                           f"{us:9.1f} us {gbs:6.0f} GB/s {100 * gbs * 1e9 / bw:4.0f}%")  # fmt: skip
             del raw
         torch.cuda.empty_cache()
     os.environ.pop("FORGE_CUDA_WORDS", None)
-    ck.GEMV_CONFIG.update(bn=None, warps=None, split=None)
 
 
 PREFILL_PRECISIONS = ("auto", "bf16x3", "tf32x3", "bf16x2", "bf16")
@@ -266,16 +267,15 @@ def gemm_sweep(qtype: Q, gen: torch.Generator, m: int) -> list[tuple[float, dict
     def timed(configs: list[dict], prec: str) -> list[tuple[float, dict, dict]]:
         out = []
         for cfg in configs:
-            ck.GEMM_CONFIG.update(cfg)
             try:
-                times = {
-                    name: do_bench(lambda f=fn: f(prec), warmup=5, rep=30) for name, fn in products.items()
-                }
+                with ck.configured(ck.GEMM_CONFIG, **cfg):
+                    times = {
+                        name: do_bench(lambda f=fn: f(prec), warmup=5, rep=30)
+                        for name, fn in products.items()
+                    }
             except Exception as e:  # a configuration past the shared memory or registers of the chip
                 print(f"  {qtype.name} {cfg}: {type(e).__name__}")
                 continue
-            finally:
-                ck.GEMM_CONFIG.update(dict.fromkeys(ck.GEMM_CONFIG))
             out.append((times["gate_up"] + times["down"], times, {**cfg, "precision": prec}))
         return out
 
@@ -310,20 +310,13 @@ def model_prefill(path: str, m: int, rows: list[tuple[float, dict, dict]], top: 
     ids = torch.randint(0, model.vocab_size, (m,), generator=torch.Generator().manual_seed(0)).cuda()
 
     def prefill_ms(cfg: dict) -> tuple[float, torch.Tensor]:
-        ck.GEMM_CONFIG.update({k: v for k, v in cfg.items() if k != "precision"})
         os.environ["FORGE_CUDA_PRECISION"] = cfg.get("precision", "auto")
-        best = float("inf")
         try:
-            for _ in range(5):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                logits = model.forward(ids, model.new_state(), last_only=True)
-                torch.cuda.synchronize()
-                best = min(best, time.perf_counter() - t)
+            with ck.configured(ck.GEMM_CONFIG, **{k: v for k, v in cfg.items() if k != "precision"}):
+                seconds, logits = best_prefill(model, ids, 5)
         finally:
-            ck.GEMM_CONFIG.update(dict.fromkeys(ck.GEMM_CONFIG))
             os.environ.pop("FORGE_CUDA_PRECISION")
-        return best * 1e3, logits
+        return seconds * 1e3, logits
 
     base_ms, base = prefill_ms({})
     print(f"\nmodel prefill, {m} tokens: default plan {base_ms:.1f} ms ({m / base_ms * 1e3:.0f} tok/s)")

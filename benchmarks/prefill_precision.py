@@ -40,18 +40,28 @@ def main() -> None:
     print(f"{'precision':>9} {'prefill ms':>11} {'tok/s':>9} {'max dev / max logit':>20}")
     for prec in ["ieee", *args.precisions.split(",")]:
         os.environ["FORGE_CUDA_PRECISION"] = prec
-        best = float("inf")
-        for _ in range(args.reps + 1):  # the first run compiles
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            logits = model.forward(ids, model.new_state())
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t)
+        best, logits = best_prefill(model, ids, args.reps + 1, last_only=False)  # the first run compiles
         if ref is None:
             ref = logits
         dev = ((logits - ref).abs().max() / ref.abs().max()).item()
         print(f"{prec:>9} {best * 1e3:11.1f} {args.tokens / best:9.0f} {dev:20.2e}")
     os.environ.pop("FORGE_CUDA_PRECISION")
+
+
+def best_prefill(model, ids: torch.Tensor, reps: int, last_only: bool = True) -> tuple[float, torch.Tensor]:  # noqa: ANN001
+    """The best seconds of ``reps`` prefills of ``ids`` on fresh states (synchronized), and the last logits."""
+    best = float("inf")
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        logits = model.forward(ids, model.new_state(), last_only=last_only)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best, logits
+
+
+#: the profiler ranges ``_labelled`` opens start with these
+_PRODUCT_RANGES = ("linear ", "moe_linear ")
 
 
 def _labelled(fn, kind: str):  # noqa: ANN001, ANN202
@@ -76,13 +86,7 @@ def profile(model, ids: torch.Tensor) -> None:  # noqa: ANN001
 
     from runtime.backends import cuda_kernels
 
-    wall = float("inf")
-    for _ in range(3):  # the first compiles
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        model.forward(ids, model.new_state(), last_only=True)
-        torch.cuda.synchronize()
-        wall = min(wall, time.perf_counter() - t)
+    wall, _ = best_prefill(model, ids, 3)  # the first compiles
     cuda_kernels.linear = _labelled(cuda_kernels.linear, "linear")
     cuda_kernels.moe_linear = _labelled(cuda_kernels.moe_linear, "moe_linear")
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -98,9 +102,7 @@ def profile(model, ids: torch.Tensor) -> None:  # noqa: ANN001
 
 
 def _is_kernel(e) -> bool:  # noqa: ANN001
-    return e.device_type != torch.autograd.DeviceType.CPU and not e.name.startswith(
-        ("linear ", "moe_linear ")
-    )
+    return e.device_type != torch.autograd.DeviceType.CPU and not e.name.startswith(_PRODUCT_RANGES)
 
 
 def product_table(events) -> str:  # noqa: ANN001
@@ -109,9 +111,7 @@ def product_table(events) -> str:  # noqa: ANN001
     holds the gaps between its kernels, and its CPU copy often none of them: neither adds up.)"""
     gpu = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
     labels = sorted(
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in gpu
-        if e.name.startswith(("linear ", "moe_linear "))
+        (e.time_range.start, e.time_range.end, e.name) for e in gpu if e.name.startswith(_PRODUCT_RANGES)
     )
     kernels = [e for e in gpu if _is_kernel(e)]
     total = sum(e.time_range.elapsed_us() for e in kernels) or 1

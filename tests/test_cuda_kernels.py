@@ -191,13 +191,10 @@ def test_gemv_tile_configurations_agree(qtype: Q) -> None:
     ids = torch.tensor([[2, 0, 2]], dtype=torch.int32, device=DEVICE)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(10)).to(DEVICE)
     ref = _moe_reference(x.cpu(), raw.cpu(), qtype, ids.cpu())[0]
-    try:
-        for bn, warps, split in ((8, 2, 4), (32, 4, 8), (16, 4, 1)):
-            ck.GEMV_CONFIG.update(bn=bn, warps=warps, split=split)
+    for bn, warps, split in ((8, 2, 4), (32, 4, 8), (16, 4, 1)):
+        with ck.configured(ck.GEMV_CONFIG, bn=bn, warps=warps, split=split):
             assert_close(ck.moe_linear(x, raw, qtype, ids), ref)
             assert_close(ck.linear(x, raw[0], qtype), ref[0, 1][None])
-    finally:
-        ck.GEMV_CONFIG.update(bn=None, warps=None, split=None)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
@@ -211,13 +208,10 @@ def test_gemm_split_k_agrees(qtype: Q, precision: str) -> None:
     x = torch.randn(n_tok, k, generator=torch.Generator().manual_seed(13)).to(DEVICE)
     ref = _moe_reference(x.cpu(), raw.cpu(), qtype, ids.cpu())[0]
     dense_ref = reference(x.cpu(), raw[1].cpu(), qtype)[0]
-    try:
-        for split in (2, 4, 3):
-            ck.GEMM_CONFIG.update(split=split)
+    for split in (2, 4, 3):
+        with ck.configured(ck.GEMM_CONFIG, split=split):
             assert_close(ck.moe_linear(x, raw, qtype, ids, precision=precision), ref)
             assert_close(ck.linear(x, raw[1], qtype, precision=precision), dense_ref)
-    finally:
-        ck.GEMM_CONFIG.update(split=None)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
@@ -239,16 +233,13 @@ def test_gemm_on_split_x_agrees(qtype: Q, precision: str) -> None:
         ),
         (lambda: ck.linear(x, raw[1], qtype, precision=precision), reference(x, raw[1], qtype)),
     ]
-    try:
-        for bm, ahead in ((16, 0), (32, 0), (32, 1)):
-            ck.GEMM_CONFIG.update(xt=1, bm=bm, ahead=ahead)
+    for bm, ahead in ((16, 0), (32, 0), (32, 1)):
+        with ck.configured(ck.GEMM_CONFIG, xt=1, bm=bm, ahead=ahead):
             for run, (ref, mag) in cases:
                 if precision == "bf16x3":
                     assert_close(run(), ref)
                 else:
                     assert_rounding_bound(run(), ref, mag, ck.UNIT_ROUNDOFF[precision], k)
-    finally:
-        ck.GEMM_CONFIG.update(xt=None, bm=None, ahead=None)
 
 
 def test_products_over_the_same_ids_share_one_grouping(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -1028,6 +1030,17 @@ def _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, sy, top_k, nt
 GEMM_CONFIG: dict[str, int | None] = {
     "bn": None, "warps": None, "stages": None, "bm": None, "split": None, "xt": None, "ahead": None
 }  # fmt: skip
+
+
+@contextmanager
+def configured(config: dict[str, int | None], **values: int | None) -> Iterator[None]:
+    """``values`` set in GEMV_CONFIG or GEMM_CONFIG for the block (benchmarks and tests), then the old ones."""
+    old = {key: config[key] for key in values}
+    config.update(values)
+    try:
+        yield
+    finally:
+        config.update(old)
 
 
 class GemmPlan(NamedTuple):
