@@ -473,12 +473,18 @@ if triton is not None:
             return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
 
     @triton.jit
-    def _int_group(w, bp, c, li, QT: tl.constexpr):
-        """Group c of the blocks at byte offsets bp [R]: (integer codes [R, S] for li = arange(S), the
-        group's scale [R], the value its zero code stands for [R]); a value is scale * code - minimum,
-        the same products as _decode's."""
-        scale, minimum = _int_scale(w, bp, c, QT)
-        return _int_codes(w, bp, c, li, QT), scale, minimum
+    def _group_at(row_off, g, BS: tl.constexpr, TS: tl.constexpr, S: tl.constexpr):
+        """Value group g of rows starting at byte offsets row_off: (its block's byte offsets, its index in the
+        block), the arguments of _int_codes and _int_scale."""
+        k = g * S
+        return row_off + (k // BS) * TS, (k % BS) // S
+
+    @triton.jit
+    def _codes_operand(q, INTERP: tl.constexpr):
+        """Integer codes as a tensor-core operand: bfloat16 (exact), float32 under the interpreter."""
+        if INTERP:
+            return q.to(tl.float32)
+        return q.to(tl.float32).to(tl.bfloat16)
 
     @triton.jit
     def _int_codes(w, bp, c, li, QT: tl.constexpr):
@@ -536,11 +542,9 @@ if triton is not None:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         li = tl.arange(0, S)
         for k in range(k_lo, k_hi, S):  # one group a step: unrolling a block's groups overflows shared memory
-            q, scale, minimum = _int_group(w, row_off + (k // BS) * TS, (k % BS) // S, li, QT)
-            if INTERP:
-                qt = tl.trans(q.to(tl.float32))
-            else:
-                qt = tl.trans(q.to(tl.float32).to(tl.bfloat16))
+            bp, c = _group_at(row_off, k // S, BS, TS, S)
+            scale, minimum = _int_scale(w, bp, c, QT)
+            qt = tl.trans(_codes_operand(_int_codes(w, bp, c, li, QT), INTERP))
             xt = tl.load(x + xrow[:, None] + (k + li)[None, :], mask=rmask[:, None], other=0.0)
             hi, mid, lo = _bf16_parts(xt, PARTS, INTERP)
             p = _exact_dot(hi, qt, tl.zeros([BM, BN], dtype=tl.float32), INTERP)
@@ -584,11 +588,8 @@ if triton is not None:
                 s_next, m_next, x_next = _group_terms(w, xsum, row_off, xsrow, smask, nxt, BS, TS, S, QT)
             else:
                 scale, minimum, xsum_g = _group_terms(w, xsum, row_off, xsrow, smask, g, BS, TS, S, QT)
-            q = _int_codes(w, row_off + (k // BS) * TS, (k % BS) // S, li, QT)
-            if INTERP:
-                a = q.to(tl.float32)
-            else:
-                a = q.to(tl.float32).to(tl.bfloat16)
+            bp, c = _group_at(row_off, g, BS, TS, S)
+            a = _codes_operand(_int_codes(w, bp, c, li, QT), INTERP)
             xt = tl.load(xs + xoff[:, None] + (k + li)[None, :], mask=xmask[:, None], other=0.0)
             p = _exact_dot(a, tl.trans(xt), tl.zeros([BN, BM], dtype=tl.float32), INTERP)
             acc += p * scale[:, None]
@@ -600,8 +601,8 @@ if triton is not None:
     def _group_terms(w, xsum, row_off, xsrow, smask, g, BS: tl.constexpr, TS: tl.constexpr, S: tl.constexpr,
                      QT: tl.constexpr):  # fmt: skip
         """Group g's scales and minimums [BN] and x's sums over it [BM] (0 for the types without minimums)."""
-        k = g * S
-        scale, minimum = _int_scale(w, row_off + (k // BS) * TS, (k % BS) // S, QT)
+        bp, c = _group_at(row_off, g, BS, TS, S)
+        scale, minimum = _int_scale(w, bp, c, QT)
         if QT != 8 and QT != 14:
             return scale, minimum, tl.load(xsum + xsrow + g, mask=smask, other=0.0)
         else:
