@@ -196,10 +196,9 @@ def test_hybrid_cpu_side_takes_8_bit_activations(tmp_path: Path, monkeypatch: py
     """With the option, the hybrid executor's CPU-side experts multiply on Q8_K inputs (the records its decode
     steps hand the step kernel say so), and the logits stay within 5% of the float32 path's scale."""
     from runtime import cpu_kernels
-    from runtime.hybrid import HybridExperts, Rates
-    from runtime.models import build_model
+    from runtime.hybrid import Rates
     from runtime.synth import synthesize
-    from runtime.weights import load_weights
+    from tests.test_hybrid import _hybrid
     from tests.test_synth import TINY
 
     path = tmp_path / "model.gguf"
@@ -217,11 +216,7 @@ def test_hybrid_cpu_side_takes_8_bit_activations(tmp_path: Path, monkeypatch: py
     def decode(q8: str) -> tuple[torch.Tensor, int]:
         monkeypatch.setenv("FORGE_Q8_ACTIVATIONS", q8)
         seen.clear()
-        w = load_weights(path, "cpu", 0)
-        w.host_experts = True
-        m = build_model(w)
-        record = max(lay.record_bytes for lay in w.expert_layers().values())
-        h = m.hybrid = HybridExperts(m, 2 * record, "cpu", rates=Rates.never())
+        m, h = _hybrid(path, slots=2, rates=Rates.never())
         state = m.new_state(32)
         ids = torch.randint(0, m.vocab_size, (12,), generator=torch.Generator().manual_seed(3))
         m.forward(ids[:4], state)
