@@ -1081,17 +1081,18 @@ def _gemm_plan(qtype: GGMLQuantizationType, precision: str | None, moe: bool) ->
     prec = _PRECISIONS[precision]
     if prec >= 5 and qtype not in _INT_TYPES:
         prec = _PRECISIONS["tf32x3"]  # float32-accurate too, on the decoded values
-    xt = GEMM_CONFIG["xt"]
-    xt = bool(xt) if xt is not None else os.environ.get("FORGE_CUDA_XT", "1" if moe else "0") == "1"
-    if prec >= 5 and xt:
+    cfg = GEMM_CONFIG
+    asked = (
+        cfg["xt"] if cfg["xt"] is not None else os.environ.get("FORGE_CUDA_XT", "1" if moe else "0") == "1"
+    )
+    xt = prec >= 5 and bool(asked)  # the split-x kernel is an integer-code one
+    if xt:
         bn, warps, stages, smallest = 64, 4, 3, 32
     elif prec >= 5:
         bn, warps, stages, smallest = (128, 4, 3, 32) if moe else (64, 4, 2, 32)
     else:  # dense products take 128-row tiles of x, MoE tiles at most 64 pairs
         bn, warps, stages, smallest = 64, (4 if moe else 8), 0, 16
-    cfg = GEMM_CONFIG
     stages = cfg["stages"] or stages
-    xt = xt and prec >= 5
     ahead = xt and bool(cfg["ahead"])
     return GemmPlan(
         prec, cfg["bn"] or bn, cfg["warps"] or warps, stages, smallest, cfg["split"] or 1, xt, ahead
