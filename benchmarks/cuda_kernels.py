@@ -253,7 +253,8 @@ def gemm_sweep(qtype: Q, gen: torch.Generator, m: int) -> list[tuple[float, dict
     """Times of one layer's routed prefill products at m tokens (gate+up as one 1,024-row weight, and down; top-8
     of 256 experts at random) over the integer-code GEMM's configurations (ck.GEMM_CONFIG): the kernel on x as
     it is (xt 0, its default tiles), both with K split in 2 and 4 parts, on x split once (xt 1) at each tile
-    shape with and without the scales loaded a step ahead, then the best three at bf16x2; best first."""
+    shape with and without the scales loaded a step ahead, then the best three at bf16x2, and for Q4_K / Q5_K
+    the super-block kernel (fp16x2) at its tile shapes; best first."""
     gate_up = random_rows(qtype, EXPERTS * 2 * EXPERT_FF, HIDDEN, gen).view(EXPERTS, 2 * EXPERT_FF, -1)
     down = random_rows(qtype, EXPERTS * HIDDEN, EXPERT_FF, gen).view(EXPERTS, HIDDEN, -1)
     ids = torch.stack([torch.randperm(EXPERTS, device="cuda", generator=gen)[:TOP_K] for _ in range(m)]).int()
@@ -293,6 +294,14 @@ def gemm_sweep(qtype: Q, gen: torch.Generator, m: int) -> list[tuple[float, dict
     rows = sorted(timed(configs, "bf16x3"), key=lambda r: r[0])
     best = [{k: v for k, v in cfg.items() if k != "precision"} for _, _, cfg in rows[:3]]
     rows = sorted(rows + timed(best, "bf16x2"), key=lambda r: r[0])
+    if qtype in (Q.Q4_K, Q.Q5_K):  # a super-block's groups as one product (fp16x2)
+        fold = [
+            dict(bn=bn, warps=warps, stages=stages, bm=bm)
+            for bm in (16, 32)
+            for bn, warps in ((64, 4), (64, 8), (128, 8))
+            for stages in (2, 3, 4)
+        ]
+        rows = sorted(rows + timed(fold, "fp16x2"), key=lambda r: r[0])
     print(
         f"\n{qtype.name} routed prefill GEMMs, {m} tokens (ms): gate_up + down, gate_up, down; configuration"
     )

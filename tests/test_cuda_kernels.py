@@ -215,16 +215,18 @@ def test_gemm_split_k_agrees(qtype: Q, precision: str) -> None:
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
-@pytest.mark.parametrize("precision", ["bf16x3", "bf16x2"])
+@pytest.mark.parametrize("precision", ["bf16x3", "bf16x2", "fp16x2"])
 def test_gemm_on_split_x_agrees(qtype: Q, precision: str) -> None:
-    """x split once into bfloat16 parts (and group sums) with the weight rows as the product's rows: routed
-    products with x shared by a token's slots and one x per slot, and dense ones, at 16- and 32-pair tiles,
-    with each group's scales loaded with the group or a step ahead."""
+    """x split once into bfloat16 parts (and group sums), or for fp16x2 (Q4_K, Q5_K; the others take bf16x3)
+    into float16 parts of x times a power of two per row, with the weight rows as the product's rows: routed
+    products with x shared by a token's slots and one x per slot (rows from 1e-6 to 1e6), and dense ones, at
+    16- and 32-pair tiles, with each group's scales loaded with the group or a step ahead."""
     experts, n, k, n_tok, top_k = 4, 40, k_for(qtype, 2), 40, 2
     raw = random_rows(qtype, experts * n, k, seed=14).view(experts, n, -1).to(DEVICE)
     ids = _ids(n_tok, top_k, experts, 15).to(DEVICE)
     x = torch.randn(n_tok, k, generator=torch.Generator().manual_seed(16)).to(DEVICE)
     xs = torch.randn(n_tok, top_k, k, generator=torch.Generator().manual_seed(17)).to(DEVICE)
+    xs *= torch.logspace(-6, 6, n_tok * top_k).view(n_tok, top_k, 1).to(DEVICE)
     cases = [
         (lambda: ck.moe_linear(x, raw, qtype, ids, precision=precision), _moe_reference(x, raw, qtype, ids)),
         (

@@ -67,10 +67,13 @@ for _qtype, _kt in {
     T.MXFP4: KernelType(32),
 }.items():
     ggml_types.provide("cuda", _qtype, _kt)
-_PRECISIONS = {"tf32": 0, "ieee": 1, "fp16": 2, "bf16": 3, "tf32x3": 4, "bf16x3": 5, "bf16x2": 6}
+_PRECISIONS = {"tf32": 0, "ieee": 1, "fp16": 2, "bf16": 3, "tf32x3": 4, "bf16x3": 5, "bf16x2": 6, "fp16x2": 7}
 # Types whose values are an integer code times a per-group scale (less a per-group minimum): their
 # GEMM can take the codes, exact in bfloat16, to the tensor cores and apply the scales per group.
 _INT_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0)
+# Types whose 6-bit group scale times code is at most 1,953: exact in float16, so a super-block's groups
+# make one chained tensor-core product (fp16x2, _fold_gemm_t) with one float scale applied per block.
+_FOLD_TYPES = (T.Q4_K, T.Q5_K)
 # Largest unit roundoff of each product precision's operands (tf32 may truncate: 2^-10, not 2^-11).
 # tf32x3 splits each operand into a tf32 high and low part and sums three products: float32-like (2^-21
 # is a safe reading of its error; the tests hold it to the float32 bound of 1e-4 of the output scale).
@@ -82,6 +85,9 @@ UNIT_ROUNDOFF = {
     "tf32x3": 2.0**-21,
     "bf16x3": 2.0**-24,  # x = three bfloat16 parts exactly; codes exact: float32 products
     "bf16x2": 2.0**-15,  # x's top 8 bits, then the rest rounded to 8 bits; codes exact
+    # x times a power of two per row as two float16 parts (22 bits); scaled codes exact; the minimums'
+    # term on tf32x3
+    "fp16x2": 2.0**-21,
 }
 # The runtime's prefill precision: "auto" is float32-accurate, bf16x3 or tf32x3 whichever measured faster
 # for the product (_gemm_plan); tf32 alone gave 7.6e-4 of the logit scale on the 35B-geometry file, over
@@ -609,6 +615,88 @@ if triton is not None:
             return scale, minimum, 0.0
 
     @triton.jit
+    def _k4_scale_min_words(s1, s2, s3, g):
+        """_k4_scale_min for groups g from the 12 scale bytes held as three int32 words."""
+        sh = (g % 4) * 8
+        a = (s1 >> sh) & 255
+        b = (s2 >> sh) & 255
+        c = (s3 >> sh) & 255
+        sc = tl.where(g < 4, a & 63, (c & 15) | ((a >> 6) << 4))
+        m = tl.where(g < 4, b & 63, (c >> 4) | ((b >> 6) << 4))
+        return sc, m
+
+    @triton.jit
+    def _fold_dot(a, b, acc, INTERP: tl.constexpr):
+        """a (integers of at most 11 bits) @ b (float16 values) + acc: exact products, float32 sums."""
+        if INTERP:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(a.to(tl.float16), b, acc)
+
+    @triton.jit
+    def _min_dot(a, b, acc, INTERP: tl.constexpr):
+        if INTERP:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc, input_precision="tf32x3")
+
+    @triton.jit
+    def _fold_gemm_t(xs, xsum, xoff, xsrow, xmask, smask, w, row_off, k_lo, k_hi, TS: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+        """_int_gemm_t for Q4_K / Q5_K on x split by _split_x_fold (two float16 parts): per super-block, each
+        code times its group's 6-bit scale (exact in float16) against x on tensor cores, chained over the
+        block's four 64-value chunks (each decoded from 8 words a row, in _split_x_fold's order of x), then
+        times the block's d; the minimums' term, dmin m times x's group sums, is one more product."""
+        w32 = w.to(tl.pointer_type(tl.int32))
+        v = tl.arange(0, 8)[None, :, None, None]  # word of the chunk's 32 code bytes
+        h = tl.arange(0, 2)[None, None, :, None]  # low nibble: group 2c, high: group 2c + 1
+        i = tl.arange(0, 4)[None, None, None, :]  # byte within the word
+        col = tl.arange(0, 64)
+        g16 = tl.arange(0, 16)[None, :]  # the block's 8 groups, padded to a product's least K
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+        for sb in range(k_lo // 256, k_hi // 256):
+            base = (row_off + sb * TS) // 4
+            head = tl.load(w32 + base)
+            s1, s2, s3 = tl.load(w32 + base + 1), tl.load(w32 + base + 2), tl.load(w32 + base + 3)
+            b4 = base[:, None, None, None]
+            p = tl.zeros([BN, BM], dtype=tl.float32)
+            for c in range(4):
+                q = (tl.load(w32 + b4 + (12 if QT == 13 else 4) + c * 8 + v) >> (h * 4 + i * 8)) & 15
+                if QT == 13:
+                    q = q | (((tl.load(w32 + b4 + 4 + v) >> (i * 8 + 2 * c + h)) & 1) << 4)
+                sc, _ = _k4_scale_min_words(
+                    s1[:, None, None, None], s2[:, None, None, None], s3[:, None, None, None], 2 * c + h
+                )
+                at = xoff[:, None] + (sb * 256 + c * 64 + col)[None, :]
+                xt = tl.load(xs + at, mask=xmask[:, None], other=0.0)
+                p = _fold_dot(tl.reshape(sc * q, (BN, 64)), tl.trans(xt), p, INTERP)
+            acc += _f16_of(head)[:, None] * p
+            _, m = _k4_scale_min_words(s1[:, None], s2[:, None], s3[:, None], g16 % 8)
+            dm = tl.where(g16 < 8, _f16_of(head >> 16)[:, None] * m.to(tl.float32), 0.0)
+            xg = tl.load(xsum + xsrow[:, None] + sb * 8 + g16, mask=smask[:, None] & (g16 < 8), other=0.0)
+            acc = _min_dot(-dm, tl.trans(xg), acc, INTERP)
+        return acc
+
+    @triton.jit
+    def _split_x_fold_kernel(x, parts, sums, inv, K, numel, KP: tl.constexpr):
+        """Row r of x (K values) -> x 2^s as two float16 parts (hi, then the rest), numel elements apart, with s
+        the row's power of two that puts its largest value in [2^14, 2^15); each 64-value chunk in the order
+        _fold_gemm_t decodes codes (value 32 h + 4 v + i at 8 v + 4 h + i); the sums of each 32 scaled values;
+        and 2^-s."""
+        row = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, KP)
+        v = tl.load(x + row * K + k, mask=k < K, other=0.0)
+        e = ((tl.max(tl.abs(v), axis=0).to(tl.int32, bitcast=True) >> 23) & 255) - 127
+        s = tl.minimum(tl.maximum(14 - e, -100), 100)
+        xs = v * ((s + 127) << 23).to(tl.float32, bitcast=True)
+        hi = xs.to(tl.float16).to(tl.float32)
+        r = k % 64
+        at = row * K + (k - r) + ((r % 32) // 4) * 8 + (r // 32) * 4 + r % 4
+        tl.store(parts + at, hi.to(parts.dtype.element_ty), mask=k < K)
+        tl.store(parts + numel + at, (xs - hi).to(tl.float16).to(parts.dtype.element_ty), mask=k < K)
+        g = tl.arange(0, KP // 32)
+        tl.store(sums + row * (K // 32) + g, tl.sum(tl.reshape(xs, (KP // 32, 32)), axis=1), mask=g < K // 32)
+        tl.store(inv + row, ((127 - s) << 23).to(tl.float32, bitcast=True))
+
+    @triton.jit
     def _tile_table_kernel(ids, table, pairs, E, bm, n_tiles, EP: tl.constexpr, BLOCK: tl.constexpr,
                            BB: tl.constexpr):  # fmt: skip
         """For pairs sorted by expert (stably), tile b of the grouped GEMM: its expert, first position in the
@@ -674,6 +762,7 @@ if triton is not None:
         split_stride,
         xsum,
         x_part,
+        xinv,
         TOPK: tl.constexpr,
         QT: tl.constexpr,
         BS: tl.constexpr,
@@ -695,7 +784,8 @@ if triton is not None:
         SPLIT > 1: program (., ., s) takes the s-th of SPLIT equal parts of K and writes its partial sums
         ``split_stride`` elements after y's start times s (summed by the caller).
         XT (with PREC 5 / 6): x is _split_x's parts and xsum its group sums: _int_gemm_t, which with AHEAD
-        loads each group's scales one step before its product."""
+        loads each group's scales one step before its product. PREC 7 (fp16x2, XT): x is _split_x_fold's
+        parts of x times a power of two per row, xinv those rows' inverse powers: _fold_gemm_t."""
         pid_m = tl.program_id(1)
         k_lo, k_part = 0, K
         if SPLIT > 1:  # resolved when compiling: the one-part kernel is the one before splits existed
@@ -717,16 +807,26 @@ if triton is not None:
         rmask, xrow, yrow = _tile_rows(r, pid_m, rows, order, tile_start, sx_tok, sx_slot, sy, TOPK, BM, MOE)
         if XT:  # x's parts stacked as NP row blocks of one operand: one product per group, parts summed at the end
             NP: tl.constexpr = 4 if PREC == 5 else 2
+            PARTS: tl.constexpr = 3 if PREC == 5 else 2
             r4 = tl.arange(0, NP * BM)
             m4, x4, _ = _tile_rows(
                 r4 % BM, pid_m, rows, order, tile_start, sx_tok, sx_slot, sy, TOPK, BM, MOE
             )
             part = r4 // BM
-            acc4 = _int_gemm_t(
-                x, xsum, x4 + part * x_part, x4 // S, m4 & (part < 8 - PREC), m4 & (part == 0), w, row_off,
-                k_lo, k_lo + k_part, BS, TS, S, NP * BM, BN, QT, AHEAD, INTERP,
-            )  # fmt: skip
+            xoff, xmask, smask = x4 + part * x_part, m4 & (part < PARTS), m4 & (part == 0)
+            if PREC == 7:
+                acc4 = _fold_gemm_t(
+                    x, xsum, xoff, x4 // S, xmask, smask, w, row_off, k_lo, k_lo + k_part, TS, NP * BM, BN, QT,
+                    INTERP,
+                )  # fmt: skip
+            else:
+                acc4 = _int_gemm_t(
+                    x, xsum, xoff, x4 // S, xmask, smask, w, row_off, k_lo, k_lo + k_part, BS, TS, S, NP * BM,
+                    BN, QT, AHEAD, INTERP,
+                )  # fmt: skip
             acc = tl.sum(tl.reshape(acc4, (BN, NP, BM)), axis=1)
+            if PREC == 7:
+                acc *= tl.load(xinv + xrow // K, mask=rmask, other=0.0)[None, :]
             tl.store(y + yrow[None, :] + n[:, None], acc, mask=rmask[None, :] & (n[:, None] < N))
         else:
             if PREC >= 5:
@@ -1078,14 +1178,17 @@ def _gemm_plan(qtype: GGMLQuantizationType, precision: str | None, moe: bool) ->
         precision = "bf16x3" if qtype in _INT_TYPES and (moe or qtype == T.Q6_K) else "tf32x3"
     if precision not in _PRECISIONS:
         raise ValueError(f"precision must be one of auto, {', '.join(_PRECISIONS)}, not {precision!r}")
+    if precision == "fp16x2" and qtype not in _FOLD_TYPES:
+        precision = "bf16x3"  # float32-accurate too (tf32x3 below for the types without integer codes)
     prec = _PRECISIONS[precision]
-    if prec >= 5 and qtype not in _INT_TYPES:
+    if prec in (5, 6) and qtype not in _INT_TYPES:
         prec = _PRECISIONS["tf32x3"]  # float32-accurate too, on the decoded values
     cfg = GEMM_CONFIG
     asked = (
         cfg["xt"] if cfg["xt"] is not None else os.environ.get("FORGE_CUDA_XT", "1" if moe else "0") == "1"
     )
-    xt = prec >= 5 and bool(asked)  # the split-x kernel is an integer-code one
+    # the split-x kernel is an integer-code one; fp16x2 exists only on it
+    xt = prec == 7 or (prec in (5, 6) and bool(asked))
     if xt:
         bn, warps, stages, smallest = 64, 4, 3, 32
     elif prec >= 5:
@@ -1093,7 +1196,7 @@ def _gemm_plan(qtype: GGMLQuantizationType, precision: str | None, moe: bool) ->
     else:  # dense products take 128-row tiles of x, MoE tiles at most 64 pairs
         bn, warps, stages, smallest = 64, (4 if moe else 8), 0, 16
     stages = cfg["stages"] or stages
-    ahead = xt and bool(cfg["ahead"])
+    ahead = xt and prec != 7 and bool(cfg["ahead"])
     return GemmPlan(
         prec, cfg["bn"] or bn, cfg["warps"] or warps, stages, smallest, cfg["split"] or 1, xt, ahead
     )
@@ -1108,13 +1211,17 @@ def _launch_gemm(
         g = max(g, 16 // s)
     order, tile_expert, tile_start, tile_rows = maps if moe else (tab, tab, tab, tab)
     tiles_m = tile_rows.numel() if moe else _cdiv(m, bm)
-    split = plan.split if k % (plan.split * g * s) == 0 else 1
+    fold = plan.prec == 7
+    split = plan.split if k % (plan.split * (256 if fold else g * s)) == 0 else 1
     out = y if split == 1 else torch.empty((split, *y.shape), dtype=y.dtype, device=y.device)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    xsum, x_part = tab, 0
+    xsum, x_part, xinv = tab, 0, tab
     if plan.xt:
         x_part = x.numel()
-        x, xsum = _split_x(x, 8 - plan.prec, s, qtype in (T.Q4_K, T.Q5_K), interp)
+        if fold:
+            x, xsum, xinv = _split_x_fold(x, k, interp)
+        else:
+            x, xsum = _split_x(x, 8 - plan.prec, s, qtype in (T.Q4_K, T.Q5_K), interp)
     _gemm_kernel[(_cdiv(n, plan.bn), tiles_m, split)](
         x,
         w,
@@ -1134,6 +1241,7 @@ def _launch_gemm(
         y.numel(),
         xsum,
         x_part,
+        xinv,
         TOPK=top_k,
         QT=int(qtype),
         BS=bs,
@@ -1166,3 +1274,16 @@ def _split_x(
     block = 1024
     _split_x_kernel[(_cdiv(numel, block),)](x, out, group_sums, numel, PARTS=parts, S=s, SUMS=sums, B=block)
     return out, group_sums
+
+
+def _split_x_fold(x: torch.Tensor, k: int, interp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x float32 rows of k values -> (_split_x_fold_kernel's two float16 parts, x.numel() apart; the float32
+    sums of each 32 scaled values; each row's inverse power of two), one program a row. Float32 parts under
+    the interpreter (same values)."""
+    numel = x.numel()
+    rows = numel // k
+    out = torch.empty(2 * numel, dtype=torch.float32 if interp else torch.float16, device=x.device)
+    group_sums = torch.empty(numel // 32, dtype=torch.float32, device=x.device)
+    inv = torch.empty(rows, dtype=torch.float32, device=x.device)
+    _split_x_fold_kernel[(rows,)](x, out, group_sums, inv, k, numel, KP=_next_pow2(k))
+    return out, group_sums, inv
