@@ -160,6 +160,7 @@ def main() -> None:
         prefill(args, gen)
     if args.gemm_sweep:
         for name in args.types.split(","):
+            dense_sweep(Q[name.strip().upper()], gen, args.prefill or 512)
             rows = gemm_sweep(Q[name.strip().upper()], gen, args.prefill or 512)
             if args.model:
                 model_prefill(args.model, args.prefill or 512, rows)
@@ -308,6 +309,35 @@ def gemm_sweep(qtype: Q, gen: torch.Generator, m: int) -> list[tuple[float, dict
     for total, t, cfg in rows:
         print(f"  {total:7.3f} {t['gate_up']:7.3f} {t['down']:7.3f}  {cfg}")
     return rows
+
+
+def dense_sweep(qtype: Q, gen: torch.Generator, m: int) -> None:
+    """Times of the dense prefill products at m tokens (a 5,120 x 2,048 input projection and a 2,048 x 4,096
+    output one) at the default plan and, for Q4_K / Q5_K, the super-block kernel (fp16x2) at its tile shapes."""
+    configs = [({}, None)]
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        configs += [
+            (dict(bn=bn, warps=warps, stages=3, bm=bm), "fp16x2")
+            for bm in (32, 64, 128)
+            for bn, warps in ((64, 4), (128, 4), (128, 8))
+        ]
+    print(f"\n{qtype.name} dense prefill GEMMs, {m} tokens (ms): 5120x2048 + 2048x4096; configuration")
+    products = [(random_rows(qtype, n, k, gen), torch.randn(m, k, device="cuda", generator=gen)) for n, k in
+                ((5120, HIDDEN), (HIDDEN, 4096))]  # fmt: skip
+    rows = []
+    for cfg, prec in configs:
+        try:
+            with ck.configured(ck.GEMM_CONFIG, **cfg):
+                t = [
+                    do_bench(lambda r=r, x=x, p=prec: ck.linear(x, r, qtype, p), warmup=5, rep=30)
+                    for r, x in products
+                ]
+        except Exception as e:  # a configuration past the shared memory or registers of the chip
+            print(f"  {cfg}: {type(e).__name__}")
+            continue
+        rows.append((sum(t), t, {**cfg, "precision": prec or "default"}))
+    for total, t, cfg in sorted(rows, key=lambda r: r[0]):
+        print(f"  {total:7.3f} {t[0]:7.3f} {t[1]:7.3f}  {cfg}")
 
 
 def model_prefill(path: str, m: int, rows: list[tuple[float, dict, dict]], top: int = 4) -> None:

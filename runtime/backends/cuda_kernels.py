@@ -950,7 +950,9 @@ def linear(
         _launch_gemv(x2, w, y, tab, None, n, k, stride, x2.stride(0), 0, n, 1, m, qtype, bs, ts, s)
     else:
         plan = _gemm_plan(qtype, precision, moe=False)
-        _launch_gemm(x2, w, y, tab, None, m, n, k, stride, x2.stride(0), 0, n, 1, qtype, bs, ts, s, plan)
+        _launch_gemm(
+            x2, w, y, tab, None, m, n, k, stride, x2.stride(0), 0, n, 1, qtype, bs, ts, s, plan, plan.bm
+        )
     return y.view(*lead, n)
 
 
@@ -1159,6 +1161,8 @@ class GemmPlan(NamedTuple):
     xt: bool = False
     #: (with xt) each group's scales loaded one step ahead
     ahead: bool = False
+    #: dense products: tokens per tile
+    bm: int = 128
 
 
 def _gemm_plan(qtype: GGMLQuantizationType, precision: str | None, moe: bool) -> GemmPlan:
@@ -1172,10 +1176,15 @@ def _gemm_plan(qtype: GGMLQuantizationType, precision: str | None, moe: bool) ->
     Routed products take x split once (xt; FORGE_CUDA_XT=0|1 overrides): at the layer's shapes, Q4_K gate+up
     (1,024 rows) and down 1.30 + 0.64 ms at 64 rows, 4 warps, 3 stages, 32-pair tiles, against 1.49 + 0.70
     for the kernel on x as it is; a whole 40-layer prefill of 512 tokens 119 vs 139 ms. Dense products keep
-    x as it is (x split, 128-token tiles: 4x slower)."""
+    x as it is (x split, 128-token tiles: 4x slower). Routed Q4_K / Q5_K products take fp16x2 (one product
+    per super-block, _fold_gemm_t): gate+up and down 0.68 + 0.44 ms at 64 rows, 4 warps, 3 stages, 32-pair
+    tiles; the whole prefill 76.5 ms."""
     precision = precision or os.environ.get("FORGE_CUDA_PRECISION") or DEFAULT_PRECISION
     if precision == "auto":
-        precision = "bf16x3" if qtype in _INT_TYPES and (moe or qtype == T.Q6_K) else "tf32x3"
+        if moe and qtype in _FOLD_TYPES:
+            precision = "fp16x2"
+        else:
+            precision = "bf16x3" if qtype in _INT_TYPES and (moe or qtype == T.Q6_K) else "tf32x3"
     if precision not in _PRECISIONS:
         raise ValueError(f"precision must be one of auto, {', '.join(_PRECISIONS)}, not {precision!r}")
     if precision == "fp16x2" and qtype not in _FOLD_TYPES:
@@ -1197,13 +1206,14 @@ def _gemm_plan(qtype: GGMLQuantizationType, precision: str | None, moe: bool) ->
         bn, warps, stages, smallest = 64, (4 if moe else 8), 0, 16
     stages = cfg["stages"] or stages
     ahead = xt and prec != 7 and bool(cfg["ahead"])
+    bm = cfg["bm"] or (64 if prec == 7 else 128)
     return GemmPlan(
-        prec, cfg["bn"] or bn, cfg["warps"] or warps, stages, smallest, cfg["split"] or 1, xt, ahead
+        prec, cfg["bn"] or bn, cfg["warps"] or warps, stages, smallest, cfg["split"] or 1, xt, ahead, bm
     )
 
 
 def _launch_gemm(
-    x, w, y, tab, maps, m, n, k, stride, sx_tok, sx_slot, sy, top_k, qtype, bs, ts, s, plan, bm=128
+    x, w, y, tab, maps, m, n, k, stride, sx_tok, sx_slot, sy, top_k, qtype, bs, ts, s, plan, bm
 ):
     moe = maps is not None
     g = _groups(k, s, bs, 64)
