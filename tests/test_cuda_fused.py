@@ -148,3 +148,19 @@ def test_attention_step_matches_torch(gated: bool) -> None:
         _close(k2, ref_keys)
         _close(v2, ref_values, 0)
         _close(cuda_fused.attention_decode(q_out, k2, v2, where, pos, gate), ref)
+
+
+@pytest.mark.parametrize(("hd", "pos0", "t"), [(64, 0, 70), (256, 0, 40), (128, 37, 65), (256, 5, 1 + 64)])
+def test_attention_prefill_matches_torch(hd: int, pos0: int, t: int) -> None:
+    """Causal GQA attention of t rows at positions pos0.. over a cache's strided first pos0 + t slots, against
+    torch's float32 SDPA on repeated KV heads with an explicit mask."""
+    n_head, n_kv, cap = 8, 2, 160
+    q = _rand(t, n_head, hd, seed=5)
+    keys, values = _rand(n_kv, cap, hd, seed=6), _rand(n_kv, cap, hd, seed=7, scale=3.0)
+    span = pos0 + t
+    out = cuda_fused.attention_prefill(q, keys[:, :span], values[:, :span], pos0)
+    k = keys[:, :span].repeat_interleave(n_head // n_kv, 0)
+    v = values[:, :span].repeat_interleave(n_head // n_kv, 0)
+    mask = torch.arange(span, device=DEVICE)[None, :] <= torch.arange(pos0, span, device=DEVICE)[:, None]
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
+    _close(out, ref.reshape(t, n_head * hd))

@@ -224,6 +224,52 @@ if triton is not None:
             o = o * _sigmoid(tl.load(gate + h * HD + d))
         tl.store(out + h * HD + d, o)
 
+    @triton.jit
+    def _dot32(a, b, acc, INTERP: tl.constexpr):
+        """a @ b + acc, float32-accurate: tf32x3 on tensor cores (float32 products under the interpreter)."""
+        if INTERP:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc, input_precision="tf32x3")
+
+    @triton.jit(do_not_specialize=["T", "S", "pos0"])
+    def _attention_prefill_kernel(
+        q, keys, values, out, T, S, pos0, sk_h, sk_s, sv_h, sv_s, scale, REP, HD: tl.constexpr, BM: tl.constexpr,
+        BN: tl.constexpr, DC: tl.constexpr, INTERP: tl.constexpr,
+    ):  # fmt: skip
+        """Program (m, h, j): output values j DC .. j DC + DC - 1 of query rows m BM .. m BM + BM - 1 of head h
+        (at positions pos0 + row) over its KV head's keys up to each row's position, online softmax. The
+        scores take HD in chunks of DC; each program of a row block computes them again (registers, not
+        FLOPs, bound a head of 256 values)."""
+        h = tl.program_id(1)
+        n_head = tl.num_programs(1)
+        kv = (h // REP).to(tl.int64)
+        r = tl.program_id(0) * BM + tl.arange(0, BM)
+        dc = tl.arange(0, DC)
+        qrow = (r.to(tl.int64) * n_head + h) * HD
+        pos = pos0 + r
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], dtype=tl.float32)
+        acc = tl.zeros([BM, DC], dtype=tl.float32)
+        dv = tl.program_id(2) * DC + dc
+        for s0 in range(0, tl.minimum(pos0 + tl.program_id(0) * BM + BM, S), BN):
+            c = s0 + tl.arange(0, BN)
+            krow = kv * sk_h + c.to(tl.int64) * sk_s
+            s = tl.zeros([BM, BN], dtype=tl.float32)
+            for j in tl.static_range(HD // DC):
+                qt = tl.load(q + qrow[:, None] + j * DC + dc[None, :], mask=(r < T)[:, None], other=0.0)
+                kt = tl.load(keys + krow[:, None] + j * DC + dc[None, :], mask=(c < S)[:, None], other=0.0)
+                s = _dot32(qt, tl.trans(kt), s, INTERP)
+            s = tl.where((c[None, :] <= pos[:, None]) & (c < S)[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            e = tl.exp(s - m_new[:, None])
+            vrow = kv * sv_h + c.to(tl.int64) * sv_s
+            vt = tl.load(values + vrow[:, None] + dv[None, :], mask=(c < S)[:, None], other=0.0)
+            acc = _dot32(e, vt, acc * alpha[:, None], INTERP)
+            l_i = l_i * alpha + tl.sum(e, axis=1)
+            m_i = m_new
+        tl.store(out + qrow[:, None] + dv[None, :], acc / l_i[:, None], mask=(r < T)[:, None])
+
 
 def rms_norm_row(x: torch.Tensor, w: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     """x (1, n) -> x * w / sqrt(mean(x^2) + eps); eps a one-value tensor on x's device."""
@@ -363,5 +409,22 @@ def attention_decode(
     _attention_decode_kernel[(n_head,)](
         q, keys, values, gate if gate is not None else q, out, at if at is not None else q, pos, cap,
         n_head // n_kv, HAS_AT=at is not None, HAS_GATE=gate is not None, HD=hd, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def attention_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos0: int) -> torch.Tensor:
+    """Causal GQA attention of T query rows, q (T, H, D) float32 at positions pos0.., over keys / values
+    (Hkv, >= pos0 + T, D) (strided slots allowed) -> (T, H * D): scores and weighted sums on tf32x3 (float32
+    accurate), online softmax; no repeated KV heads, no mask tensor."""
+    t, n_head, hd = q.shape
+    n_kv = keys.shape[0]
+    q = q.contiguous()
+    out = torch.empty((t, n_head * hd), dtype=torch.float32, device=q.device)
+    bm, bn, dc = 64, 32, min(hd, 64)
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    _attention_prefill_kernel[(-(-t // bm), n_head, hd // dc)](
+        q, keys, values, out, t, pos0 + t, pos0, keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
+        hd**-0.5, n_head // n_kv, HD=hd, BM=bm, BN=bn, DC=dc, INTERP=interp, num_warps=4, num_stages=2,
     )  # fmt: skip
     return out
