@@ -448,10 +448,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int) -> t
     if t == 1:  # one query row: each KV head's group of query heads attends as a batch of rows, no copies
         out = F.scaled_dot_product_attention(q.view(n_kv, n_rep, d), k, v)
         return out.reshape(1, n_head * d)
-    if cuda_fused.available(q) and q.dtype == torch.float32 and d in (64, 128, 256) and k.stride(-1) == 1:
-        return cuda_fused.attention_prefill(
-            q, k, v, pos0
-        )  # one launch (torch's float32 SDPA is its math path)
+    if cuda_fused.prefill_attention(q, k):  # one launch (torch's float32 SDPA takes its math path)
+        return cuda_fused.attention_prefill(q, k, v, pos0)
     if n_rep > 1:
         k = k.repeat_interleave(n_rep, dim=0)
         v = v.repeat_interleave(n_rep, dim=0)

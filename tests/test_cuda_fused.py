@@ -164,3 +164,19 @@ def test_attention_prefill_matches_torch(hd: int, pos0: int, t: int) -> None:
     mask = torch.arange(span, device=DEVICE)[None, :] <= torch.arange(pos0, span, device=DEVICE)[:, None]
     ref = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
     _close(out, ref.reshape(t, n_head * hd))
+
+
+def test_layers_attention_takes_the_kernel_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """runtime.layers.attention hands a prefill to attention_prefill with FORGE_CUDA_PREFILL_ATTENTION=1, with
+    torch's SDPA results."""
+    from runtime import layers
+
+    q, keys, values = _rand(33, 4, 64, seed=8), _rand(2, 40, 64, seed=9), _rand(2, 40, 64, seed=10)
+    calls = []
+    kernel = cuda_fused.attention_prefill
+    monkeypatch.setattr(cuda_fused, "attention_prefill", lambda *a: calls.append(1) or kernel(*a))
+    ref = layers.attention(q, keys[:, :35], values[:, :35], 2)
+    monkeypatch.setenv("FORGE_CUDA_PREFILL_ATTENTION", "1")
+    out = layers.attention(q, keys[:, :35], values[:, :35], 2)
+    assert calls == [1]
+    _close(out, ref)

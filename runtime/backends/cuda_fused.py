@@ -39,6 +39,18 @@ def available(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def prefill_attention(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether attention_prefill takes a prefill's attention: opt-in (FORGE_CUDA_PREFILL_ATTENTION=1) until
+    the kernel has run on a GPU (checked so far by Triton's interpreter and an offline sm90 compile)."""
+    return (
+        os.environ.get("FORGE_CUDA_PREFILL_ATTENTION") == "1"
+        and available(q)
+        and q.dtype == torch.float32
+        and q.shape[-1] in (64, 128, 256)
+        and k.stride(-1) == 1
+    )
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
