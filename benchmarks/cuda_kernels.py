@@ -254,7 +254,7 @@ def gemm_sweep(qtype: Q, gen: torch.Generator, m: int) -> list[tuple[float, dict
     """Times of one layer's routed prefill products at m tokens (gate+up as one 1,024-row weight, and down; top-8
     of 256 experts at random) over the integer-code GEMM's configurations (ck.GEMM_CONFIG): the kernel on x as
     it is (xt 0, its default tiles), both with K split in 2 and 4 parts, on x split once (xt 1) at each tile
-    shape with and without the scales loaded a step ahead, then the best three at bf16x2, and for Q4_K / Q5_K
+    shape, then the best three at bf16x2, and for Q4_K / Q5_K
     the super-block kernel (fp16x2) at its tile shapes; best first."""
     gate_up = random_rows(qtype, EXPERTS * 2 * EXPERT_FF, HIDDEN, gen).view(EXPERTS, 2 * EXPERT_FF, -1)
     down = random_rows(qtype, EXPERTS * HIDDEN, EXPERT_FF, gen).view(EXPERTS, HIDDEN, -1)
@@ -285,8 +285,7 @@ def gemm_sweep(qtype: Q, gen: torch.Generator, m: int) -> list[tuple[float, dict
         [dict(xt=0)]
         + [dict(xt=xt, split=split) for xt in (0, 1) for split in (2, 4)]
         + [
-            dict(xt=1, bn=bn, warps=warps, stages=stages, bm=bm, ahead=ahead)
-            for ahead in (0, 1)
+            dict(xt=1, bn=bn, warps=warps, stages=stages, bm=bm)
             for bm in (16, 32)
             for bn, warps in ((64, 4), (64, 8), (128, 4), (128, 8), (256, 8))  # larger tiles spill at 4 warps
             for stages in (3, 4)

@@ -575,7 +575,7 @@ if triton is not None:
 
     @triton.jit
     def _int_gemm_t(xs, xsum, xoff, xsrow, xmask, smask, w, row_off, k_lo, k_hi, BS: tl.constexpr, TS: tl.constexpr,
-                    S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, AHEAD: tl.constexpr,
+                    S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr,
                     INTERP: tl.constexpr):  # fmt: skip
         """_int_gemm with the operands swapped: the weight rows are the product's rows (BN of them, a full
         tensor-core tile however few pairs an expert has), x arrives split already (_split_x) and its BM
@@ -583,17 +583,9 @@ if triton is not None:
         Returns acc [BN, BM], the parts' products apart."""
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         li = tl.arange(0, S)
-        g_lo, g_hi = k_lo // S, k_hi // S
-        if AHEAD:
-            s_next, m_next, x_next = _group_terms(w, xsum, row_off, xsrow, smask, g_lo, BS, TS, S, QT)
-        for g in range(g_lo, g_hi):  # k = g S: the compiler sees the alignment of every load
+        for g in range(k_lo // S, k_hi // S):  # k = g S: the compiler sees the alignment of every load
             k = g * S
-            if AHEAD:  # this group's scales and x sums were loaded one step ago; load the next group's now
-                scale, minimum, xsum_g = s_next, m_next, x_next
-                nxt = tl.minimum(g + 1, g_hi - 1)
-                s_next, m_next, x_next = _group_terms(w, xsum, row_off, xsrow, smask, nxt, BS, TS, S, QT)
-            else:
-                scale, minimum, xsum_g = _group_terms(w, xsum, row_off, xsrow, smask, g, BS, TS, S, QT)
+            scale, minimum, xsum_g = _group_terms(w, xsum, row_off, xsrow, smask, g, BS, TS, S, QT)
             bp, c = _group_at(row_off, g, BS, TS, S)
             a = _codes_operand(_int_codes(w, bp, c, li, QT), INTERP)
             xt = tl.load(xs + xoff[:, None] + (k + li)[None, :], mask=xmask[:, None], other=0.0)
@@ -775,15 +767,13 @@ if triton is not None:
         SPLIT: tl.constexpr,
         INTERP: tl.constexpr,
         XT: tl.constexpr,
-        AHEAD: tl.constexpr,
     ):
         """Dense: rows m of x. MoE: tile pid_m holds up to BM (token, slot) pairs of one expert, listed
         by ``order[tile_start : tile_start + tile_rows]``; tiles past the last have 0 rows.
         PREC 5 / 6 (bf16x3 / bf16x2): the integer-code loop (_int_gemm), for the types of _INT_TYPES.
         SPLIT > 1: program (., ., s) takes the s-th of SPLIT equal parts of K and writes its partial sums
         ``split_stride`` elements after y's start times s (summed by the caller).
-        XT (with PREC 5 / 6): x is _split_x's parts and xsum its group sums: _int_gemm_t, which with AHEAD
-        loads each group's scales one step before its product. PREC 7 (fp16x2, XT): x is _split_x_fold's
+        XT (with PREC 5 / 6): x is _split_x's parts and xsum its group sums: _int_gemm_t. PREC 7 (fp16x2, XT): x is _split_x_fold's
         parts of x times a power of two per row, xinv those rows' inverse powers: _fold_gemm_t."""
         pid_m = tl.program_id(1)
         k_lo, k_part = 0, K
@@ -821,7 +811,7 @@ if triton is not None:
             else:
                 acc4 = _int_gemm_t(
                     x, xsum, xoff, x4 // S, xmask, smask, w, row_off, k_lo, k_lo + k_part, BS, TS, S, NP * BM,
-                    BN, QT, AHEAD, INTERP,
+                    BN, QT, INTERP,
                 )  # fmt: skip
             acc = tl.sum(tl.reshape(acc4, (BN, NP, BM)), axis=1)
             if PREC == 7:
@@ -1130,7 +1120,7 @@ def _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, sy, top_k, nt
 
 # GEMM tiles, read at each launch so the benchmark can sweep them (None: _gemm_plan's).
 GEMM_CONFIG: dict[str, int | None] = {
-    "bn": None, "warps": None, "stages": None, "bm": None, "split": None, "xt": None, "ahead": None
+    "bn": None, "warps": None, "stages": None, "bm": None, "split": None, "xt": None
 }  # fmt: skip
 
 
@@ -1158,8 +1148,6 @@ class GemmPlan(NamedTuple):
     split: int = 1
     #: x split once (_split_x) and the weight rows as the product's rows (_int_gemm_t); integer codes only
     xt: bool = False
-    #: (with xt) each group's scales loaded one step ahead
-    ahead: bool = False
     #: dense products: tokens per tile
     bm: int = 128
 
@@ -1208,11 +1196,8 @@ def _gemm_plan(qtype: GGMLQuantizationType, precision: str | None, moe: bool) ->
     else:  # dense products take 128-row tiles of x, MoE tiles at most 64 pairs
         bn, warps, stages, smallest = 64, (4 if moe else 8), 0, 16
     stages = cfg["stages"] or stages
-    ahead = xt and prec != 7 and bool(cfg["ahead"])
     bm = cfg["bm"] or (32 if prec == 7 else 128)
-    return GemmPlan(
-        prec, cfg["bn"] or bn, cfg["warps"] or warps, stages, smallest, cfg["split"] or 1, xt, ahead, bm
-    )
+    return GemmPlan(prec, cfg["bn"] or bn, cfg["warps"] or warps, stages, smallest, cfg["split"] or 1, xt, bm)
 
 
 def _launch_gemm(x, w, y, tab, maps, m, n, k, stride, sx_tok, sx_slot, sy, top_k, qtype, bs, ts, s, plan, bm):
@@ -1266,7 +1251,6 @@ def _launch_gemm(x, w, y, tab, maps, m, n, k, stride, sx_tok, sx_slot, sy, top_k
         SPLIT=split,
         INTERP=interp,
         XT=plan.xt,
-        AHEAD=plan.ahead,
         num_warps=plan.warps,
         **({"num_stages": plan.stages} if plan.stages else {}),
     )
