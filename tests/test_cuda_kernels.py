@@ -227,6 +227,8 @@ def test_gemm_on_split_x_agrees(qtype: Q, precision: str) -> None:
     x = torch.randn(n_tok, k, generator=torch.Generator().manual_seed(16)).to(DEVICE)
     xs = torch.randn(n_tok, top_k, k, generator=torch.Generator().manual_seed(17)).to(DEVICE)
     xs *= torch.logspace(-6, 6, n_tok * top_k).view(n_tok, top_k, 1).to(DEVICE)
+    raw9 = random_rows(qtype, 24, k_for(qtype, 9), seed=18).to(DEVICE)
+    x9 = torch.randn(n_tok, k_for(qtype, 9), generator=torch.Generator().manual_seed(19)).to(DEVICE)
     cases = [
         (lambda: ck.moe_linear(x, raw, qtype, ids, precision=precision), _moe_reference(x, raw, qtype, ids)),
         (
@@ -234,6 +236,7 @@ def test_gemm_on_split_x_agrees(qtype: Q, precision: str) -> None:
             _moe_reference(xs, raw, qtype, ids),
         ),
         (lambda: ck.linear(x, raw[1], qtype, precision=precision), reference(x, raw[1], qtype)),
+        (lambda: ck.linear(x9, raw9, qtype, precision=precision), reference(x9, raw9, qtype)),  # rows > 1,024
     ]
     for bm in (16, 32):
         with ck.configured(ck.GEMM_CONFIG, xt=1, bm=bm):

@@ -89,9 +89,9 @@ UNIT_ROUNDOFF = {
     # term on tf32x3
     "fp16x2": 2.0**-21,
 }
-# The runtime's prefill precision: "auto" is float32-accurate, bf16x3 or tf32x3 whichever measured faster
-# for the product (_gemm_plan); tf32 alone gave 7.6e-4 of the logit scale on the 35B-geometry file, over
-# the 1e-4 acceptance. FORGE_CUDA_PRECISION overrides it (benchmarks).
+# The runtime's prefill precision: "auto" is float32-accurate, fp16x2 (Q4_K, Q5_K), bf16x3 or tf32x3,
+# whichever measured faster for the product (_gemm_plan); tf32 alone gave 7.6e-4 of the logit scale on the
+# 35B-geometry file, over the 1e-4 acceptance. FORGE_CUDA_PRECISION overrides it (benchmarks).
 DEFAULT_PRECISION = "auto"
 DECODE_TOKENS = 8
 _warned: set[str] = set()
@@ -668,24 +668,33 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _split_x_fold_kernel(x, parts, sums, inv, K, numel, KP: tl.constexpr):
+    def _split_x_fold_kernel(x, parts, sums, inv, K, numel, B: tl.constexpr):
         """Row r of x (K values) -> x 2^s as two float16 parts (hi, then the rest), numel elements apart, with s
         the row's power of two that puts its largest value in [2^14, 2^15); each 64-value chunk in the order
         _fold_gemm_t decodes codes (value 32 h + 4 v + i at 8 v + 4 h + i); the sums of each 32 scaled values;
-        and 2^-s."""
+        and 2^-s. The row is read in blocks of B values, twice."""
         row = tl.program_id(0).to(tl.int64)
-        k = tl.arange(0, KP)
-        v = tl.load(x + row * K + k, mask=k < K, other=0.0)
-        e = ((tl.max(tl.abs(v), axis=0).to(tl.int32, bitcast=True) >> 23) & 255) - 127
+        kb = tl.arange(0, B)
+        amax = tl.max(tl.zeros([B], dtype=tl.float32), axis=0)
+        for k0 in range(0, K, B):
+            amax = tl.maximum(
+                amax, tl.max(tl.abs(tl.load(x + row * K + k0 + kb, mask=k0 + kb < K, other=0.0)), 0)
+            )
+        e = ((amax.to(tl.int32, bitcast=True) >> 23) & 255) - 127
         s = tl.minimum(tl.maximum(14 - e, -100), 100)
-        xs = v * ((s + 127) << 23).to(tl.float32, bitcast=True)
-        hi = xs.to(tl.float16).to(tl.float32)
-        r = k % 64
-        at = row * K + (k - r) + ((r % 32) // 4) * 8 + (r // 32) * 4 + r % 4
-        tl.store(parts + at, hi.to(parts.dtype.element_ty), mask=k < K)
-        tl.store(parts + numel + at, (xs - hi).to(tl.float16).to(parts.dtype.element_ty), mask=k < K)
-        g = tl.arange(0, KP // 32)
-        tl.store(sums + row * (K // 32) + g, tl.sum(tl.reshape(xs, (KP // 32, 32)), axis=1), mask=g < K // 32)
+        for k0 in range(0, K, B):
+            k = k0 + kb
+            xs = tl.load(x + row * K + k, mask=k < K, other=0.0) * ((s + 127) << 23).to(
+                tl.float32, bitcast=True
+            )
+            hi = xs.to(tl.float16).to(tl.float32)
+            r = k % 64
+            at = row * K + (k - r) + ((r % 32) // 4) * 8 + (r // 32) * 4 + r % 4
+            tl.store(parts + at, hi.to(parts.dtype.element_ty), mask=k < K)
+            tl.store(parts + numel + at, (xs - hi).to(tl.float16).to(parts.dtype.element_ty), mask=k < K)
+            g = k0 // 32 + tl.arange(0, B // 32)
+            group_sums = tl.sum(tl.reshape(xs, (B // 32, 32)), axis=1)
+            tl.store(sums + row * (K // 32) + g, group_sums, mask=g < K // 32)
         tl.store(inv + row, ((127 - s) << 23).to(tl.float32, bitcast=True))
 
     @triton.jit
@@ -773,8 +782,9 @@ if triton is not None:
         PREC 5 / 6 (bf16x3 / bf16x2): the integer-code loop (_int_gemm), for the types of _INT_TYPES.
         SPLIT > 1: program (., ., s) takes the s-th of SPLIT equal parts of K and writes its partial sums
         ``split_stride`` elements after y's start times s (summed by the caller).
-        XT (with PREC 5 / 6): x is _split_x's parts and xsum its group sums: _int_gemm_t. PREC 7 (fp16x2, XT): x is _split_x_fold's
-        parts of x times a power of two per row, xinv those rows' inverse powers: _fold_gemm_t."""
+        XT (with PREC 5 / 6): x is _split_x's parts and xsum its group sums: _int_gemm_t. PREC 7 (fp16x2,
+        with XT): x is _split_x_fold's parts of x times a power of two per row, xinv those rows' inverse
+        powers: _fold_gemm_t."""
         pid_m = tl.program_id(1)
         k_lo, k_part = 0, K
         if SPLIT > 1:  # resolved when compiling: the one-part kernel is the one before splits existed
@@ -919,8 +929,8 @@ def linear(
     """x (..., K) @ W.T for W held as GGUF rows ``raw`` uint8 (N, row_bytes) -> float32 (..., N).
 
     Up to DECODE_TOKENS rows take the GEMV kernel (exact float32 products); more take the GEMM
-    kernel at ``precision`` (default: DEFAULT_PRECISION; "auto", "bf16x3", "tf32x3", "ieee", "bf16x2",
-    "tf32", "fp16", "bf16": see UNIT_ROUNDOFF)."""
+    kernel at ``precision`` (default: DEFAULT_PRECISION; "auto", "fp16x2", "bf16x3", "tf32x3", "ieee",
+    "bf16x2", "tf32", "fp16", "bf16": see UNIT_ROUNDOFF)."""
     qtype = qtype if isinstance(qtype, T) else T(int(qtype))
     raw = raw if raw.is_contiguous() else raw.contiguous()
     lead, kx = x.shape[:-1], x.shape[-1]
@@ -1280,5 +1290,5 @@ def _split_x_fold(x: torch.Tensor, k: int, interp: bool) -> tuple[torch.Tensor, 
     out = torch.empty(2 * numel, dtype=torch.float32 if interp else torch.float16, device=x.device)
     group_sums = torch.empty(numel // 32, dtype=torch.float32, device=x.device)
     inv = torch.empty(rows, dtype=torch.float32, device=x.device)
-    _split_x_fold_kernel[(rows,)](x, out, group_sums, inv, k, numel, KP=_next_pow2(k))
+    _split_x_fold_kernel[(rows,)](x, out, group_sums, inv, k, numel, B=min(1024, _next_pow2(k)))
     return out, group_sums, inv
