@@ -11,6 +11,9 @@ the copy bandwidth measured first (bytes read + written by a 2 GiB device-to-dev
 torch path (dequantize to float32 + matmul, what the runtime did on CUDA before these kernels).
 Then prefill: TFLOP/s of the GEMM at --prefill tokens for the q projection and the routed-expert
 gate projection (tokens grouped by expert on the device), against dequantize-to-bf16 + cuBLAS.
+--gemm-sweep: the dense prefill products at the default plan and on fp16x2's tile shapes, then one layer's
+routed products over the GEMM configurations (ck.GEMM_CONFIG) and precisions; --model F.gguf then times
+the whole prefill at the best four.
 """
 
 from __future__ import annotations
