@@ -1,6 +1,6 @@
 """The cuda backend's prefill GEMM precisions on one GGUF file: time and logit deviation from "ieee".
 
-    python benchmarks/prefill_precision.py MODEL.gguf [--tokens 512] [--precisions bf16x3,tf32x3,bf16x2]
+    python benchmarks/prefill_precision.py MODEL.gguf [--tokens 512] [--precisions auto,fp16x2,bf16x3,tf32x3,bf16x2]
     python benchmarks/prefill_precision.py MODEL.gguf --profile     # where one prefill's GPU time goes
 
 Loads the model once on CUDA, runs a prefill of --tokens random ids with every precision
@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--precisions", default="bf16x3,tf32x3,bf16x2")
+    ap.add_argument("--precisions", default="auto,fp16x2,bf16x3,tf32x3,bf16x2")
     ap.add_argument("--profile", action="store_true", help="only profile one prefill (default precision)")
     args = ap.parse_args()
     model = load_model(args.model, "cuda")
