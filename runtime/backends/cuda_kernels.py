@@ -145,14 +145,17 @@ if triton is not None:
         return (1 - 2 * bit).to(tl.float32)
 
     @triton.jit
-    def _k4_scale_min(w, bp, g):
-        """get_scale_min_k4 for group g (0..7) of the 12 scale bytes at bp + 4."""
-        gl = g % 4
-        a = _u8(w + bp + 4 + gl)
-        b = _u8(w + bp + 8 + gl)
-        c = _u8(w + bp + 12 + gl)
+    def _scale_min_of(a, b, c, g):
+        """ggml's get_scale_min_k4 for group g (0..7), from the scale bytes g % 4, 4 + g % 4 and 8 + g % 4."""
         sc = tl.where(g < 4, a & 63, (c & 15) | ((a >> 6) << 4))
         m = tl.where(g < 4, b & 63, (c >> 4) | ((b >> 6) << 4))
+        return sc, m
+
+    @triton.jit
+    def _k4_scale_min(w, bp, g):
+        """get_scale_min_k4 for group g (0..7) of the 12 scale bytes at bp + 4, as float32."""
+        gl = g % 4
+        sc, m = _scale_min_of(_u8(w + bp + 4 + gl), _u8(w + bp + 8 + gl), _u8(w + bp + 12 + gl), g)
         return sc.to(tl.float32), m.to(tl.float32)
 
     @triton.jit
@@ -493,6 +496,14 @@ if triton is not None:
         return q.to(tl.float32).to(tl.bfloat16)
 
     @triton.jit
+    def _scaled_codes_operand(q, INTERP: tl.constexpr):
+        """Codes times their group's scale (integers of at most 11 bits) as a tensor-core operand: float16
+        (exact), float32 under the interpreter."""
+        if INTERP:
+            return q.to(tl.float32)
+        return q.to(tl.float16)
+
+    @triton.jit
     def _int_codes(w, bp, c, li, QT: tl.constexpr):
         at = bp[:, None] + li[None, :]
         if QT == 8:  # Q8_0
@@ -533,7 +544,7 @@ if triton is not None:
 
     @triton.jit
     def _exact_dot(a, b, acc, INTERP: tl.constexpr):
-        """a @ b + acc for operands whose products are exact (bfloat16 values; float32 under INTERP)."""
+        """a @ b + acc for operands whose products are exact (bfloat16 or float16 values; float32 under INTERP)."""
         if INTERP:
             return tl.dot(a, b, acc, input_precision="ieee")
         return tl.dot(a, b, acc)
@@ -608,24 +619,13 @@ if triton is not None:
 
     @triton.jit
     def _k4_scale_min_words(s1, s2, s3, g):
-        """_k4_scale_min for groups g from the 12 scale bytes held as three int32 words."""
+        """get_scale_min_k4 for groups g from the 12 scale bytes held as three int32 words (integers)."""
         sh = (g % 4) * 8
-        a = (s1 >> sh) & 255
-        b = (s2 >> sh) & 255
-        c = (s3 >> sh) & 255
-        sc = tl.where(g < 4, a & 63, (c & 15) | ((a >> 6) << 4))
-        m = tl.where(g < 4, b & 63, (c >> 4) | ((b >> 6) << 4))
-        return sc, m
+        return _scale_min_of((s1 >> sh) & 255, (s2 >> sh) & 255, (s3 >> sh) & 255, g)
 
     @triton.jit
-    def _fold_dot(a, b, acc, INTERP: tl.constexpr):
-        """a (integers of at most 11 bits) @ b (float16 values) + acc: exact products, float32 sums."""
-        if INTERP:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        return tl.dot(a.to(tl.float16), b, acc)
-
-    @triton.jit
-    def _min_dot(a, b, acc, INTERP: tl.constexpr):
+    def float32_dot(a, b, acc, INTERP: tl.constexpr):
+        """a @ b + acc, float32-accurate: tf32x3 on tensor cores (float32 products under the interpreter)."""
         if INTERP:
             return tl.dot(a, b, acc, input_precision="ieee")
         return tl.dot(a, b, acc, input_precision="tf32x3")
@@ -659,12 +659,14 @@ if triton is not None:
                 )
                 at = xoff[:, None] + (sb * 256 + c * 64 + col)[None, :]
                 xt = tl.load(xs + at, mask=xmask[:, None], other=0.0)
-                p = _fold_dot(tl.reshape(sc * q, (BN, 64)), tl.trans(xt), p, INTERP)
+                p = _exact_dot(
+                    _scaled_codes_operand(tl.reshape(sc * q, (BN, 64)), INTERP), tl.trans(xt), p, INTERP
+                )
             acc += _f16_of(head)[:, None] * p
             _, m = _k4_scale_min_words(s1[:, None], s2[:, None], s3[:, None], g16 % 8)
             dm = tl.where(g16 < 8, _f16_of(head >> 16)[:, None] * m.to(tl.float32), 0.0)
             xg = tl.load(xsum + xsrow[:, None] + sb * 8 + g16, mask=smask[:, None] & (g16 < 8), other=0.0)
-            acc = _min_dot(-dm, tl.trans(xg), acc, INTERP)
+            acc = float32_dot(-dm, tl.trans(xg), acc, INTERP)
         return acc
 
     @triton.jit
