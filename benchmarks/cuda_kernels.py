@@ -253,12 +253,31 @@ def prefill(args: argparse.Namespace, gen: torch.Generator) -> None:
         torch.cuda.empty_cache()
 
 
+def timed_configs(products: dict, configs: list[tuple[dict, str | None]]) -> list[tuple[float, dict, dict]]:
+    """Each (GEMM_CONFIG values, precision; None: "auto") timed on every product (a function of the precision),
+    the configurations the chip refuses reported and skipped: rows of (total ms, ms per product, the
+    configuration with its precision)."""
+    out = []
+    for cfg, prec in configs:
+        try:
+            with ck.configured(ck.GEMM_CONFIG, **cfg):
+                times = {
+                    name: do_bench(lambda f=fn, p=prec: f(p), warmup=5, rep=30)
+                    for name, fn in products.items()
+                }
+        except Exception as e:  # a configuration past the shared memory or registers of the chip
+            print(f"  {cfg} {prec}: {type(e).__name__}")
+            continue
+        out.append((sum(times.values()), times, {**cfg, "precision": prec or "auto"}))
+    return out
+
+
 def gemm_sweep(qtype: Q, gen: torch.Generator, m: int) -> list[tuple[float, dict, dict]]:
     """Times of one layer's routed prefill products at m tokens (gate+up as one 1,024-row weight, and down; top-8
     of 256 experts at random) over the integer-code GEMM's configurations (ck.GEMM_CONFIG): the kernel on x as
     it is (xt 0, its default tiles), both with K split in 2 and 4 parts, on x split once (xt 1) at each tile
-    shape, then the best three at bf16x2, and for Q4_K / Q5_K
-    the super-block kernel (fp16x2) at its tile shapes; best first."""
+    shape, then the best three at bf16x2, and for Q4_K / Q5_K the super-block kernel (fp16x2) at its tile
+    shapes; best first."""
     gate_up = random_rows(qtype, EXPERTS * 2 * EXPERT_FF, HIDDEN, gen).view(EXPERTS, 2 * EXPERT_FF, -1)
     down = random_rows(qtype, EXPERTS * HIDDEN, EXPERT_FF, gen).view(EXPERTS, HIDDEN, -1)
     ids = torch.stack([torch.randperm(EXPERTS, device="cuda", generator=gen)[:TOP_K] for _ in range(m)]).int()
@@ -268,21 +287,6 @@ def gemm_sweep(qtype: Q, gen: torch.Generator, m: int) -> list[tuple[float, dict
         "gate_up": lambda prec: ck.moe_linear(x, gate_up, qtype, ids, prec),
         "down": lambda prec: ck.moe_linear(act, down, qtype, ids, prec),
     }
-
-    def timed(configs: list[dict], prec: str) -> list[tuple[float, dict, dict]]:
-        out = []
-        for cfg in configs:
-            try:
-                with ck.configured(ck.GEMM_CONFIG, **cfg):
-                    times = {
-                        name: do_bench(lambda f=fn: f(prec), warmup=5, rep=30)
-                        for name, fn in products.items()
-                    }
-            except Exception as e:  # a configuration past the shared memory or registers of the chip
-                print(f"  {qtype.name} {cfg}: {type(e).__name__}")
-                continue
-            out.append((times["gate_up"] + times["down"], times, {**cfg, "precision": prec}))
-        return out
 
     configs = (
         [dict(xt=0)]
@@ -294,17 +298,18 @@ def gemm_sweep(qtype: Q, gen: torch.Generator, m: int) -> list[tuple[float, dict
             for stages in (3, 4)
         ]
     )
-    rows = sorted(timed(configs, "bf16x3"), key=lambda r: r[0])
-    best = [{k: v for k, v in cfg.items() if k != "precision"} for _, _, cfg in rows[:3]]
-    rows = sorted(rows + timed(best, "bf16x2"), key=lambda r: r[0])
-    if qtype in (Q.Q4_K, Q.Q5_K):  # a super-block's groups as one product (fp16x2)
+    rows = sorted(timed_configs(products, [(cfg, "bf16x3") for cfg in configs]), key=lambda r: r[0])
+    best = [({k: v for k, v in cfg.items() if k != "precision"}, "bf16x2") for _, _, cfg in rows[:3]]
+    rows += timed_configs(products, best)
+    if qtype in ck._FOLD_TYPES:  # a super-block's groups as one product (fp16x2)
         fold = [
-            dict(bn=bn, warps=warps, stages=stages, bm=bm)
+            (dict(bn=bn, warps=warps, stages=stages, bm=bm), "fp16x2")
             for bm in (16, 32)
             for bn, warps in ((64, 4), (64, 8), (128, 8))
             for stages in (2, 3, 4)
         ]
-        rows = sorted(rows + timed(fold, "fp16x2"), key=lambda r: r[0])
+        rows += timed_configs(products, fold)
+    rows.sort(key=lambda r: r[0])
     print(
         f"\n{qtype.name} routed prefill GEMMs, {m} tokens (ms): gate_up + down, gate_up, down; configuration"
     )
@@ -316,30 +321,20 @@ def gemm_sweep(qtype: Q, gen: torch.Generator, m: int) -> list[tuple[float, dict
 def dense_sweep(qtype: Q, gen: torch.Generator, m: int) -> None:
     """Times of the dense prefill products at m tokens (a 5,120 x 2,048 input projection and a 2,048 x 4,096
     output one) at the default plan and, for Q4_K / Q5_K, the super-block kernel (fp16x2) at its tile shapes."""
-    configs = [({}, None)]
-    if qtype in (Q.Q4_K, Q.Q5_K):
+    configs: list[tuple[dict, str | None]] = [({}, None)]
+    if qtype in ck._FOLD_TYPES:
         configs += [
             (dict(bn=bn, warps=warps, stages=3, bm=bm), "fp16x2")
             for bm in (32, 64, 128)
             for bn, warps in ((64, 4), (128, 4), (128, 8))
         ]
     print(f"\n{qtype.name} dense prefill GEMMs, {m} tokens (ms): 5120x2048 + 2048x4096; configuration")
-    products = [(random_rows(qtype, n, k, gen), torch.randn(m, k, device="cuda", generator=gen)) for n, k in
-                ((5120, HIDDEN), (HIDDEN, 4096))]  # fmt: skip
-    rows = []
-    for cfg, prec in configs:
-        try:
-            with ck.configured(ck.GEMM_CONFIG, **cfg):
-                t = [
-                    do_bench(lambda r=r, x=x, p=prec: ck.linear(x, r, qtype, p), warmup=5, rep=30)
-                    for r, x in products
-                ]
-        except Exception as e:  # a configuration past the shared memory or registers of the chip
-            print(f"  {cfg}: {type(e).__name__}")
-            continue
-        rows.append((sum(t), t, {**cfg, "precision": prec or "default"}))
-    for total, t, cfg in sorted(rows, key=lambda r: r[0]):
-        print(f"  {total:7.3f} {t[0]:7.3f} {t[1]:7.3f}  {cfg}")
+    products = {}
+    for n, k in ((5120, HIDDEN), (HIDDEN, 4096)):
+        raw, x = random_rows(qtype, n, k, gen), torch.randn(m, k, device="cuda", generator=gen)
+        products[f"{n}x{k}"] = lambda prec, raw=raw, x=x: ck.linear(x, raw, qtype, prec)
+    for total, t, cfg in sorted(timed_configs(products, configs), key=lambda r: r[0]):
+        print(f"  {total:7.3f} {t['5120x2048']:7.3f} {t['2048x4096']:7.3f}  {cfg}")
 
 
 def model_prefill(path: str, m: int, rows: list[tuple[float, dict, dict]], top: int = 4) -> None:
