@@ -175,6 +175,7 @@ def test_layers_attention_takes_the_kernel_when_asked(monkeypatch: pytest.Monkey
     calls = []
     kernel = cuda_fused.attention_prefill
     monkeypatch.setattr(cuda_fused, "attention_prefill", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.delenv("FORGE_CUDA_PREFILL_ATTENTION", raising=False)
     ref = layers.attention(q, keys[:, :35], values[:, :35], 2)
     monkeypatch.setenv("FORGE_CUDA_PREFILL_ATTENTION", "1")
     out = layers.attention(q, keys[:, :35], values[:, :35], 2)
