@@ -419,6 +419,11 @@ def attention_decode(
     return out
 
 
+# attention_prefill's tiles: query rows a program, keys a step, output values a program (a head's values split
+# across programs), warps, pipeline stages
+ATTENTION_CONFIG = {"bm": 64, "bn": 32, "dc": 64, "warps": 4, "stages": 2}
+
+
 def attention_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos0: int) -> torch.Tensor:
     """Causal GQA attention of T query rows, q (T, H, D) float32 at positions pos0.., over keys / values
     (Hkv, >= pos0 + T, D) (strided slots allowed) -> (T, H * D): scores and weighted sums on tf32x3 (float32
@@ -427,10 +432,12 @@ def attention_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     n_kv = keys.shape[0]
     q = q.contiguous()
     out = torch.empty((t, n_head * hd), dtype=torch.float32, device=q.device)
-    bm, bn, dc = 64, 32, min(hd, 64)
+    c = ATTENTION_CONFIG
+    bm, bn, dc = c["bm"], c["bn"], min(hd, c["dc"])
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     _attention_prefill_kernel[(-(-t // bm), n_head, hd // dc)](
         q, keys, values, out, t, pos0 + t, pos0, keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
-        hd**-0.5, n_head // n_kv, HD=hd, BM=bm, BN=bn, DC=dc, INTERP=interp, num_warps=4, num_stages=2,
+        hd**-0.5, n_head // n_kv, HD=hd, BM=bm, BN=bn, DC=dc, INTERP=interp, num_warps=c["warps"],
+        num_stages=c["stages"],
     )  # fmt: skip
     return out

@@ -496,14 +496,6 @@ if triton is not None:
         return q.to(tl.float32).to(tl.bfloat16)
 
     @triton.jit
-    def _scaled_codes_operand(q, INTERP: tl.constexpr):
-        """Codes times their group's scale (integers of at most 11 bits) as a tensor-core operand: float16
-        (exact), float32 under the interpreter."""
-        if INTERP:
-            return q.to(tl.float32)
-        return q.to(tl.float16)
-
-    @triton.jit
     def _int_codes(w, bp, c, li, QT: tl.constexpr):
         at = bp[:, None] + li[None, :]
         if QT == 8:  # Q8_0
@@ -631,37 +623,60 @@ if triton is not None:
         return tl.dot(a, b, acc, input_precision="tf32x3")
 
     @triton.jit
+    def _fold_codes(qs, qh, bit, sc, H: tl.constexpr, QT: tl.constexpr, INTERP: tl.constexpr):
+        """The codes of half H of a Q4_K / Q5_K 64-value chunk (qs [BN, 32] its quant bytes: low nibbles the
+        first 32 values, high the next; Q5_K: bit ``bit`` of qh the fifth) times their group's 6-bit scale
+        sc [BN] as a float16 tensor-core operand, exact (at most 31 x 63 = 1,953). On a GPU two values a
+        register: 0x6400 | q is 1024 + q in float16, and one f16x2 fma with sc and -1024 sc leaves sc q."""
+        if INTERP:
+            q = (qs.to(tl.int32) >> (4 * H)) & 15
+            if QT == 13:
+                q = q | (((qh.to(tl.int32) >> bit) & 1) << 4)
+            return (sc[:, None] * q).to(tl.float32)
+        f = tl.broadcast_to(sc.to(tl.float16)[:, None], qs.shape)
+        shift = tl.full(qs.shape, 4 * H, tl.int32)
+        if QT == 12:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t, z; mov.b32 z, 0; cvt.u32.u16 t, $1; prmt.b32 t, t, z, 0x4140; shr.b32 t, t, $2;"
+                " lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA; fma.rn.f16x2 $0, t, $4, $5; }",
+                "=r,h,r,r,r,r", [qs, shift, f, f * -1024.0], dtype=tl.float16, is_pure=True, pack=2,
+            )  # fmt: skip
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, u, z; mov.b32 z, 0; cvt.u32.u16 t, $1; prmt.b32 t, t, z, 0x4140; shr.b32 t, t, $3;"
+            " cvt.u32.u16 u, $2; prmt.b32 u, u, z, 0x4140; shr.b32 u, u, $5; shl.b32 u, u, 4;"
+            " and.b32 u, u, 0x00100010; lop3.b32 t, t, 0x000F000F, u, 0xEA; or.b32 t, t, 0x64006400;"
+            " fma.rn.f16x2 $0, t, $7, $8; }",
+            "=r,h,h,r,r,r,r,r,r", [qs, qh, shift, tl.broadcast_to(bit, qs.shape), f, f * -1024.0],
+            dtype=tl.float16, is_pure=True, pack=2,
+        )  # fmt: skip
+
+    @triton.jit
     def _fold_gemm_t(xs, xsum, xoff, xsrow, xmask, smask, w, row_off, k_lo, k_hi, TS: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
         """_int_gemm_t for Q4_K / Q5_K on x split by _split_x_fold (two float16 parts): per super-block, each
-        code times its group's 6-bit scale (exact in float16) against x on tensor cores, chained over the
-        block's four 64-value chunks (each decoded from 8 words a row, in _split_x_fold's order of x), then
-        times the block's d; the minimums' term, dmin m times x's group sums, is one more product."""
+        code times its group's 6-bit scale (exact in float16, _fold_codes) against x on tensor cores, chained
+        over the block's eight 32-value groups, then times the block's d; the minimums' term, dmin m times
+        x's group sums, is one more product."""
         w32 = w.to(tl.pointer_type(tl.int32))
-        v = tl.arange(0, 8)[None, :, None, None]  # word of the chunk's 32 code bytes
-        h = tl.arange(0, 2)[None, None, :, None]  # low nibble: group 2c, high: group 2c + 1
-        i = tl.arange(0, 4)[None, None, None, :]  # byte within the word
-        col = tl.arange(0, 64)
+        lb = tl.arange(0, 32)
         g16 = tl.arange(0, 16)[None, :]  # the block's 8 groups, padded to a product's least K
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         for sb in range(k_lo // 256, k_hi // 256):
-            base = (row_off + sb * TS) // 4
-            head = tl.load(w32 + base)
-            s1, s2, s3 = tl.load(w32 + base + 1), tl.load(w32 + base + 2), tl.load(w32 + base + 3)
-            b4 = base[:, None, None, None]
+            base = row_off + sb * TS
+            wb = base // 4
+            head, s1 = tl.load(w32 + wb), tl.load(w32 + wb + 1)
+            s2, s3 = tl.load(w32 + wb + 2), tl.load(w32 + wb + 3)
+            qh = tl.zeros([BN, 32], dtype=tl.uint8)  # Q5_K's fifth bits
+            if QT == 13:
+                qh = tl.load(w + base[:, None] + 16 + lb[None, :])
             p = tl.zeros([BN, BM], dtype=tl.float32)
             for c in range(4):
-                q = (tl.load(w32 + b4 + (12 if QT == 13 else 4) + c * 8 + v) >> (h * 4 + i * 8)) & 15
-                if QT == 13:
-                    q = q | (((tl.load(w32 + b4 + 4 + v) >> (i * 8 + 2 * c + h)) & 1) << 4)
-                sc, _ = _k4_scale_min_words(
-                    s1[:, None, None, None], s2[:, None, None, None], s3[:, None, None, None], 2 * c + h
-                )
-                at = xoff[:, None] + (sb * 256 + c * 64 + col)[None, :]
-                xt = tl.load(xs + at, mask=xmask[:, None], other=0.0)
-                p = _exact_dot(
-                    _scaled_codes_operand(tl.reshape(sc * q, (BN, 64)), INTERP), tl.trans(xt), p, INTERP
-                )
+                qs = tl.load(w + base[:, None] + (48 if QT == 13 else 16) + c * 32 + lb[None, :])
+                for h in tl.static_range(2):
+                    sc, _ = _k4_scale_min_words(s1, s2, s3, 2 * c + h)
+                    at = xoff[:, None] + (sb * 256 + c * 64 + h * 32 + lb)[None, :]
+                    xt = tl.load(xs + at, mask=xmask[:, None], other=0.0)
+                    p = _exact_dot(_fold_codes(qs, qh, 2 * c + h, sc, h, QT, INTERP), tl.trans(xt), p, INTERP)
             acc += _f16_of(head)[:, None] * p
             _, m = _k4_scale_min_words(s1[:, None], s2[:, None], s3[:, None], g16 % 8)
             dm = tl.where(g16 < 8, _f16_of(head >> 16)[:, None] * m.to(tl.float32), 0.0)
@@ -672,8 +687,7 @@ if triton is not None:
     @triton.jit
     def _split_x_fold_kernel(x, parts, sums, inv, K, numel, B: tl.constexpr):
         """Row r of x (K values) -> x 2^s as two float16 parts (hi, then the rest), numel elements apart, with s
-        the row's power of two that puts its largest value in [2^14, 2^15); each 64-value chunk in the order
-        _fold_gemm_t decodes codes (value 32 h + 4 v + i at 8 v + 4 h + i); the sums of each 32 scaled values;
+        the row's power of two that puts its largest value in [2^14, 2^15); the sums of each 32 scaled values;
         and 2^-s. The row is read in blocks of B values, twice."""
         row = tl.program_id(0).to(tl.int64)
         kb = tl.arange(0, B)
@@ -690,8 +704,7 @@ if triton is not None:
                 tl.float32, bitcast=True
             )
             hi = xs.to(tl.float16).to(tl.float32)
-            r = k % 64
-            at = row * K + (k - r) + ((r % 32) // 4) * 8 + (r // 32) * 4 + r % 4
+            at = row * K + k
             tl.store(parts + at, hi.to(parts.dtype.element_ty), mask=k < K)
             tl.store(parts + numel + at, (xs - hi).to(tl.float16).to(parts.dtype.element_ty), mask=k < K)
             g = k0 // 32 + tl.arange(0, B // 32)
