@@ -421,7 +421,7 @@ def attention_decode(
 
 # attention_prefill's tiles: query rows a program, keys a step, output values a program (a head's values split
 # across programs), warps, pipeline stages
-ATTENTION_CONFIG = {"bm": 64, "bn": 32, "dc": 64, "warps": 4, "stages": 2}
+ATTENTION_CONFIG = {"bm": 32, "bn": 32, "dc": 64, "warps": 4, "stages": 2}
 
 
 def attention_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos0: int) -> torch.Tensor:
