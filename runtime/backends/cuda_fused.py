@@ -40,8 +40,9 @@ def available(x: torch.Tensor) -> bool:
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether attention_prefill takes a prefill's attention: opt-in (FORGE_CUDA_PREFILL_ATTENTION=1) until
-    the kernel has run on a GPU (checked so far by Triton's interpreter and an offline sm90 compile)."""
+    """Whether attention_prefill takes a prefill's attention: opt-in (FORGE_CUDA_PREFILL_ATTENTION=1). On the
+    H200 it agrees with torch's SDPA but is slower than its float32 math path (207 against 165 us of GPU time
+    a layer at 512 tokens x 16 heads x 256 values)."""
     return (
         os.environ.get("FORGE_CUDA_PREFILL_ATTENTION") == "1"
         and available(q)
