@@ -247,7 +247,8 @@ def row_hybrid(
         r |= {"pool_experts": h.capacity, "hit_rate": round(s.hit_rate, 4),
               "cpu_experts_per_token_layer": round(s.cpu_computes / tokens / layers, 3),
               "mb_uploaded": round(s.bytes_uploaded / 1e6, 1), "mb_read_cpu": round(s.bytes_read / 1e6, 1),
-              "admissions": s.admissions, "rates": vars(h.rates) if hasattr(h.rates, "__dict__") else str(h.rates)}  # fmt: skip
+              "admissions": s.admissions, "rates": vars(h.rates) if hasattr(h.rates, "__dict__") else str(h.rates),
+              "stats": s.to_json()}  # fmt: skip
         r["note"] = (
             f"pool {h.capacity} experts, GPU hits {s.hit_rate:.0%}, {s.bytes_uploaded / 1e6:,.0f} MB uploaded"
         )
