@@ -448,19 +448,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int) -> t
     if t == 1:  # one query row: each KV head's group of query heads attends as a batch of rows, no copies
         out = F.scaled_dot_product_attention(q.view(n_kv, n_rep, d), k, v)
         return out.reshape(1, n_head * d)
-    if cuda_fused.prefill_attention(q, k):  # one launch (torch's float32 SDPA takes its math path)
+    if cuda_fused.prefill_attention(q, k):  # opt-in: one Triton launch
         return cuda_fused.attention_prefill(q, k, v, pos0)
     if n_rep > 1:
         k = k.repeat_interleave(n_rep, dim=0)
         v = v.repeat_interleave(n_rep, dim=0)
     q = q.transpose(0, 1)
+    if q.is_cuda:  # torch's fused kernels (float32: memory-efficient attention) take 4-D inputs only
+        q, k, v = q[None], k[None], v[None]
     if pos0 == 0:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     else:
         rows = torch.arange(pos0, pos0 + t, device=q.device)[:, None]
-        mask = torch.arange(k.shape[1], device=q.device)[None, :] <= rows
+        mask = torch.arange(k.shape[-2], device=q.device)[None, :] <= rows
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return out.transpose(0, 1).reshape(t, n_head * d)
+    return out.reshape(n_head, t, d).transpose(0, 1).reshape(t, n_head * d)
 
 
 @dataclass(frozen=True)

@@ -181,3 +181,21 @@ def test_layers_attention_takes_the_kernel_when_asked(monkeypatch: pytest.Monkey
     out = layers.attention(q, keys[:, :35], values[:, :35], 2)
     assert calls == [1]
     _close(out, ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's fused attention kernels need CUDA")
+@pytest.mark.parametrize("pos0", [0, 5])
+def test_prefill_attention_takes_torchs_fused_kernel(pos0: int) -> None:
+    """On CUDA a float32 prefill's SDPA can take torch's memory-efficient kernel (it would refuse the 3-D inputs
+    and leave the math path), with the math path's results to float32 accuracy."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from runtime import layers
+
+    q, keys, values = _rand(48, 8, 256, seed=11), _rand(2, 64, 256, seed=12), _rand(2, 64, 256, seed=13)
+    s = pos0 + 48
+    with sdpa_kernel([SDPBackend.MATH]):
+        ref = layers.attention(q, keys[:, :s], values[:, :s], pos0)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        out = layers.attention(q, keys[:, :s], values[:, :s], pos0)
+    _close(out, ref)
