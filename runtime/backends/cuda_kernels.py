@@ -496,6 +496,13 @@ if triton is not None:
         return q.to(tl.float32).to(tl.bfloat16)
 
     @triton.jit
+    def _small_int_operand(q, INTERP: tl.constexpr):
+        """Integers of at most 11 bits as a float16 tensor-core operand (exact), float32 under the interpreter."""
+        if INTERP:
+            return q.to(tl.float32)
+        return q.to(tl.float16)
+
+    @triton.jit
     def _int_codes(w, bp, c, li, QT: tl.constexpr):
         at = bp[:, None] + li[None, :]
         if QT == 8:  # Q8_0
@@ -655,8 +662,9 @@ if triton is not None:
                      BM: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
         """_int_gemm_t for Q4_K / Q5_K on x split by _split_x_fold (two float16 parts): per super-block, each
         code times its group's 6-bit scale (exact in float16, _fold_codes) against x on tensor cores, chained
-        over the block's eight 32-value groups, then times the block's d; the minimums' term, dmin m times
-        x's group sums, is one more product."""
+        over the block's eight 32-value groups, then times the block's d; the minimums' term, the 6-bit m times
+        x's group sums / 32 in float16 parts (each part's rows read their own), is one more exact product, then
+        times 32 dmin."""
         w32 = w.to(tl.pointer_type(tl.int32))
         lb = tl.arange(0, 32)
         g16 = tl.arange(0, 16)[None, :]  # the block's 8 groups, padded to a product's least K
@@ -679,16 +687,17 @@ if triton is not None:
                     p = _exact_dot(_fold_codes(qs, qh, 2 * c + h, sc, h, QT, INTERP), tl.trans(xt), p, INTERP)
             acc += _f16_of(head)[:, None] * p
             _, m = _k4_scale_min_words(s1[:, None], s2[:, None], s3[:, None], g16 % 8)
-            dm = tl.where(g16 < 8, _f16_of(head >> 16)[:, None] * m.to(tl.float32), 0.0)
+            mq = _small_int_operand(tl.where(g16 < 8, m, 0), INTERP)
             xg = tl.load(xsum + xsrow[:, None] + sb * 8 + g16, mask=smask[:, None] & (g16 < 8), other=0.0)
-            acc = float32_dot(-dm, tl.trans(xg), acc, INTERP)
+            pm = _exact_dot(mq, tl.trans(xg), tl.zeros([BN, BM], dtype=tl.float32), INTERP)
+            acc -= (32.0 * _f16_of(head >> 16))[:, None] * pm
         return acc
 
     @triton.jit
     def _split_x_fold_kernel(x, parts, sums, inv, K, numel, B: tl.constexpr):
         """Row r of x (K values) -> x 2^s as two float16 parts (hi, then the rest), numel elements apart, with s
-        the row's power of two that puts its largest value in [2^14, 2^15); the sums of each 32 scaled values;
-        and 2^-s. The row is read in blocks of B values, twice."""
+        the row's power of two that puts its largest value in [2^14, 2^15); the sums of each 32 scaled values
+        over 32, as two float16 parts numel / 32 apart; and 2^-s. The row is read in blocks of B values, twice."""
         row = tl.program_id(0).to(tl.int64)
         kb = tl.arange(0, B)
         amax = tl.max(tl.zeros([B], dtype=tl.float32), axis=0)
@@ -708,8 +717,12 @@ if triton is not None:
             tl.store(parts + at, hi.to(parts.dtype.element_ty), mask=k < K)
             tl.store(parts + numel + at, (xs - hi).to(tl.float16).to(parts.dtype.element_ty), mask=k < K)
             g = k0 // 32 + tl.arange(0, B // 32)
-            group_sums = tl.sum(tl.reshape(xs, (B // 32, 32)), axis=1)
-            tl.store(sums + row * (K // 32) + g, group_sums, mask=g < K // 32)
+            group_sums = tl.sum(tl.reshape(xs, (B // 32, 32)), axis=1) * 0.03125  # below 2^15
+            sum_hi = group_sums.to(tl.float16).to(tl.float32)
+            at = row * (K // 32) + g
+            tl.store(sums + at, sum_hi.to(sums.dtype.element_ty), mask=g < K // 32)
+            sum_lo = (group_sums - sum_hi).to(tl.float16)
+            tl.store(sums + numel // 32 + at, sum_lo.to(sums.dtype.element_ty), mask=g < K // 32)
         tl.store(inv + row, ((127 - s) << 23).to(tl.float32, bitcast=True))
 
     @triton.jit
@@ -798,8 +811,8 @@ if triton is not None:
         SPLIT > 1: program (., ., s) takes the s-th of SPLIT equal parts of K and writes its partial sums
         ``split_stride`` elements after y's start times s (summed by the caller).
         XT (with PREC 5 / 6): x is _split_x's parts and xsum its group sums: _int_gemm_t. PREC 7 (fp16x2,
-        with XT): x is _split_x_fold's parts of x times a power of two per row, xinv those rows' inverse
-        powers: _fold_gemm_t."""
+        with XT): x is _split_x_fold's parts of x times a power of two per row, xsum their group sums in two
+        float16 parts, xinv those rows' inverse powers: _fold_gemm_t."""
         pid_m = tl.program_id(1)
         k_lo, k_part = 0, K
         if SPLIT > 1:  # resolved when compiling: the one-part kernel is the one before splits existed
@@ -828,10 +841,10 @@ if triton is not None:
             )
             part = r4 // BM
             xoff, xmask, smask = x4 + part * x_part, m4 & (part < PARTS), m4 & (part == 0)
-            if PREC == 7:
+            if PREC == 7:  # each part's rows read their part of the group sums
                 acc4 = _fold_gemm_t(
-                    x, xsum, xoff, x4 // S, xmask, smask, w, row_off, k_lo, k_lo + k_part, TS, NP * BM, BN, QT,
-                    INTERP,
+                    x, xsum, xoff, x4 // S + part * (x_part // S), xmask, xmask, w, row_off, k_lo, k_lo + k_part,
+                    TS, NP * BM, BN, QT, INTERP,
                 )  # fmt: skip
             else:
                 acc4 = _int_gemm_t(
@@ -1298,13 +1311,13 @@ def _split_x(
 
 
 def _split_x_fold(x: torch.Tensor, k: int, interp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x float32 rows of k values -> (_split_x_fold_kernel's two float16 parts, x.numel() apart; the float32
-    sums of each 32 scaled values; each row's inverse power of two), one program a row. Float32 parts under
-    the interpreter (same values)."""
+    """x float32 rows of k values -> (_split_x_fold_kernel's two float16 parts, x.numel() apart; the sums of
+    each 32 scaled values over 32, two float16 parts; each row's inverse power of two), one program a row.
+    Float32 parts under the interpreter (same values)."""
     numel = x.numel()
     rows = numel // k
     out = torch.empty(2 * numel, dtype=torch.float32 if interp else torch.float16, device=x.device)
-    group_sums = torch.empty(numel // 32, dtype=torch.float32, device=x.device)
+    group_sums = torch.empty(2 * (numel // 32), dtype=out.dtype, device=x.device)
     inv = torch.empty(rows, dtype=torch.float32, device=x.device)
     _split_x_fold_kernel[(rows,)](x, out, group_sums, inv, k, numel, B=min(1024, _next_pow2(k)))
     return out, group_sums, inv
