@@ -57,7 +57,13 @@ def _pow2(n: int) -> int:
 
 
 if triton is not None:
-    from runtime.backends.cuda_kernels import float32_dot
+
+    @triton.jit
+    def _float32_dot(a, b, acc, INTERP: tl.constexpr):
+        """a @ b + acc, float32-accurate: tf32x3 on tensor cores (float32 products under the interpreter)."""
+        if INTERP:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc, input_precision="tf32x3")
 
     @triton.jit
     def _silu(x):
@@ -265,14 +271,14 @@ if triton is not None:
             for j in tl.static_range(HD // DC):
                 qt = tl.load(q + qrow[:, None] + j * DC + dc[None, :], mask=(r < T)[:, None], other=0.0)
                 kt = tl.load(keys + krow[:, None] + j * DC + dc[None, :], mask=(c < S)[:, None], other=0.0)
-                s = float32_dot(qt, tl.trans(kt), s, INTERP)
+                s = _float32_dot(qt, tl.trans(kt), s, INTERP)
             s = tl.where((c[None, :] <= pos[:, None]) & (c < S)[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
             e = tl.exp(s - m_new[:, None])
             vrow = kv * sv_h + c.to(tl.int64) * sv_s
             vt = tl.load(values + vrow[:, None] + dv[None, :], mask=(c < S)[:, None], other=0.0)
-            acc = float32_dot(e, vt, acc * alpha[:, None], INTERP)
+            acc = _float32_dot(e, vt, acc * alpha[:, None], INTERP)
             l_i = l_i * alpha + tl.sum(e, axis=1)
             m_i = m_new
         tl.store(out + qrow[:, None] + dv[None, :], acc / l_i[:, None], mask=(r < T)[:, None])

@@ -623,13 +623,6 @@ if triton is not None:
         return _scale_min_of((s1 >> sh) & 255, (s2 >> sh) & 255, (s3 >> sh) & 255, g)
 
     @triton.jit
-    def float32_dot(a, b, acc, INTERP: tl.constexpr):
-        """a @ b + acc, float32-accurate: tf32x3 on tensor cores (float32 products under the interpreter)."""
-        if INTERP:
-            return tl.dot(a, b, acc, input_precision="ieee")
-        return tl.dot(a, b, acc, input_precision="tf32x3")
-
-    @triton.jit
     def _fold_codes(qs, qh, bit, sc, H: tl.constexpr, QT: tl.constexpr, INTERP: tl.constexpr):
         """The codes of half H of a Q4_K / Q5_K 64-value chunk (qs [BN, 32] its quant bytes: low nibbles the
         first 32 values, high the next; Q5_K: bit ``bit`` of qh the fifth) times their group's 6-bit scale
