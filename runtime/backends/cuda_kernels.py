@@ -85,8 +85,8 @@ UNIT_ROUNDOFF = {
     "tf32x3": 2.0**-21,
     "bf16x3": 2.0**-24,  # x = three bfloat16 parts exactly; codes exact: float32 products
     "bf16x2": 2.0**-15,  # x's top 8 bits, then the rest rounded to 8 bits; codes exact
-    # x times a power of two per row as two float16 parts (22 bits); scaled codes exact; the minimums'
-    # term on tf32x3
+    # x times a power of two per row as two float16 parts (22 bits), its group sums likewise; scaled codes and
+    # 6-bit minimums exact
     "fp16x2": 2.0**-21,
 }
 # The runtime's prefill precision: "auto" is float32-accurate, fp16x2 (Q4_K, Q5_K), bf16x3 or tf32x3,
@@ -489,18 +489,12 @@ if triton is not None:
         return row_off + (k // BS) * TS, (k % BS) // S
 
     @triton.jit
-    def _codes_operand(q, INTERP: tl.constexpr):
-        """Integer codes as a tensor-core operand: bfloat16 (exact), float32 under the interpreter."""
+    def _int_operand(q, DT: tl.constexpr, INTERP: tl.constexpr):
+        """Small integers (codes, scales) as a tensor-core operand of type DT (bfloat16 up to 8 bits, float16 up
+        to 11: exact), float32 under the interpreter."""
         if INTERP:
             return q.to(tl.float32)
-        return q.to(tl.float32).to(tl.bfloat16)
-
-    @triton.jit
-    def _small_int_operand(q, INTERP: tl.constexpr):
-        """Integers of at most 11 bits as a float16 tensor-core operand (exact), float32 under the interpreter."""
-        if INTERP:
-            return q.to(tl.float32)
-        return q.to(tl.float16)
+        return q.to(tl.float32).to(DT)
 
     @triton.jit
     def _int_codes(w, bp, c, li, QT: tl.constexpr):
@@ -560,7 +554,7 @@ if triton is not None:
         for k in range(k_lo, k_hi, S):  # one group a step: unrolling a block's groups overflows shared memory
             bp, c = _group_at(row_off, k // S, BS, TS, S)
             scale, minimum = _int_scale(w, bp, c, QT)
-            qt = tl.trans(_codes_operand(_int_codes(w, bp, c, li, QT), INTERP))
+            qt = tl.trans(_int_operand(_int_codes(w, bp, c, li, QT), tl.bfloat16, INTERP))
             xt = tl.load(x + xrow[:, None] + (k + li)[None, :], mask=rmask[:, None], other=0.0)
             hi, mid, lo = _bf16_parts(xt, PARTS, INTERP)
             p = _exact_dot(hi, qt, tl.zeros([BM, BN], dtype=tl.float32), INTERP)
@@ -597,7 +591,7 @@ if triton is not None:
             k = g * S
             scale, minimum, xsum_g = _group_terms(w, xsum, row_off, xsrow, smask, g, BS, TS, S, QT)
             bp, c = _group_at(row_off, g, BS, TS, S)
-            a = _codes_operand(_int_codes(w, bp, c, li, QT), INTERP)
+            a = _int_operand(_int_codes(w, bp, c, li, QT), tl.bfloat16, INTERP)
             xt = tl.load(xs + xoff[:, None] + (k + li)[None, :], mask=xmask[:, None], other=0.0)
             p = _exact_dot(a, tl.trans(xt), tl.zeros([BN, BM], dtype=tl.float32), INTERP)
             acc += p * scale[:, None]
@@ -651,7 +645,7 @@ if triton is not None:
         )  # fmt: skip
 
     @triton.jit
-    def _fold_gemm_t(xs, xsum, xoff, xsrow, xmask, smask, w, row_off, k_lo, k_hi, TS: tl.constexpr,
+    def _fold_gemm_t(xs, xsum, xoff, xsrow, xmask, w, row_off, k_lo, k_hi, TS: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
         """_int_gemm_t for Q4_K / Q5_K on x split by _split_x_fold (two float16 parts): per super-block, each
         code times its group's 6-bit scale (exact in float16, _fold_codes) against x on tensor cores, chained
@@ -680,8 +674,8 @@ if triton is not None:
                     p = _exact_dot(_fold_codes(qs, qh, 2 * c + h, sc, h, QT, INTERP), tl.trans(xt), p, INTERP)
             acc += _f16_of(head)[:, None] * p
             _, m = _k4_scale_min_words(s1[:, None], s2[:, None], s3[:, None], g16 % 8)
-            mq = _small_int_operand(tl.where(g16 < 8, m, 0), INTERP)
-            xg = tl.load(xsum + xsrow[:, None] + sb * 8 + g16, mask=smask[:, None] & (g16 < 8), other=0.0)
+            mq = _int_operand(tl.where(g16 < 8, m, 0), tl.float16, INTERP)
+            xg = tl.load(xsum + xsrow[:, None] + sb * 8 + g16, mask=xmask[:, None] & (g16 < 8), other=0.0)
             pm = _exact_dot(mq, tl.trans(xg), tl.zeros([BN, BM], dtype=tl.float32), INTERP)
             acc -= (32.0 * _f16_of(head >> 16))[:, None] * pm
         return acc
@@ -836,8 +830,8 @@ if triton is not None:
             xoff, xmask, smask = x4 + part * x_part, m4 & (part < PARTS), m4 & (part == 0)
             if PREC == 7:  # each part's rows read their part of the group sums
                 acc4 = _fold_gemm_t(
-                    x, xsum, xoff, x4 // S + part * (x_part // S), xmask, xmask, w, row_off, k_lo, k_lo + k_part,
-                    TS, NP * BM, BN, QT, INTERP,
+                    x, xsum, xoff, x4 // S + part * (x_part // S), xmask, w, row_off, k_lo, k_lo + k_part, TS,
+                    NP * BM, BN, QT, INTERP,
                 )  # fmt: skip
             else:
                 acc4 = _int_gemm_t(
