@@ -162,11 +162,12 @@ def main() -> None:
     if args.prefill:
         prefill(args, gen)
     if args.gemm_sweep:
-        for name in args.types.split(","):
-            dense_sweep(Q[name.strip().upper()], gen, args.prefill or 512)
-            rows = gemm_sweep(Q[name.strip().upper()], gen, args.prefill or 512)
+        m = args.prefill or 512
+        for qtype in (Q[name.strip().upper()] for name in args.types.split(",")):
+            dense_sweep(qtype, gen, m)
+            rows = gemm_sweep(qtype, gen, m)
             if args.model:
-                model_prefill(args.model, args.prefill or 512, rows)
+                model_prefill(args.model, m, rows)
 
 
 def sweep(args: argparse.Namespace, gen: torch.Generator, bw: float) -> None:

@@ -448,7 +448,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int) -> t
     if t == 1:  # one query row: each KV head's group of query heads attends as a batch of rows, no copies
         out = F.scaled_dot_product_attention(q.view(n_kv, n_rep, d), k, v)
         return out.reshape(1, n_head * d)
-    if cuda_fused.prefill_attention(q, k):  # opt-in: one Triton launch
+    if cuda_fused.use_attention_prefill(q, k):  # opt-in: one Triton launch
         return cuda_fused.attention_prefill(q, k, v, pos0)
     if n_rep > 1:
         k = k.repeat_interleave(n_rep, dim=0)

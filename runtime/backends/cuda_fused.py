@@ -39,7 +39,7 @@ def available(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor) -> bool:
+def use_attention_prefill(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether attention_prefill takes a prefill's attention: opt-in (FORGE_CUDA_PREFILL_ATTENTION=1). On the
     H200 it agrees with torch's SDPA but is slower than its float32 math path (207 against 165 us of GPU time
     a layer at 512 tokens x 16 heads x 256 values)."""
