@@ -617,18 +617,18 @@ if triton is not None:
         return _scale_min_of((s1 >> sh) & 255, (s2 >> sh) & 255, (s3 >> sh) & 255, g)
 
     @triton.jit
-    def _fold_codes(qs, qh, bit, sc, H: tl.constexpr, QT: tl.constexpr, INTERP: tl.constexpr):
-        """The codes of half H of a Q4_K / Q5_K 64-value chunk (qs [BN, 32] its quant bytes: low nibbles the
-        first 32 values, high the next; Q5_K: bit ``bit`` of qh the fifth) times their group's 6-bit scale
-        sc [BN] as a float16 tensor-core operand, exact (at most 31 x 63 = 1,953). On a GPU two values a
-        register: 0x6400 | q is 1024 + q in float16, and one f16x2 fma with sc and -1024 sc leaves sc q."""
+    def _fold_codes(qs, qh, shift, bit, sc, QT: tl.constexpr, INTERP: tl.constexpr):
+        """Q4_K / Q5_K codes times their group's 6-bit scale sc as a float16 tensor-core operand, exact (at most
+        31 x 63 = 1,953): qs the quant bytes, shift 0 (low nibble) or 4 (high) per code, Q5_K: bit ``bit`` of qh
+        the fifth. On a GPU two codes a register: 0x6400 | q is 1024 + q in float16, and one f16x2 fma with sc
+        and -1024 sc leaves sc q."""
         if INTERP:
-            q = (qs.to(tl.int32) >> (4 * H)) & 15
+            q = (qs.to(tl.int32) >> shift) & 15
             if QT == 13:
                 q = q | (((qh.to(tl.int32) >> bit) & 1) << 4)
-            return (sc[:, None] * q).to(tl.float32)
-        f = tl.broadcast_to(sc.to(tl.float16)[:, None], qs.shape)
-        shift = tl.full(qs.shape, 4 * H, tl.int32)
+            return (sc * q).to(tl.float32)
+        f = tl.broadcast_to(sc.to(tl.float16), qs.shape)
+        shift = tl.broadcast_to(shift, qs.shape)
         if QT == 12:
             return tl.inline_asm_elementwise(
                 "{ .reg .b32 t, z; mov.b32 z, 0; cvt.u32.u16 t, $1; prmt.b32 t, t, z, 0x4140; shr.b32 t, t, $2;"
@@ -645,33 +645,43 @@ if triton is not None:
         )  # fmt: skip
 
     @triton.jit
+    def _word_bytes(words, i, shape):
+        """Byte i of each word, as uint8 broadcast to ``shape``."""
+        return tl.broadcast_to(((words >> (i * 8)) & 255).to(tl.uint8), shape)
+
+    @triton.jit
     def _fold_gemm_t(xs, xsum, xoff, xsrow, xmask, w, row_off, k_lo, k_hi, TS: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
         """_int_gemm_t for Q4_K / Q5_K on x split by _split_x_fold (two float16 parts): per super-block, each
         code times its group's 6-bit scale (exact in float16, _fold_codes) against x on tensor cores, chained
-        over the block's eight 32-value groups, then times the block's d; the minimums' term, the 6-bit m times
-        x's group sums / 32 in float16 parts (each part's rows read their own), is one more exact product, then
-        times 32 dmin."""
+        over the block's four 64-value chunks (each decoded from 8 words a row, in _split_x_fold's order of x),
+        then times the block's d; the minimums' term, the 6-bit m times x's group sums / 32 in float16 parts
+        (each part's rows read their own), is one more exact product, then times 32 dmin."""
         w32 = w.to(tl.pointer_type(tl.int32))
-        lb = tl.arange(0, 32)
+        v = tl.arange(0, 8)[None, :, None, None]  # word of the chunk's 32 code bytes
+        h = tl.arange(0, 2)[None, None, :, None]  # low nibble: group 2c, high: group 2c + 1
+        i = tl.arange(0, 4)[None, None, None, :]  # byte within the word
+        col = tl.arange(0, 64)
         g16 = tl.arange(0, 16)[None, :]  # the block's 8 groups, padded to a product's least K
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         for sb in range(k_lo // 256, k_hi // 256):
-            base = row_off + sb * TS
-            wb = base // 4
-            head, s1 = tl.load(w32 + wb), tl.load(w32 + wb + 1)
-            s2, s3 = tl.load(w32 + wb + 2), tl.load(w32 + wb + 3)
-            qh = tl.zeros([BN, 32], dtype=tl.uint8)  # Q5_K's fifth bits
+            base = (row_off + sb * TS) // 4
+            head, s1 = tl.load(w32 + base), tl.load(w32 + base + 1)
+            s2, s3 = tl.load(w32 + base + 2), tl.load(w32 + base + 3)
+            b4 = base[:, None, None, None]
+            qh = tl.zeros([BN, 8, 2, 4], dtype=tl.uint8)  # Q5_K's fifth bits
             if QT == 13:
-                qh = tl.load(w + base[:, None] + 16 + lb[None, :])
+                qh = _word_bytes(tl.load(w32 + b4 + 4 + v), i, (BN, 8, 2, 4))
             p = tl.zeros([BN, BM], dtype=tl.float32)
             for c in range(4):
-                qs = tl.load(w + base[:, None] + (48 if QT == 13 else 16) + c * 32 + lb[None, :])
-                for h in tl.static_range(2):
-                    sc, _ = _k4_scale_min_words(s1, s2, s3, 2 * c + h)
-                    at = xoff[:, None] + (sb * 256 + c * 64 + h * 32 + lb)[None, :]
-                    xt = tl.load(xs + at, mask=xmask[:, None], other=0.0)
-                    p = _exact_dot(_fold_codes(qs, qh, 2 * c + h, sc, h, QT, INTERP), tl.trans(xt), p, INTERP)
+                qs = _word_bytes(tl.load(w32 + b4 + (12 if QT == 13 else 4) + c * 8 + v), i, (BN, 8, 2, 4))
+                sc, _ = _k4_scale_min_words(
+                    s1[:, None, None, None], s2[:, None, None, None], s3[:, None, None, None], 2 * c + h
+                )
+                codes = _fold_codes(qs, qh, 4 * h, 2 * c + h, sc, QT, INTERP)
+                at = xoff[:, None] + (sb * 256 + c * 64 + col)[None, :]
+                xt = tl.load(xs + at, mask=xmask[:, None], other=0.0)
+                p = _exact_dot(tl.reshape(codes, (BN, 64)), tl.trans(xt), p, INTERP)
             acc += _f16_of(head)[:, None] * p
             _, m = _k4_scale_min_words(s1[:, None], s2[:, None], s3[:, None], g16 % 8)
             mq = _int_operand(tl.where(g16 < 8, m, 0), tl.float16, INTERP)
@@ -683,7 +693,8 @@ if triton is not None:
     @triton.jit
     def _split_x_fold_kernel(x, parts, sums, inv, K, numel, B: tl.constexpr):
         """Row r of x (K values) -> x 2^s as two float16 parts (hi, then the rest), numel elements apart, with s
-        the row's power of two that puts its largest value in [2^14, 2^15); the sums of each 32 scaled values
+        the row's power of two that puts its largest value in [2^14, 2^15); each 64-value chunk in the order
+        _fold_gemm_t decodes codes (value 32 h + 4 v + i at 8 v + 4 h + i); the sums of each 32 scaled values
         over 32, as two float16 parts numel / 32 apart; and 2^-s. The row is read in blocks of B values, twice."""
         row = tl.program_id(0).to(tl.int64)
         kb = tl.arange(0, B)
@@ -700,7 +711,8 @@ if triton is not None:
                 tl.float32, bitcast=True
             )
             hi = xs.to(tl.float16).to(tl.float32)
-            at = row * K + k
+            r = k % 64
+            at = row * K + (k - r) + ((r % 32) // 4) * 8 + (r // 32) * 4 + r % 4
             tl.store(parts + at, hi.to(parts.dtype.element_ty), mask=k < K)
             tl.store(parts + numel + at, (xs - hi).to(tl.float16).to(parts.dtype.element_ty), mask=k < K)
             g = k0 // 32 + tl.arange(0, B // 32)
