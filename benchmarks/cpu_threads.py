@@ -92,7 +92,7 @@ def child(path: str | None, tensor: str, threads: list[int], reps: int) -> dict:
     for n in threads:
         numba.set_num_threads(n)
         best[n] = _best_ms(
-            lambda: cpu_kernels._gemv_parallel(x, w.data, w.index, out, False, out, w.q8), reps
+            lambda: cpu_kernels._gemv_parallel(x, w.data, w.index, out, False, out, w.acts), reps
         )
         read[n] = _best_ms(lambda: read_all(words), reps)
     from numba.core.registry import cpu_target

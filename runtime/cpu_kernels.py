@@ -26,8 +26,16 @@ from numba import get_num_threads, njit, prange, set_num_threads, types
 from numba.extending import overload
 
 from forge.jit import enabled as numba_enabled
-from runtime import cpu_q8
-from runtime.cpu_rows import decode_row, dot_row, prefetch_row, prepare_input, prepare_into
+from runtime.cpu_rows import (
+    FLOAT_ACTS,
+    activation_form,
+    decode_row,
+    dot_row,
+    prefetch_row,
+    prepare_input,
+    prepare_into,
+    prepared_size,
+)
 
 _FASTMATH = {"reassoc", "contract"}  # vectorized sums and FMA; no assumptions about NaN or infinity
 # weights (elements) from which a product is split across threads: below it, waking them costs more
@@ -106,11 +114,17 @@ def _prefetch_compiled(w, index, r):  # noqa: ANN001, ANN202
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True)
 def _gemv_serial(
-    x: np.ndarray, w: np.ndarray, index: np.ndarray, res: np.ndarray, has_res: bool, out: np.ndarray, q8: bool
+    x: np.ndarray,
+    w: np.ndarray,
+    index: np.ndarray,
+    res: np.ndarray,
+    has_res: bool,
+    out: np.ndarray,
+    acts: int,
 ) -> None:
-    """out[r] = w's row r . x (+ res[r]); w, index: float32 rows or encoded rows (see ``_row_dot``); q8: K-quant
-    rows take x in 8 bits (``runtime.cpu_q8``)."""
-    xsum, scratch = prepare_input(x, q8), np.empty(x.shape[0], np.float32)
+    """out[r] = w's row r . x (+ res[r]); w, index: float32 rows or encoded rows (see ``_row_dot``); acts: the
+    form K-quant rows take x in (``runtime.cpu_rows.activation_form``)."""
+    xsum, scratch = prepare_input(x, acts), np.empty(x.shape[0], np.float32)
     n = out.shape[0]
     for r in range(n):
         if r + 1 < n:
@@ -124,10 +138,16 @@ _ROW_CHUNK = 64  # rows per parallel work item (one scratch row each)
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
 def _gemv_parallel(
-    x: np.ndarray, w: np.ndarray, index: np.ndarray, res: np.ndarray, has_res: bool, out: np.ndarray, q8: bool
+    x: np.ndarray,
+    w: np.ndarray,
+    index: np.ndarray,
+    res: np.ndarray,
+    has_res: bool,
+    out: np.ndarray,
+    acts: int,
 ) -> None:
     """``_gemv_serial`` with the rows spread over the threads."""
-    xsum = prepare_input(x, q8)
+    xsum = prepare_input(x, acts)
     n = out.shape[0]
     for c in prange((n + _ROW_CHUNK - 1) // _ROW_CHUNK):
         scratch = np.empty(x.shape[0], np.float32)
@@ -148,13 +168,13 @@ def _norm_gemv(
     xn: np.ndarray,
     out: np.ndarray,
     threads: bool,
-    q8: bool,
+    acts: int,
 ) -> None:
     _rms_norm(h, norm, eps, xn)
     if threads:
-        _gemv_parallel(xn, w, index, out, False, out, q8)
+        _gemv_parallel(xn, w, index, out, False, out, acts)
     else:
-        _gemv_serial(xn, w, index, out, False, out, q8)
+        _gemv_serial(xn, w, index, out, False, out, acts)
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
@@ -175,15 +195,15 @@ def _routed_ffn_encoded(
     weights: np.ndarray,
     act: np.ndarray,
     out: np.ndarray,
-    q8: bool,
+    acts: int,
 ) -> None:
-    """``_routed_ffn`` over encoded experts (q8: K-quant rows take their inputs in 8 bits, see ``runtime.cpu_q8``).
+    """``_routed_ffn`` over encoded experts (acts: the form K-quant rows take their inputs in).
 
     gate, up, down: flat uint8 buffers; meta (3, 5): per part the offset, expert stride, row stride, row bytes
     and type of its rows (see ``EncodedExperts``). Each row's dot product is taken from its bytes (``dot_row``).
     """
     k, n_ff = act.shape
-    x_sums = prepare_input(x, q8)
+    x_sums = prepare_input(x, acts)
     rows = k * n_ff
     for c in prange((rows + _ROW_CHUNK - 1) // _ROW_CHUNK):
         row = np.empty(x.shape[0], np.float32)
@@ -196,7 +216,7 @@ def _routed_ffn_encoded(
                 prefetch_row(_encoded_row(up, meta, 1, e, f + 1))
             g = dot_row(_encoded_row(gate, meta, 0, e, f), meta[0, 4], x, x_sums, row)
             act[i, f] = _silu(g) * dot_row(_encoded_row(up, meta, 1, e, f), meta[1, 4], x, x_sums, row)
-    act_sums = np.empty((k, cpu_q8.prepared_size(n_ff, q8)), np.float32)
+    act_sums = np.empty((k, prepared_size(n_ff, acts)), np.float32)
     for i in range(k):
         prepare_into(act[i], act_sums[i])
     n_out = out.shape[0]
@@ -263,7 +283,7 @@ def _attention_step(
     x: np.ndarray,
     att: np.ndarray,
     out: np.ndarray,
-    q8: bool,
+    acts: int,
 ) -> None:
     """out = h + attention of one token at ``pos`` (its k and v written to keys/values[:, pos]); x receives
     the normed h, att the attention (the projections' inputs).
@@ -275,7 +295,7 @@ def _attention_step(
     n_kv, _, head_dim = keys.shape
     _rms_norm(h, norm, eps, x)
     y = np.empty(i_in.shape[0], np.float32)
-    _gemv_parallel(x, w_in, i_in, y, False, y, q8)
+    _gemv_parallel(x, w_in, i_in, y, False, y, acts)
     n_qk = n_head + n_kv
     qk = y[: n_qk * head_dim].reshape(n_qk, head_dim)
     half = cos.shape[0]
@@ -311,7 +331,7 @@ def _attention_step(
             gate = y[n_qk * head_dim + i * head_dim : n_qk * head_dim + (i + 1) * head_dim]
             for d in range(head_dim):
                 o[d] /= np.float32(1) + np.exp(-gate[d])
-    _gemv_parallel(att, w_out, i_out, h, True, out, q8)
+    _gemv_parallel(att, w_out, i_out, h, True, out, acts)
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
@@ -338,7 +358,7 @@ def _deltanet_step(
     x: np.ndarray,
     o: np.ndarray,
     out: np.ndarray,
-    q8: bool,
+    acts: int,
 ) -> None:
     """out = h + the Gated DeltaNet mixer for one token; conv_state (kernel - 1, channels) and recurrent
     (n_v, d_k, d_v) are advanced in place. x receives the normed h, o the gated-norm output (the
@@ -352,7 +372,7 @@ def _deltanet_step(
     key_dim = n_k * d_k
     _rms_norm(h, norm, eps, x)
     y = np.empty(i_in.shape[0], np.float32)
-    _gemv_parallel(x, w_in, i_in, y, False, y, q8)
+    _gemv_parallel(x, w_in, i_in, y, False, y, acts)
     conv = np.empty(channels, np.float32)
     for c in range(channels):
         acc = y[c] * conv_w[kernel - 1, c]
@@ -398,7 +418,7 @@ def _deltanet_step(
         _rms_norm(oh, out_norm, eps, oh)
         for j in range(d_v):
             oh[j] *= _silu(y[z0 + hv * d_v + j])
-    _gemv_parallel(o, w_out, i_out, h, True, out, q8)
+    _gemv_parallel(o, w_out, i_out, h, True, out, acts)
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True)
@@ -411,7 +431,7 @@ def _shared_ffn(
     h: np.ndarray,
     act: np.ndarray,
     out: np.ndarray,
-    q8: bool,
+    acts: int,
 ) -> None:
     """out = h + sigmoid(gate_inp . x) * w_down @ (silu(gate @ x) * (up @ x)); act receives the SwiGLU output.
 
@@ -420,11 +440,11 @@ def _shared_ffn(
     """
     n_ff = act.shape[0]
     y = np.empty(i_in.shape[0], np.float32)
-    _gemv_parallel(x, w_in, i_in, y, False, y, q8)
+    _gemv_parallel(x, w_in, i_in, y, False, y, acts)
     for f in range(n_ff):
         act[f] = _silu(y[f]) * y[n_ff + f]
     scale = np.float32(1) / (np.float32(1) + np.exp(-y[2 * n_ff]))
-    _gemv_parallel(act, w_down, i_down, out, False, out, q8)
+    _gemv_parallel(act, w_down, i_down, out, False, out, acts)
     for r in range(out.shape[0]):
         out[r] = h[r] + scale * out[r]
 
@@ -563,7 +583,7 @@ class EncodedExperts:
             [[0, a.strides[0], a.strides[1], a.shape[2], int(t)] for a, t in parts], np.int64
         )
         self.n_ff = gate.shape[1]
-        self.q8 = cpu_q8.enabled()  # K-quant rows take their inputs in 8 bits
+        self.acts = activation_form()  # the form K-quant rows take their inputs in
 
 
 def _flat_bytes(a: np.ndarray) -> np.ndarray:
@@ -589,7 +609,7 @@ class Rows(NamedTuple):
 
     data: np.ndarray
     index: np.ndarray
-    q8: bool = False  # K-quant rows take their input in 8 bits (``runtime.cpu_q8``)
+    acts: int = FLOAT_ACTS  # the form K-quant rows take their input in (``runtime.cpu_rows.activation_form``)
 
     @classmethod
     def floats(cls, w: np.ndarray) -> Rows:
@@ -610,7 +630,7 @@ class Rows(NamedTuple):
             [starts, starts + sizes, np.concatenate([np.full(m.shape[0], t) for m, t in mats])], 1
         )
         index = np.ascontiguousarray(index if order is None else index[order], np.int64)
-        return cls(data, index, cpu_q8.enabled())
+        return cls(data, index, activation_form())
 
     @property
     def encoded(self) -> bool:
@@ -631,7 +651,7 @@ def gemv(x: torch.Tensor, w: Rows, residual: torch.Tensor | None = None) -> torc
     o = out.numpy()[0]
     res = o if residual is None else _vec(residual)
     kernel = _gemv_parallel if w.threaded(x.shape[-1]) else _gemv_serial
-    kernel(_vec(x), w.data, w.index, res, residual is not None, o, w.q8)
+    kernel(_vec(x), w.data, w.index, res, residual is not None, o, w.acts)
     return out
 
 
@@ -639,7 +659,7 @@ def norm_gemv(h: torch.Tensor, norm: np.ndarray, eps: float, w: Rows) -> tuple[t
     """h (1, n) -> (rms_norm(h) * norm, that @ W.T), both (1, .)."""
     xn, out = torch.empty(1, h.shape[-1]), torch.empty(1, w.n_out)
     _norm_gemv(
-        _vec(h), norm, eps, w.data, w.index, xn.numpy()[0], out.numpy()[0], w.threaded(h.shape[-1]), w.q8
+        _vec(h), norm, eps, w.data, w.index, xn.numpy()[0], out.numpy()[0], w.threaded(h.shape[-1]), w.acts
     )
     return xn, out
 
@@ -687,7 +707,7 @@ def routed_ffn_encoded(
         _vec(weights.float()),
         act.numpy(),
         out.numpy()[0],
-        experts.q8,
+        experts.acts,
     )
     return out, act
 
@@ -766,7 +786,7 @@ def attention_step(
     _attention_step(
         _vec(h), _vec(norm), eps, w_in.data, w_in.index, n_head, n_gate, qk_norm, cos.numpy(), sin.numpy(),
         keys.numpy(), values.numpy(), pos, w_out.data, w_out.index, x.numpy()[0], att.numpy()[0], out.numpy()[0],
-        w_in.q8 or w_out.q8,
+        max(w_in.acts, w_out.acts),
     )  # fmt: skip
     return out, x, att
 
@@ -795,7 +815,7 @@ def deltanet_step(
     _deltanet_step(
         _vec(h), _vec(norm), eps, w_in.data, w_in.index, n_k, conv_state.numpy(), conv_w, _vec(dt_bias), _vec(a),
         _vec(out_norm), recurrent.numpy(), w_out.data, w_out.index, x.numpy()[0], o.numpy()[0], out.numpy()[0],
-        w_in.q8 or w_out.q8,
+        max(w_in.acts, w_out.acts),
     )  # fmt: skip
     return out, x, o
 
@@ -814,7 +834,7 @@ def shared_ffn(
         _vec(h),
         act.numpy()[0],
         out.numpy()[0],
-        w_in.q8 or w_down.q8,
+        max(w_in.acts, w_down.acts),
     )
     return out, act
 

@@ -41,15 +41,15 @@ def _host_has_avx2() -> bool:
 
 
 @njit(inline="always", **_FAST)
-def prepared_size(n: int, q8: bool) -> int:
-    """Length of the prepared input of an n-value vector: its sums per 32, and with q8 (n a multiple of 256)
-    the Q8_K scales, code sums per 32 and codes."""
-    return n // 32 + (n // 256 + n // 64 + n // 4 if q8 and n % 256 == 0 else 0)
+def prepared_size(n: int) -> int:
+    """Length (float32 values) of the Q8_K part of an n-value vector's prepared input (n a multiple of 256):
+    the scales, code sums per 32 and codes."""
+    return n // 256 + n // 64 + n // 4
 
 
 @njit(inline="always", **_FAST)
 def has_q8(xp: np.ndarray, n: int) -> bool:
-    return xp.shape[0] > n // 32
+    return n % 256 == 0 and xp.shape[0] == n // 32 + prepared_size(n)
 
 
 @njit(inline="always", **_FAST)

@@ -19,7 +19,7 @@ from numba import njit
 from forge import ggml_types
 from forge.jit import FAST_JIT as _FAST
 from forge.jit import at, bits_f32, fp16_to_f32, i8_f32, prefetch, put, u8_field, u16_at
-from runtime import cpu_q8
+from runtime import cpu_q8, cpu_vnni
 
 # the types whose rows ``decode_row`` decodes and ``dot_row`` multiplies (the float types, those of the
 # common K-quant mixes and MXFP4), registered in the type table (kind ``cpu_rows``) under the id they take
@@ -156,19 +156,47 @@ def group_sums(x: np.ndarray, out: np.ndarray) -> None:
         out[g] = s
 
 
+#: the forms of a prepared input (``prepare_input``): its float sums per 32 only (K-quant rows times x in
+#: float32); with llama.cpp's 8-bit Q8_K form (``runtime.cpu_q8``); with the 22-bit integer form on AVX-512
+#: VNNI hosts (``runtime.cpu_vnni``)
+FLOAT_ACTS, Q8_ACTS, X22_ACTS = 0, 1, 2
+
+
+def activation_form() -> int:
+    """The form the CPU kernels' K-quant rows take their inputs in: ``--q8-activations``' 8 bits when asked,
+    else 22-bit integers where the host has AVX-512 VNNI (``FORGE_NO_VNNI=1`` keeps float32)."""
+    if cpu_q8.enabled():
+        return Q8_ACTS
+    return X22_ACTS if cpu_vnni.enabled() else FLOAT_ACTS
+
+
+@njit(inline="always", **_FAST)
+def prepared_size(n: int, acts: int) -> int:
+    """Length of the prepared input of an n-value vector in form ``acts``: its sums per 32 values, then (n a
+    multiple of 256) the Q8_K or 22-bit form."""
+    if n % 256 == 0 and acts == Q8_ACTS:
+        return n // 32 + cpu_q8.prepared_size(n)
+    if n % 256 == 0 and acts == X22_ACTS:
+        return n // 32 + cpu_vnni.prepared_size(n)
+    return n // 32
+
+
 @njit(**_FAST)
 def prepare_into(x: np.ndarray, xp: np.ndarray) -> None:
-    """Fill ``xp`` (``cpu_q8.prepared_size(len(x), q8)`` values) with what ``dot_row`` takes with x: its sums per
-    32 values, and when xp has room for it, its Q8_K form (``cpu_q8``)."""
+    """Fill ``xp`` (``prepared_size(len(x), acts)`` values) with what ``dot_row`` takes with x: its sums per 32
+    values, then the form xp has room for."""
+    n = x.shape[0]
     group_sums(x, xp)
-    if cpu_q8.has_q8(xp, x.shape[0]):
+    if cpu_q8.has_q8(xp, n):
         cpu_q8.quantize_q8_k(x, xp)
+    elif cpu_vnni.has_x22(xp, n):
+        cpu_vnni.quantize_x22(x, xp, n // 32)
 
 
 @njit(**_FAST)
-def prepare_input(x: np.ndarray, q8: bool) -> np.ndarray:
-    """``prepare_into`` a new array: with q8 (and len(x) a multiple of 256) the Q8_K form too."""
-    xp = np.empty(cpu_q8.prepared_size(x.shape[0], q8), np.float32)
+def prepare_input(x: np.ndarray, acts: int) -> np.ndarray:
+    """``prepare_into`` a new array of form ``acts``."""
+    xp = np.empty(prepared_size(x.shape[0], acts), np.float32)
     prepare_into(x, xp)
     return xp
 
@@ -319,14 +347,18 @@ def prefetch_row(b: np.ndarray) -> None:
 
 @njit(**_FAST)
 def dot_row(b: np.ndarray, qtype: int, x: np.ndarray, xsum: np.ndarray, buf: np.ndarray) -> float:
-    """sum_j row_j * x_j for the encoded row ``b`` of ``qtype``; xsum: ``prepare_input(x, q8)`` (the sums per 32
-    values, and with q8 the Q8_K form that K-quant rows are multiplied with instead of x); buf: scratch of len(x)
+    """sum_j row_j * x_j for the encoded row ``b`` of ``qtype``; xsum: ``prepare_input(x, acts)`` (the sums per 32
+    values, and the Q8_K or 22-bit form that K-quant rows are multiplied with instead of x); buf: scratch of len(x)
     (at least 32)."""
-    if cpu_q8.has_q8(xsum, x.shape[0]):  # K-quant rows take the 8-bit input
-        if qtype in (_Q4_K, _Q5_K):
-            return cpu_q8.dot_k(b, xsum, x.shape[0], qtype == _Q5_K)
-        if qtype == _Q6_K:
-            return cpu_q8.dot_q6_k(b, xsum, x.shape[0])
+    n = x.shape[0]
+    if xsum.shape[0] > n // 32 and qtype in (_Q4_K, _Q5_K, _Q6_K):  # K-quant rows take the prepared form
+        if cpu_q8.has_q8(xsum, n):
+            return cpu_q8.dot_q6_k(b, xsum, n) if qtype == _Q6_K else cpu_q8.dot_k(b, xsum, n, qtype == _Q5_K)
+        if qtype == _Q4_K:
+            return cpu_vnni.dot_q4_k(b, xsum, n // 32, n)
+        if qtype == _Q5_K:
+            return cpu_vnni.dot_q5_k(b, xsum, n // 32, n)
+        return cpu_vnni.dot_q6_k(b, xsum, n // 32, n)
     if qtype == _Q4_K:
         return _dot_k4(b, x, xsum, buf, 144, 16, -1)
     if qtype == _Q6_K:

@@ -15,7 +15,7 @@ from numba import njit
 
 from runtime import cpu_kernels as ck
 from runtime import cpu_q8
-from runtime.cpu_rows import dot_row, prepare_input
+from runtime.cpu_rows import FLOAT_ACTS, Q8_ACTS, dot_row, prepare_input
 from runtime.dequant import dequantize
 from runtime.layers import _round_q8_k
 
@@ -32,11 +32,11 @@ def _input(n: int, seed: int) -> np.ndarray:
 def test_q8_k_form_is_the_torch_paths_rounding() -> None:
     n = 1024
     x = _input(n, 1)
-    xp = prepare_input(x, True)
+    xp = prepare_input(x, Q8_ACTS)
     nb = n // 256
     d_at, s_at, c_at = cpu_q8.layout(n)
     assert xp.shape == (n // 32 + nb + n // 64 + n // 4,) and 4 * xp.shape[0] == c_at + n
-    assert np.array_equal(xp[: n // 32], prepare_input(x, False))  # the float sums come first either way
+    assert np.array_equal(xp[: n // 32], prepare_input(x, FLOAT_ACTS))  # the float sums come first either way
     scales = xp[d_at : d_at + nb]
     sums = xp.view(np.int16)[s_at // 2 : c_at // 2]
     codes = xp.view(np.int8)[c_at:].astype(np.float32)
@@ -57,7 +57,7 @@ def test_rows_times_q8_input_equal_ggml_numerics(name: str) -> None:
     w = dequantize(torch.from_numpy(raw), qtype, n).double().numpy()
     x = _input(n, 3)
     want = w @ _round_q8_k(torch.from_numpy(x)).double().numpy()
-    xp, buf = prepare_input(x, True), np.empty(n, np.float32)
+    xp, buf = prepare_input(x, Q8_ACTS), np.empty(n, np.float32)
     got = np.array([dot_row(raw[r], int(qtype), x, xp, buf) for r in range(rows)])
     assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
     exact = w @ x.astype(np.float64)  # what the float32 path computes: the rounding moved the result
@@ -101,11 +101,11 @@ def test_block_products_are_exact_on_both_implementations(five: bool) -> None:
 def test_the_option_switches_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FORGE_Q8_ACTIVATIONS", raising=False)
     raw = np.zeros((2, 144), np.uint8)
-    assert not ck.Rows.encoded_parts([(raw, int(Q.Q4_K))]).q8
+    assert ck.Rows.encoded_parts([(raw, int(Q.Q4_K))]).acts != Q8_ACTS
     monkeypatch.setenv("FORGE_Q8_ACTIVATIONS", "1")
-    assert ck.Rows.encoded_parts([(raw, int(Q.Q4_K))]).q8
+    assert ck.Rows.encoded_parts([(raw, int(Q.Q4_K))]).acts == Q8_ACTS
     experts = np.zeros((2, 256, 144), np.uint8)
-    assert ck.EncodedExperts(experts, int(Q.Q4_K), experts, int(Q.Q4_K), experts, int(Q.Q4_K)).q8
+    assert ck.EncodedExperts(experts, int(Q.Q4_K), experts, int(Q.Q4_K), experts, int(Q.Q4_K)).acts == Q8_ACTS
 
 
 def test_a_model_decodes_with_8_bit_activations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -208,7 +208,7 @@ def test_hybrid_cpu_side_takes_8_bit_activations(tmp_path: Path, monkeypatch: py
     step = cpu_kernels.routed_ffn_encoded
 
     def spy(x, ids, weights, experts, h):  # noqa: ANN001, ANN202
-        seen.append(experts.q8)
+        seen.append(experts.acts == Q8_ACTS)
         return step(x, ids, weights, experts, h)
 
     monkeypatch.setattr(cpu_kernels, "routed_ffn_encoded", spy)
