@@ -1,15 +1,15 @@
-"""Dot products of K-quant rows (Q4_K, Q5_K, Q6_K) with the input as 22-bit integers, on AVX-512 VNNI: the
-CPU kernels' default path for these rows where the host has the instructions.
+"""Dot products of K-quant rows (Q4_K, Q5_K, Q6_K) with the input as 22-bit integers (and a sign), on AVX-512
+VNNI: the CPU kernels' default path for these rows where the host has the instructions.
 
 The input is quantized once per vector: per 256 values a float32 scale s (the block's largest magnitude over
-2^21 - 1) and integers X = round(x / s) (|X| < 2^21) written as three int8 digits (X = 2^14 x1 + 2^7 x2 + x3,
-x2 and x3 in 0..127); the row's codes times the digits are ``vpdpbusd`` (64 unsigned bytes times 64 signed,
-four adjacent products summed into each of 16 int32 lanes), chained as ((c.x1) 2^7 + c.x2) 2^7 + c.x3, so each
-lane holds the exact integer sum of its four codes times X. The lanes are then scaled in float32 by their
-group's scale. The input's rounding moves a product by at most 2^-22 of the block's largest input value times
-the row's weights (about 1e-6 of a product's scale on random rows), far inside the runtime's 1e-4 acceptance,
-against ~1% for llama.cpp's 8-bit activations (``runtime.cpu_q8``); the minimums' term of Q4_K / Q5_K uses the
-input's exact float sums.
+2^22 - 1) and integers X = round(x / s) (|X| < 2^22) written as three signed bytes (X = 2^16 x1 + 2^8 x2 + x3,
+x2 and x3 in -128..127); the row's codes times the digits are ``vpdpbusd`` (64 unsigned bytes times 64 signed,
+four adjacent products summed into each of 16 int32 lanes), chained as ((c.x1) 2^8 + c.x2) 2^8 + c.x3 (each
+2^8 a byte shuffle), so each lane holds the exact integer sum of its four codes times X (below 2^31 for 6-bit
+codes). The lanes are then scaled in float32 by their group's scale. The input's rounding moves a product by
+at most 2^-23 of the block's largest input value times the row's weights (about 1e-6 of a product's scale on
+random rows with float32 sums), far inside the runtime's 1e-4 acceptance, against ~1% for llama.cpp's 8-bit
+activations (``runtime.cpu_q8``); the minimums' term of Q4_K / Q5_K uses the input's exact float sums.
 
 The prepared input (``runtime.cpu_rows.prepare_input``) is one float32 array: the float sums per 32 values,
 the block scales, then per 64-value chunk 256 bytes: the three digit vectors (64 bytes each, values in their
@@ -33,7 +33,7 @@ from forge.jit import fp16_to_f32, u16_at
 from runtime import cpu_q8
 
 F32 = np.float32
-_X_MAX = 2**21 - 1
+_X_MAX = 2**22 - 1
 
 I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 F = ir.FloatType()
@@ -57,6 +57,8 @@ def enabled() -> bool:
 
 
 _VNNI = _host_has_vnni()
+if _VNNI:
+    llvm.initialize_native_asmparser()  # the byte shuffle below is inline assembly
 
 
 @njit(inline="always", **_FAST)
@@ -93,9 +95,11 @@ def quantize_x22(x: np.ndarray, xp: np.ndarray, at: int) -> None:
                 for k in range(4):
                     v = 4 * lane + k
                     q = min(_X_MAX, max(-_X_MAX, np.int64(np.rint(np.float64(x[y + 64 * c + v]) * inv))))
-                    chunks[base + v] = q >> 14
-                    chunks[base + 64 + v] = (q >> 7) & 127
-                    chunks[base + 128 + v] = q & 127
+                    low = ((q + 128) & 255) - 128
+                    mid = (((q - low) >> 8) + 128 & 255) - 128
+                    chunks[base + v] = (q - low - 256 * mid) >> 16
+                    chunks[base + 64 + v] = mid
+                    chunks[base + 128 + v] = low
                     total += q
                 sums[base // 4 + 48 + lane] = total
 
@@ -108,6 +112,11 @@ class _Gen:
         mod = builder.module
         self._dp = mod.declare_intrinsic(
             "llvm.x86.avx512.vpdpbusd.512", (), ir.FunctionType(I16x32, [I16x32] * 3)
+        )
+        # inline assembly: LLVM would turn a byte shuffle that is a shift back into the shift
+        self._shuffle = ir.InlineAsm(ir.FunctionType(B64, [B64, B64]), "vpshufb $2, $1, $0", "=v,v,v")
+        self._times_256 = ir.Constant(
+            B64, [0x80, 0, 1, 2, 0x80, 4, 5, 6, 0x80, 8, 9, 10, 0x80, 12, 13, 14] * 4
         )
         self._sum16 = mod.declare_intrinsic(
             "llvm.vector.reduce.fadd.v16f32", (), ir.FunctionType(F, [F, F16x])
@@ -133,14 +142,15 @@ class _Gen:
         return ir.Constant(I64, v)
 
     def dp3(self, codes: ir.Value, digits: ir.Value) -> ir.Value:
-        """The exact int32 lane sums of codes (64 unsigned bytes) times the 22-bit X whose digits start at
-        byte pointer ``digits``."""
+        """The exact int32 lane sums of codes (64 unsigned bytes) times the X whose digits start at byte pointer
+        ``digits``: ((c.x1) 2^8 + c.x2) 2^8 + c.x3, each 2^8 a byte shuffle (``vpshufb``, off the port that
+        the multiply-adds, conversions and shifts share)."""
         b = self.b
         c = b.bitcast(codes, I16x32)
         a = self.splat(I16x32, 0)
         for d in range(3):
             if d:
-                a = b.shl(a, self.splat(I16x32, 7))
+                a = b.bitcast(b.call(self._shuffle, [b.bitcast(a, B64), self._times_256]), I16x32)
             a = b.call(self._dp, [a, c, self.load(digits, self.idx(64 * d), I16x32)])
         return a
 
@@ -269,7 +279,7 @@ def _x(xp: np.ndarray, at: int, nb: int, blk: int, v: int) -> int:
     """X of value v of block blk, from its three digits."""
     c = xp[at + nb :].view(np.int8)
     base = 256 * (4 * blk + v // 64) + v % 64
-    return 16384 * np.int64(c[base]) + 128 * np.int64(c[base + 64]) + np.int64(c[base + 128])
+    return 65536 * np.int64(c[base]) + 256 * np.int64(c[base + 64]) + np.int64(c[base + 128])
 
 
 @njit(**_FAST)
