@@ -160,8 +160,13 @@ class _Gen:
     def fma(self, acc: ir.Value, a: ir.Value, s: ir.Value) -> ir.Value:
         return self.b.fadd(acc, self.b.fmul(a, s, flags=_FLAGS), flags=_FLAGS)
 
-    def spread(self, v8: ir.Value, lanes: list[int]) -> ir.Value:
-        return self.b.shuffle_vector(v8, v8, ir.Constant(ir.VectorType(I32, 16), lanes))
+    def spread(self, v: ir.Value, lanes: list[int]) -> ir.Value:
+        """16 lanes of v, by index."""
+        return self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 16), lanes))
+
+    def concat(self, lo: ir.Value, hi: ir.Value) -> ir.Value:
+        """Two 32-byte vectors as one of 64 bytes."""
+        return self.b.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 64), list(range(64))))
 
 
 def _row_kernel(qtype: str):  # noqa: ANN202
@@ -228,14 +233,11 @@ def _k4_block(g: _Gen, bp, xpp, o, i, sx, chunk0, acc, mins, five_bits: bool) ->
     high = None
     if five_bits:
         qh = g.load(bp, b.add(o, g.idx(16)), B32)
-        high = b.shuffle_vector(qh, qh, ir.Constant(ir.VectorType(I32, 64), list(range(32)) * 2))
+        high = g.concat(qh, qh)
     a_acc = b.load(acc)
     for c in range(4):
         q = g.load(bp, b.add(o, g.idx(qs_at + 32 * c)), B32)
-        both = b.shuffle_vector(
-            q, b.lshr(q, g.splat(B32, 4)), ir.Constant(ir.VectorType(I32, 64), list(range(64)))
-        )
-        codes = b.and_(both, g.splat(B64, 15))
+        codes = b.and_(g.concat(q, b.lshr(q, g.splat(B32, 4))), g.splat(B64, 15))
         if high is not None:
             bits = ir.Constant(B64, [1 << (2 * c)] * 32 + [1 << (2 * c + 1)] * 32)
             on = b.icmp_unsigned("!=", b.and_(high, bits), g.splat(B64, 0))
@@ -255,9 +257,7 @@ def _q6_k_block(g: _Gen, bp, xpp, o, sx, chunk0, acc) -> None:  # noqa: ANN001
     for half in range(2):
         ql = g.load(bp, b.add(o, g.idx(64 * half)), B64)
         qh = g.load(bp, b.add(o, g.idx(128 + 32 * half)), B32)
-        qh = b.shuffle_vector(
-            qh, b.lshr(qh, g.splat(B32, 2)), ir.Constant(ir.VectorType(I32, 64), list(range(64)))
-        )
+        qh = g.concat(qh, b.lshr(qh, g.splat(B32, 2)))
         three, four = g.splat(B64, 3), g.splat(B64, 4)
         low = b.or_(b.and_(ql, g.splat(B64, 15)), b.shl(b.and_(qh, three), four))
         top = b.or_(b.lshr(ql, four), b.shl(b.and_(b.lshr(qh, four), three), four))
@@ -267,10 +267,7 @@ def _q6_k_block(g: _Gen, bp, xpp, o, sx, chunk0, acc) -> None:  # noqa: ANN001
             lanes = g.dp3(codes, chunk)
             bias = b.shl(g.load(chunk, g.idx(192), I16x32), g.splat(I16x32, 5))
             lanes = b.sub(lanes, bias)
-            spread = b.shuffle_vector(
-                scales, scales, ir.Constant(ir.VectorType(I32, 16), [4 * c + L // 4 for L in range(16)])
-            )
-            a_acc = g.fma(a_acc, b.sitofp(lanes, F16x), spread)
+            a_acc = g.fma(a_acc, b.sitofp(lanes, F16x), g.spread(scales, [4 * c + i // 4 for i in range(16)]))
     b.store(a_acc, acc)
 
 
