@@ -3,6 +3,7 @@ the compiled CPU kernels against torch's dequantize-then-matmul path (``FORGE_NO
 
     python benchmarks/encoded_decode.py [--layers 2] [--experts 64] [--threads 2] [--tokens 32] [--json OUT]
     python benchmarks/encoded_decode.py --dots      # ns per weight of one dot product from encoded bytes, per type
+                                                    # (and on the 22-bit input where the host has AVX-512 VNNI)
 
 Synthesizes (once, under the temp folder) a Q4_K file in Qwen3.6-35B-A3B's expert geometry with fewer layers
 and experts and a 4,096-token vocabulary (so that the output matrix does not dominate), then measures one-token decode after 8 warm-up tokens. The expert cache holds every expert, so
@@ -49,13 +50,14 @@ def measure(path: Path, mode: str, threads: int, tokens: int) -> float:
     return tokens / (time.perf_counter() - t)
 
 
-def dot_speeds(n: int = 2048, rows: int = 256, reps: int = 20) -> dict[str, float]:
-    """ns per weight of ``dot_row`` on one core, per type (random rows with small finite scales)."""
+def dot_speeds(n: int = 2048, rows: int = 256, reps: int = 20, acts: int = 0) -> dict[str, float]:
+    """ns per weight of ``dot_row`` on one core, per type (random rows with small finite scales), the input
+    prepared in form ``acts`` (``runtime.cpu_rows.activation_form``: 0 float32, 2 the 22-bit integers)."""
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from numba import njit
 
-    from runtime.cpu_rows import dot_row, group_sums
+    from runtime.cpu_rows import dot_row, prepare_input
 
     @njit
     def run(raw, qtype, x, x_sums, buf, reps):  # noqa: ANN001, ANN202
@@ -67,8 +69,7 @@ def dot_speeds(n: int = 2048, rows: int = 256, reps: int = 20) -> dict[str, floa
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal(n).astype(np.float32)
-    x_sums, buf = np.empty(n // 32, np.float32), np.empty(n, np.float32)
-    group_sums(x, x_sums)
+    x_sums, buf = prepare_input(x, acts), np.empty(n, np.float32)
     out = {}
     for name, scale_at in (("Q4_K", (0, 2)), ("Q5_K", (0, 2)), ("Q6_K", (208,)), ("Q8_0", (0,))):
         qtype = GGMLQuantizationType[name]
@@ -103,8 +104,16 @@ def main() -> None:
         print(json.dumps(measure(Path(args.one[0]), args.one[1], args.threads, args.tokens)))
         return
     if args.dots:
-        # rows of 2,048 values (a dense or gate/up row of the 35B-A3B) and of 512 (its experts' down rows)
-        print(json.dumps({"ns_per_weight_one_core": dot_speeds(), "rows_of_512": dot_speeds(512, 1024)}))
+        # rows of 2,048 values (a dense or gate/up row of the 35B-A3B) and of 512 (its experts' down rows); the
+        # K-quant rows also on the 22-bit integer input where the host has AVX-512 VNNI
+        from runtime import cpu_vnni
+        from runtime.cpu_rows import X22_ACTS
+
+        out = {"ns_per_weight_one_core": dot_speeds(), "rows_of_512": dot_speeds(512, 1024)}
+        if cpu_vnni.enabled():
+            out["x22_ns_per_weight_one_core"] = dot_speeds(acts=X22_ACTS)
+            out["x22_rows_of_512"] = dot_speeds(512, 1024, acts=X22_ACTS)
+        print(json.dumps(out))
         return
     from runtime.synth import GEOMETRIES, SynthGeometry, synthesize
 
