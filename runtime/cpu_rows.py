@@ -352,13 +352,8 @@ def dot_row(b: np.ndarray, qtype: int, x: np.ndarray, xsum: np.ndarray, buf: np.
     (at least 32). The 22-bit K-quant products are compiled into the caller (a call per row cost a third of
     one: ~50 ns), every other row takes one call."""
     n = x.shape[0]
-    if cpu_vnni.has_x22(xsum, n):
-        if qtype == _Q4_K:
-            return cpu_vnni.dot_q4_k(b, xsum, n // 32, n)
-        if qtype == _Q5_K:
-            return cpu_vnni.dot_q5_k(b, xsum, n // 32, n)
-        if qtype == _Q6_K:
-            return cpu_vnni.dot_q6_k(b, xsum, n // 32, n)
+    if cpu_vnni.has_x22(xsum, n) and qtype in (_Q4_K, _Q5_K, _Q6_K):
+        return cpu_vnni.dot_k(b, qtype, xsum, n // 32, n)
     return _dot_row(b, qtype, x, xsum, buf)
 
 

@@ -51,7 +51,7 @@ def test_the_22_bit_form_rounds_each_value_to_its_blocks_step() -> None:
 
 @njit
 def _loop_dots(raw: np.ndarray, xp: np.ndarray, n: int, qtype: int) -> np.ndarray:
-    return np.array([cpu_vnni.dot_loop(raw[r], xp, n // 32, n, qtype) for r in range(raw.shape[0])])
+    return np.array([cpu_vnni.dot_loop(raw[r], qtype, xp, n // 32, n) for r in range(raw.shape[0])])
 
 
 def _on_the_grid(n: int, seed: int) -> np.ndarray:
