@@ -160,9 +160,12 @@ def cache_stats(m) -> dict | None:  # noqa: ANN001
 
 
 def print_stats(m) -> None:  # noqa: ANN001
+    from runtime.cpu_rows import activation_form, describe_form
     from runtime.planner import model_stats
 
     sys.stderr.write(model_stats(m) + "\n")
+    if m.weights.cpu_kernels or getattr(m, "hybrid", None) is not None:
+        sys.stderr.write(f"cpu products: K-quant rows on {describe_form(activation_form())}\n")
 
 
 def _setup(

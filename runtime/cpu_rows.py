@@ -170,6 +170,15 @@ def activation_form() -> int:
     return X22_ACTS if cpu_vnni.enabled() else FLOAT_ACTS
 
 
+def describe_form(acts: int) -> str:
+    """What ``--stats`` says of the CPU kernels' inputs."""
+    return {
+        FLOAT_ACTS: "float32 activations",
+        Q8_ACTS: "8-bit activations (--q8-activations, llama.cpp's numerics)",
+        X22_ACTS: "22-bit integer activations (AVX-512 VNNI; FORGE_NO_VNNI=1 for float32)",
+    }[acts]
+
+
 @njit(inline="always", **_FAST)
 def prepared_size(n: int, acts: int) -> int:
     """Length of the prepared input of an n-value vector in form ``acts``: its sums per 32 values, then (n a

@@ -251,6 +251,7 @@ def test_cli_prints_decision_and_stats(example_q8: Path) -> None:
     r = _forge(*common)
     assert r.returncode == 0, r.stderr
     assert "residency: resident" in r.stderr and "expert cache: none" in r.stderr
+    assert "cpu products: K-quant rows on " in r.stderr
     r = _forge(*common, "--memory-budget", "500M")
     assert r.returncode == 0, r.stderr
     assert "residency: streaming" in r.stderr and "hits" in r.stderr
