@@ -16,13 +16,13 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
 from forge.jit import FAST_JIT as _FAST
 from forge.jit import JIT, fp16_to_f32, u16_at
+from runtime.cpu_ir import IRHelpers, host_has
 
 F32 = np.float32
 
@@ -31,13 +31,6 @@ def enabled() -> bool:
     """``FORGE_Q8_ACTIVATIONS`` is set (to anything but empty or 0): matrices built for the CPU kernels now
     multiply their Q4_K, Q5_K and Q6_K rows with 8-bit activations."""
     return os.environ.get("FORGE_Q8_ACTIVATIONS", "") not in ("", "0")
-
-
-def _host_has_avx2() -> bool:
-    try:
-        return bool(llvm.get_host_cpu_features().get("avx2"))
-    except RuntimeError:
-        return False
 
 
 @njit(inline="always", **_FAST)
@@ -89,12 +82,11 @@ I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64
 V32, V16, V8 = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8)
 
 
-class _Avx2:
-    """What the block intrinsics' code generators share: the AVX2 multiply-adds, a vector's sum, byte pointers
-    into the arguments, unaligned loads, constants."""
+class _Avx2(IRHelpers):
+    """``IRHelpers`` and the AVX2 multiply-adds and a vector's sum."""
 
     def __init__(self, context, builder, signature, args) -> None:  # noqa: ANN001
-        self.context, self.b, self.signature, self.args = context, builder, signature, args
+        super().__init__(context, builder, signature, args)
         mod = builder.module
         self._maddubs = mod.declare_intrinsic(
             "llvm.x86.avx2.pmadd.ub.sw", (), ir.FunctionType(V16, [V32, V32])
@@ -113,18 +105,6 @@ class _Avx2:
     def total(self, v: ir.Value) -> ir.Value:
         return self.b.call(self._total, [v])
 
-    def at(self, k: int, offset: ir.Value) -> ir.Value:
-        """A byte pointer to byte ``offset`` of array argument k."""
-        data = self.context.make_array(self.signature.args[k])(self.context, self.b, self.args[k]).data
-        return self.b.gep(self.b.bitcast(data, I8.as_pointer()), [offset], inbounds=True)
-
-    def load(self, p: ir.Value, off: int, ty: ir.Type) -> ir.Value:
-        q = self.b.gep(p, [ir.Constant(I64, off)], inbounds=True)
-        return self.b.load(self.b.bitcast(q, ty.as_pointer()), align=1)
-
-    def spread(self, ty: ir.VectorType, v: int) -> ir.Constant:
-        return ir.Constant(ty, [v] * ty.count)
-
 
 def _k_block_avx2(five_bits: bool):  # noqa: ANN202
     """The intrinsic for a Q4_K block (Q5_K with ``five_bits``: a fifth bit per value from its 32 high-bit bytes)
@@ -141,42 +121,26 @@ def _k_block_avx2(five_bits: bool):  # noqa: ANN202
         def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
             x = _Avx2(context, builder, signature, args)
 
-            def const(v: int) -> ir.Value:
-                return ir.Constant(I32, v)
-
             blk = x.at(0, args[1])
-            u0, u1, u2 = (x.load(blk, 4 + 4 * k, I32) for k in range(3))
-            m2, m4, m6 = const(0x0F0F0F0F), const(0x03030303), const(0x3F3F3F3F)
-            sc_hi = builder.or_(
-                builder.and_(u2, m2), builder.shl(builder.and_(builder.lshr(u0, const(6)), m4), const(4))
-            )
-            mn_hi = builder.or_(
-                builder.and_(builder.lshr(u2, const(4)), m2),
-                builder.shl(builder.and_(builder.lshr(u1, const(6)), m4), const(4)),
-            )
-
-            def bytes8(lo: ir.Value, hi: ir.Value) -> ir.Value:
-                pair = builder.insert_element(ir.Constant(ir.VectorType(I32, 2), None), lo, const(0))
-                return builder.bitcast(builder.insert_element(pair, hi, const(1)), ir.VectorType(I8, 8))
-
-            scales = builder.zext(bytes8(builder.and_(u0, m6), sc_hi), ir.VectorType(I16, 8))
-            mins = builder.zext(bytes8(builder.and_(u1, m6), mn_hi), V8)
+            sc8, mn8 = x.k4_scales_mins(blk)
+            scales = builder.zext(sc8, ir.VectorType(I16, 8))
+            mins = builder.zext(mn8, V8)
             sums = builder.sext(x.load(x.at(2, args[3]), 0, ir.VectorType(I16, 8)), V8)
             msum = x.total(builder.mul(mins, sums))
 
             codes = x.at(2, args[4])
-            low, four = x.spread(V32, 15), x.spread(V32, 4)
+            low, four = x.splat(V32, 15), x.splat(V32, 4)
             high = x.load(blk, 16, V32) if five_bits else None
-            acc = x.spread(V8, 0)
+            acc = x.splat(V8, 0)
             for j in range(4):
                 nib = x.load(blk, qs_at + 32 * j, V32)
                 for half, part in enumerate((builder.and_(nib, low), builder.lshr(nib, four))):
                     if high is not None:  # bit 2j + half of each high-bit byte, as 16
-                        bit = builder.and_(builder.lshr(high, x.spread(V32, 2 * j + half)), x.spread(V32, 1))
+                        bit = builder.and_(builder.lshr(high, x.splat(V32, 2 * j + half)), x.splat(V32, 1))
                         part = builder.or_(part, builder.shl(bit, four))
                     pairs = x.maddubs(part, x.load(codes, 64 * j + 32 * half, V32))
                     splat = builder.shuffle_vector(
-                        scales, scales, x.spread(ir.VectorType(I32, 16), 2 * j + half)
+                        scales, scales, x.splat(ir.VectorType(I32, 16), 2 * j + half)
                     )
                     acc = builder.add(acc, x.madd(pairs, splat))
             sums = [builder.sext(x.total(acc), I64), builder.sext(msum, I64)]
@@ -203,11 +167,11 @@ def _block6_avx2(typingctx, b, o, xp, co):  # noqa: ANN001, ANN202
         x = _Avx2(context, builder, signature, args)
 
         def bits(v: int) -> ir.Value:
-            return x.spread(V32, v)
+            return x.splat(V32, v)
 
         blk, codes = x.at(0, args[1]), x.at(2, args[3])
         scales = builder.sext(x.load(blk, 192, ir.VectorType(I8, 16)), V16)
-        acc = x.spread(V8, 0)
+        acc = x.splat(V8, 0)
         for half in range(2):
             ql0, ql1 = x.load(blk, 64 * half, V32), x.load(blk, 64 * half + 32, V32)
             qh = x.load(blk, 128 + 32 * half, V32)
@@ -296,7 +260,7 @@ def _block5_loop(b: np.ndarray, o: int, xp: np.ndarray, so: int, co: int) -> tup
     return _block_loop(b, o, xp, so, co, 16)
 
 
-_AVX2 = _host_has_avx2()
+_AVX2 = host_has("avx2")
 _block4, _block5, _block6 = (
     (_block4_avx2, _block5_avx2, _block6_avx2) if _AVX2 else (_block4_loop, _block5_loop, _block6_loop)
 )

@@ -31,6 +31,7 @@ from numba.extending import intrinsic
 from forge.jit import FAST_JIT as _FAST
 from forge.jit import fp16_to_f32, u16_at
 from runtime import cpu_q8
+from runtime.cpu_ir import IRHelpers, host_has
 
 F32 = np.float32
 _X_MAX = 2**22 - 1
@@ -42,21 +43,13 @@ I16x32, F16x, F8x = ir.VectorType(I32, 16), ir.VectorType(F, 16), ir.VectorType(
 _FLAGS = ("reassoc", "contract")
 
 
-def _host_has_vnni() -> bool:
-    try:
-        features = llvm.get_host_cpu_features()
-    except RuntimeError:
-        return False
-    return bool(features.get("avx512vnni") and features.get("avx512bw"))
-
-
 def enabled() -> bool:
     """The host has AVX-512 VNNI and ``FORGE_NO_VNNI`` is not set (to anything but empty or 0): K-quant rows
     on the CPU take their input as 22-bit integers. Read when a vector is prepared."""
     return _VNNI and os.environ.get("FORGE_NO_VNNI", "") in ("", "0")
 
 
-_VNNI = _host_has_vnni()
+_VNNI = host_has("avx512vnni", "avx512bw")
 if _VNNI:
     llvm.initialize_native_asmparser()  # the byte shuffle below is inline assembly
 
@@ -104,11 +97,11 @@ def quantize_x22(x: np.ndarray, xp: np.ndarray, at: int) -> None:
                 sums[base // 4 + 48 + lane] = total
 
 
-class _Gen:
-    """Code generation helpers: byte pointers into array arguments, unaligned vector loads, constants."""
+class _Gen(IRHelpers):
+    """``IRHelpers`` and the VNNI multiply-adds, byte shuffles and float reductions."""
 
     def __init__(self, context, builder, signature, args) -> None:  # noqa: ANN001
-        self.context, self.b, self.signature, self.args = context, builder, signature, args
+        super().__init__(context, builder, signature, args)
         mod = builder.module
         self._dp = mod.declare_intrinsic(
             "llvm.x86.avx512.vpdpbusd.512", (), ir.FunctionType(I16x32, [I16x32] * 3)
@@ -122,17 +115,6 @@ class _Gen:
             "llvm.vector.reduce.fadd.v16f32", (), ir.FunctionType(F, [F, F16x])
         )
         self._sum8 = mod.declare_intrinsic("llvm.vector.reduce.fadd.v8f32", (), ir.FunctionType(F, [F, F8x]))
-
-    def ptr(self, k: int) -> ir.Value:
-        data = self.context.make_array(self.signature.args[k])(self.context, self.b, self.args[k]).data
-        return self.b.bitcast(data, I8.as_pointer())
-
-    def load(self, p: ir.Value, off: ir.Value, ty: ir.Type) -> ir.Value:
-        q = self.b.gep(p, [off], inbounds=True)
-        return self.b.load(self.b.bitcast(q, ty.as_pointer()), align=1)
-
-    def splat(self, ty: ir.VectorType, v: int | float) -> ir.Constant:
-        return ir.Constant(ty, [v] * ty.count)
 
     def broadcast(self, ty: ir.VectorType, v: ir.Value) -> ir.Value:
         one = self.b.insert_element(ir.Constant(ty, None), v, ir.Constant(I32, 0))
@@ -151,10 +133,10 @@ class _Gen:
         for d in range(3):
             if d:
                 a = b.bitcast(b.call(self._shuffle, [b.bitcast(a, B64), self._times_256]), I16x32)
-            a = b.call(self._dp, [a, c, self.load(digits, self.idx(64 * d), I16x32)])
+            a = b.call(self._dp, [a, c, self.load(digits, 64 * d, I16x32)])
         return a
 
-    def fp16(self, p: ir.Value, off: ir.Value) -> ir.Value:
+    def fp16(self, p: ir.Value, off: int | ir.Value) -> ir.Value:
         return self.b.fpext(self.load(p, off, ir.HalfType()), F)
 
     def fma(self, acc: ir.Value, a: ir.Value, s: ir.Value) -> ir.Value:
@@ -173,7 +155,7 @@ def _row(g: _Gen, args: list, qtype: int) -> ir.Value:
     """The float32 dot of a Q4_K (12) / Q5_K (13) / Q6_K (14) row with the prepared input: one loop over the
     row's blocks, the accumulators in vector registers."""
     builder = g.b
-    bp, xpp = g.ptr(0), g.ptr(2)
+    xpp = g.at(2)
     at_bytes = builder.mul(args[3], g.idx(4))
     nb = builder.lshr(args[4], g.idx(8))
     digits0 = builder.add(at_bytes, builder.mul(nb, g.idx(4)))
@@ -184,10 +166,10 @@ def _row(g: _Gen, args: list, qtype: int) -> ir.Value:
         sx = g.load(xpp, builder.add(at_bytes, builder.mul(i, g.idx(4))), F)
         chunk0 = builder.add(digits0, builder.mul(i, g.idx(1024)))
         if qtype == 14:
-            _q6_k_block(g, bp, xpp, builder.mul(i, g.idx(210)), sx, chunk0, acc)
+            _q6_k_block(g, g.at(0, builder.mul(i, g.idx(210))), xpp, sx, chunk0, acc)
         else:
-            o = builder.mul(i, g.idx(176 if qtype == 13 else 144))
-            _k4_block(g, bp, xpp, o, i, sx, chunk0, acc, mins, qtype == 13)
+            blk = g.at(0, builder.mul(i, g.idx(176 if qtype == 13 else 144)))
+            _k4_block(g, blk, xpp, i, sx, chunk0, acc, mins, qtype == 13)
     # reassociated: an ordered reduction is 24 dependent additions (~13 ns a row)
     total = builder.call(g._sum16, [ir.Constant(F, 0.0), builder.load(acc)], fastmath=_FLAGS)
     return builder.fsub(
@@ -221,39 +203,24 @@ def _dot_k_vnni(typingctx, b, qtype, xp, at, n):  # noqa: ANN001, ANN202
     return types.float32(b, qtype, xp, at, n), codegen
 
 
-def _k4_block(g: _Gen, bp, xpp, o, i, sx, chunk0, acc, mins, five_bits: bool) -> None:  # noqa: ANN001
-    """One Q4_K / Q5_K block at byte o: the scaled code products into acc (16 lanes), dmin m times the
+def _k4_block(g: _Gen, blk, xpp, i, sx, chunk0, acc, mins, five_bits: bool) -> None:  # noqa: ANN001
+    """One Q4_K / Q5_K block (i of the row) at byte pointer blk: the scaled code products into acc (16 lanes), dmin m times the
     input's float group sums into mins (8 lanes, one a group)."""
     b = g.b
-
-    def word(k: int) -> ir.Value:
-        return g.load(bp, b.add(o, g.idx(4 + 4 * k)), I32)
-
-    def c32(v: int) -> ir.Value:
-        return ir.Constant(I32, v)
-
-    u0, u1, u2 = word(0), word(1), word(2)
-    m2, m4, m6 = c32(0x0F0F0F0F), c32(0x03030303), c32(0x3F3F3F3F)
-    sc_hi = b.or_(b.and_(u2, m2), b.shl(b.and_(b.lshr(u0, c32(6)), m4), c32(4)))
-    mn_hi = b.or_(b.and_(b.lshr(u2, c32(4)), m2), b.shl(b.and_(b.lshr(u1, c32(6)), m4), c32(4)))
-
-    def bytes8(lo: ir.Value, hi: ir.Value) -> ir.Value:
-        pair = b.insert_element(ir.Constant(ir.VectorType(I32, 2), None), lo, c32(0))
-        return b.uitofp(b.bitcast(b.insert_element(pair, hi, c32(1)), ir.VectorType(I8, 8)), F8x)
-
-    d, dmin = g.fp16(bp, o), g.fp16(bp, b.add(o, g.idx(2)))
-    scales = b.fmul(bytes8(b.and_(u0, m6), sc_hi), g.broadcast(F8x, b.fmul(d, sx)))
+    sc8, mn8 = g.k4_scales_mins(blk)
+    d, dmin = g.fp16(blk, 0), g.fp16(blk, 2)
+    scales = b.fmul(b.uitofp(sc8, F8x), g.broadcast(F8x, b.fmul(d, sx)))
     group_sums = g.load(xpp, b.mul(i, g.idx(32)), F8x)
     dm = g.broadcast(F8x, dmin)
-    b.store(g.fma(b.load(mins), b.fmul(bytes8(b.and_(u1, m6), mn_hi), dm), group_sums), mins)
+    b.store(g.fma(b.load(mins), b.fmul(b.uitofp(mn8, F8x), dm), group_sums), mins)
     qs_at = 48 if five_bits else 16
     high = None
     if five_bits:
-        qh = g.load(bp, b.add(o, g.idx(16)), B32)
+        qh = g.load(blk, 16, B32)
         high = g.concat(qh, qh)
     a_acc = b.load(acc)
     for c in range(4):
-        q = g.load(bp, b.add(o, g.idx(qs_at + 32 * c)), B32)
+        q = g.load(blk, qs_at + 32 * c, B32)
         codes = b.and_(g.concat(q, b.lshr(q, g.splat(B32, 4))), g.splat(B64, 15))
         if high is not None:
             bits = ir.Constant(B64, [1 << (2 * c)] * 32 + [1 << (2 * c + 1)] * 32)
@@ -264,16 +231,16 @@ def _k4_block(g: _Gen, bp, xpp, o, i, sx, chunk0, acc, mins, five_bits: bool) ->
     b.store(a_acc, acc)
 
 
-def _q6_k_block(g: _Gen, bp, xpp, o, sx, chunk0, acc) -> None:  # noqa: ANN001
-    """One Q6_K block at byte o: (q - 32) times X per lane, scaled by its 16-value group's int8 scale."""
+def _q6_k_block(g: _Gen, blk, xpp, sx, chunk0, acc) -> None:  # noqa: ANN001
+    """One Q6_K block at byte pointer blk: (q - 32) times X per lane, scaled by its 16-value group's int8 scale."""
     b = g.b
-    d = g.fp16(bp, b.add(o, g.idx(208)))
-    sc = b.sitofp(g.load(bp, b.add(o, g.idx(192)), ir.VectorType(I8, 16)), F16x)
+    d = g.fp16(blk, 208)
+    sc = b.sitofp(g.load(blk, 192, ir.VectorType(I8, 16)), F16x)
     scales = b.fmul(sc, g.broadcast(F16x, b.fmul(d, sx)))
     a_acc = b.load(acc)
     for half in range(2):
-        ql = g.load(bp, b.add(o, g.idx(64 * half)), B64)
-        qh = g.load(bp, b.add(o, g.idx(128 + 32 * half)), B32)
+        ql = g.load(blk, 64 * half, B64)
+        qh = g.load(blk, 128 + 32 * half, B32)
         qh = g.concat(qh, b.lshr(qh, g.splat(B32, 2)))
         three, four = g.splat(B64, 3), g.splat(B64, 4)
         low = b.or_(b.and_(ql, g.splat(B64, 15)), b.shl(b.and_(qh, three), four))
@@ -282,7 +249,7 @@ def _q6_k_block(g: _Gen, bp, xpp, o, sx, chunk0, acc) -> None:  # noqa: ANN001
             c = 2 * half + k
             chunk = b.gep(xpp, [b.add(chunk0, g.idx(256 * c))], inbounds=True)
             lanes = g.dp3(codes, chunk)
-            bias = b.shl(g.load(chunk, g.idx(192), I16x32), g.splat(I16x32, 5))
+            bias = b.shl(g.load(chunk, 192, I16x32), g.splat(I16x32, 5))
             lanes = b.sub(lanes, bias)
             a_acc = g.fma(a_acc, b.sitofp(lanes, F16x), g.spread(scales, [4 * c + i // 4 for i in range(16)]))
     b.store(a_acc, acc)
