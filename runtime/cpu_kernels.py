@@ -786,7 +786,7 @@ def attention_step(
     _attention_step(
         _vec(h), _vec(norm), eps, w_in.data, w_in.index, n_head, n_gate, qk_norm, cos.numpy(), sin.numpy(),
         keys.numpy(), values.numpy(), pos, w_out.data, w_out.index, x.numpy()[0], att.numpy()[0], out.numpy()[0],
-        max(w_in.acts, w_out.acts),
+        w_in.acts or w_out.acts,
     )  # fmt: skip
     return out, x, att
 
@@ -815,7 +815,7 @@ def deltanet_step(
     _deltanet_step(
         _vec(h), _vec(norm), eps, w_in.data, w_in.index, n_k, conv_state.numpy(), conv_w, _vec(dt_bias), _vec(a),
         _vec(out_norm), recurrent.numpy(), w_out.data, w_out.index, x.numpy()[0], o.numpy()[0], out.numpy()[0],
-        max(w_in.acts, w_out.acts),
+        w_in.acts or w_out.acts,
     )  # fmt: skip
     return out, x, o
 
@@ -834,7 +834,7 @@ def shared_ffn(
         _vec(h),
         act.numpy()[0],
         out.numpy()[0],
-        max(w_in.acts, w_down.acts),
+        w_in.acts or w_down.acts,
     )
     return out, act
 

@@ -158,7 +158,8 @@ def group_sums(x: np.ndarray, out: np.ndarray) -> None:
 
 #: the forms of a prepared input (``prepare_input``): its float sums per 32 only (K-quant rows times x in
 #: float32); with llama.cpp's 8-bit Q8_K form (``runtime.cpu_q8``); with the 22-bit integer form on AVX-512
-#: VNNI hosts (``runtime.cpu_vnni``)
+#: VNNI hosts (``runtime.cpu_vnni``). FLOAT_ACTS is 0: a kernel over float32 rows and encoded rows takes the
+#: encoded rows' form as ``a.acts or b.acts``
 FLOAT_ACTS, Q8_ACTS, X22_ACTS = 0, 1, 2
 
 
@@ -183,11 +184,11 @@ def describe_form(acts: int) -> str:
 def prepared_size(n: int, acts: int) -> int:
     """Length of the prepared input of an n-value vector in form ``acts``: its sums per 32 values, then (n a
     multiple of 256) the Q8_K or 22-bit form."""
-    if n % 256 == 0 and acts == Q8_ACTS:
+    if n % 256:
+        return n // 32
+    if acts == Q8_ACTS:
         return n // 32 + cpu_q8.prepared_size(n)
-    if n % 256 == 0 and acts == X22_ACTS:
-        return n // 32 + cpu_vnni.prepared_size(n)
-    return n // 32
+    return n // 32 + (cpu_vnni.prepared_size(n) if acts == X22_ACTS else 0)
 
 
 @njit(**_FAST)
