@@ -24,6 +24,8 @@ import os
 
 import torch
 
+from runtime.backends.triton_launch import launch
+
 try:
     import triton
     import triton.language as tl
@@ -288,7 +290,7 @@ def rms_norm_row(x: torch.Tensor, w: torch.Tensor, eps: torch.Tensor) -> torch.T
     """x (1, n) -> x * w / sqrt(mean(x^2) + eps); eps a one-value tensor on x's device."""
     out = torch.empty_like(x)
     n = x.shape[-1]
-    _rms_norm_kernel[(1,)](x, w, out, n, eps, BLOCK=_pow2(n), num_warps=4 if n <= 4096 else 8)
+    launch(_rms_norm_kernel, (1,), x, w, out, n, eps, BLOCK=_pow2(n), num_warps=4 if n <= 4096 else 8)
     return out
 
 
@@ -298,7 +300,18 @@ def softmax_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     t, e = logits.shape
     ids = torch.empty((t, k), dtype=torch.int64, device=logits.device)
     weights = torch.empty((t, k), dtype=torch.float32, device=logits.device)
-    _top_k_kernel[(t,)](logits, ids, weights, e, logits.stride(0), K=k, BLOCK=_pow2(max(e, k)), num_warps=4)
+    launch(
+        _top_k_kernel,
+        (t,),
+        logits,
+        ids,
+        weights,
+        e,
+        logits.stride(0),
+        K=k,
+        BLOCK=_pow2(max(e, k)),
+        num_warps=4,
+    )
     return ids, weights
 
 
@@ -310,7 +323,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)
     out = torch.empty((g2.shape[0], n), dtype=torch.float32, device=gate.device)
     block = min(1024, _pow2(n))
-    _swiglu_kernel[(g2.shape[0], -(-n // block))](g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK=block)
+    launch(
+        _swiglu_kernel, (g2.shape[0], -(-n // block)), g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK=block
+    )
     return out.view(*lead, n)
 
 
@@ -321,8 +336,17 @@ def weighted_sum(y: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None
     w = w.to(torch.float32).contiguous()
     res = residual.contiguous() if residual is not None else out
     block = min(1024, _pow2(n))
-    _weighted_sum_kernel[(t, -(-n // block))](
-        y.contiguous(), w, res, out, n, K=k, HAS_RES=residual is not None, BLOCK=block
+    launch(
+        _weighted_sum_kernel,
+        (t, -(-n // block)),
+        y.contiguous(),
+        w,
+        res,
+        out,
+        n,
+        K=k,
+        HAS_RES=residual is not None,
+        BLOCK=block,
     )
     return out
 
@@ -332,7 +356,7 @@ def gated_add(h: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Ten
     out = torch.empty_like(h)
     n = h.shape[-1]
     block = min(1024, _pow2(n))
-    _gated_add_kernel[(-(-n // block),)](h, y, gate, out, n, BLOCK=block)
+    launch(_gated_add_kernel, (-(-n // block),), h, y, gate, out, n, BLOCK=block)
     return out
 
 
@@ -350,8 +374,21 @@ def deltanet_conv(
     channels (the q and k heads) L2-normalized and scaled by ``qk_scale`` (qk_groups,)."""
     kw, c = conv_rows.shape
     out = torch.empty(c, dtype=torch.float32, device=mixed.device)
-    _deltanet_conv_kernel[(c // group,)](
-        mixed, conv, conv_rows, out, qk_scale, eps, c, qk_groups, KW=kw, KP=_pow2(kw), D=group, num_warps=2
+    launch(
+        _deltanet_conv_kernel,
+        (c // group,),
+        mixed,
+        conv,
+        conv_rows,
+        out,
+        qk_scale,
+        eps,
+        c,
+        qk_groups,
+        KW=kw,
+        KP=_pow2(kw),
+        D=group,
+        num_warps=2,
     )
     return out
 
@@ -372,7 +409,7 @@ def deltanet_rule(
     place -> RMSNorm(o) * norm * SiLU(z), (1, H * DV)."""
     n_v, dk, dv = state.shape
     out = torch.empty((1, n_v * dv), dtype=torch.float32, device=qkv.device)
-    _deltanet_rule_kernel[(n_v,)](
+    launch(_deltanet_rule_kernel, (n_v,),
         qkv, z, beta, alpha, dt_bias, a, state, norm, out, eps, n_k, n_k * dk, DK=dk, DV=dv,
         num_warps=4 if dk * dv <= 8192 else 8,
     )  # fmt: skip
@@ -398,7 +435,7 @@ def attention_qk(
     written to the caches (n_kv, cap, hd) at the position (``at`` on the device, else ``pos``) -> q (n_head, hd)."""
     n_kv, cap, hd = keys.shape
     q = torch.empty((n_head, hd), dtype=torch.float32, device=y.device)
-    _attention_qk_kernel[(n_head + 2 * n_kv,)](
+    launch(_attention_qk_kernel, (n_head + 2 * n_kv,),
         y, qk_norm, cos_rows, sin_rows, partner, q, keys, values, at if at is not None else q, pos, cap, eps,
         n_head, n_kv, v_offset, HAS_AT=at is not None, HD=hd, num_warps=2 if hd <= 128 else 4,
     )  # fmt: skip
@@ -419,7 +456,7 @@ def attention_decode(
     n_kv, cap, _ = keys.shape
     out = torch.empty((1, n_head * hd), dtype=torch.float32, device=q.device)
     block = 32 if hd > 128 else 64
-    _attention_decode_kernel[(n_head,)](
+    launch(_attention_decode_kernel, (n_head,),
         q, keys, values, gate if gate is not None else q, out, at if at is not None else q, pos, cap,
         n_head // n_kv, HAS_AT=at is not None, HAS_GATE=gate is not None, HD=hd, BLOCK=block, num_warps=4,
     )  # fmt: skip
@@ -442,7 +479,7 @@ def attention_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     c = ATTENTION_CONFIG
     bm, bn, dc = c["bm"], c["bn"], min(hd, c["dc"])
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    _attention_prefill_kernel[(-(-t // bm), n_head, hd // dc)](
+    launch(_attention_prefill_kernel, (-(-t // bm), n_head, hd // dc),
         q, keys, values, out, t, pos0 + t, pos0, keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         hd**-0.5, n_head // n_kv, HD=hd, BM=bm, BN=bn, DC=dc, INTERP=interp, num_warps=c["warps"],
         num_stages=c["stages"],

@@ -28,6 +28,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from forge import ggml_types
+from runtime.backends.triton_launch import launch
 
 try:  # CI machines have no triton; the module still imports so callers can ask ``available()``
     import triton
@@ -1047,8 +1048,18 @@ def _group_by_expert(
     order = torch.sort(flat, stable=True).indices.to(torch.int32)
     n_tiles = -(-pairs // bm) + min(e_count, pairs)
     table = torch.empty((3, n_tiles), dtype=torch.int32, device=ids.device)
-    _tile_table_kernel[(_cdiv(n_tiles, 32),)](
-        flat, table, pairs, e_count, bm, n_tiles, EP=_next_pow2(e_count), BLOCK=1024, BB=32
+    launch(
+        _tile_table_kernel,
+        (_cdiv(n_tiles, 32),),
+        flat,
+        table,
+        pairs,
+        e_count,
+        bm,
+        n_tiles,
+        EP=_next_pow2(e_count),
+        BLOCK=1024,
+        BB=32,
     )
     return order, table[0], table[1], table[2]
 
@@ -1106,7 +1117,9 @@ def _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, sy, top_k, nt
     if words is not None:
         if split > 1:
             y.zero_()
-        _gemv_words_kernel[(_cdiv(n, bn), pairs if moe else 1, split)](
+        launch(
+            _gemv_words_kernel,
+            (_cdiv(n, bn), pairs if moe else 1, split),
             x,
             words,
             y,
@@ -1129,7 +1142,9 @@ def _launch_gemv(x, w, y, tab, ids, n, k, stride, sx_tok, sx_slot, sy, top_k, nt
         return
     g = _groups(k, s, bs, 256 if nt <= 4 else 128)
     grid = (_cdiv(n, bn), pairs if moe else 1)
-    _gemv_kernel[grid](
+    launch(
+        _gemv_kernel,
+        grid,
         x,
         w,
         y,
@@ -1256,7 +1271,9 @@ def _launch_gemm(x, w, y, tab, maps, m, n, k, stride, sx_tok, sx_slot, sy, top_k
             x, xsum, xinv = _split_x_fold(x, k, interp)
         else:
             x, xsum = _split_x(x, 8 - plan.prec, s, qtype in (T.Q4_K, T.Q5_K), interp)
-    _gemm_kernel[(_cdiv(n, plan.bn), tiles_m, split)](
+    launch(
+        _gemm_kernel,
+        (_cdiv(n, plan.bn), tiles_m, split),
         x,
         w,
         out,
@@ -1305,7 +1322,18 @@ def _split_x(
     out = torch.empty(parts * numel, dtype=torch.float32 if interp else torch.bfloat16, device=x.device)
     group_sums = torch.empty(numel // s if sums else 1, dtype=torch.float32, device=x.device)
     block = 1024
-    _split_x_kernel[(_cdiv(numel, block),)](x, out, group_sums, numel, PARTS=parts, S=s, SUMS=sums, B=block)
+    launch(
+        _split_x_kernel,
+        (_cdiv(numel, block),),
+        x,
+        out,
+        group_sums,
+        numel,
+        PARTS=parts,
+        S=s,
+        SUMS=sums,
+        B=block,
+    )
     return out, group_sums
 
 
@@ -1318,5 +1346,5 @@ def _split_x_fold(x: torch.Tensor, k: int, interp: bool) -> tuple[torch.Tensor, 
     out = torch.empty(2 * numel, dtype=torch.float32 if interp else torch.float16, device=x.device)
     group_sums = torch.empty(2 * (numel // 32), dtype=out.dtype, device=x.device)
     inv = torch.empty(rows, dtype=torch.float32, device=x.device)
-    _split_x_fold_kernel[(rows,)](x, out, group_sums, inv, k, numel, B=min(1024, _next_pow2(k)))
+    launch(_split_x_fold_kernel, (rows,), x, out, group_sums, inv, k, numel, B=min(1024, _next_pow2(k)))
     return out, group_sums, inv
