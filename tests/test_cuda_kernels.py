@@ -273,14 +273,15 @@ def test_products_over_the_same_ids_share_one_grouping(monkeypatch: pytest.Monke
     ("experts", "n_tok", "top_k", "bm"), [(5, 4, 2, 2), (128, 300, 8, 16), (256, 512, 8, 32), (3, 1, 1, 64)]
 )
 def test_group_by_expert_tiles_cover_every_pair_once(experts: int, n_tok: int, top_k: int, bm: int) -> None:
-    """Every pair in exactly one tile of its expert, an expert's pairs in ceil(count / bm) full-first tiles, the
-    spare tiles empty: on a hand-made case and on random routing past one 1,024-pair block of the table kernel."""
+    """The pairs sorted by expert stably; every pair in exactly one tile of its expert, an expert's pairs in
+    ceil(count / bm) full-first tiles, the spare tiles empty: on a hand-made case and on random routing past one 1,024-pair block of the table kernel."""
     if experts == 5:
         ids = torch.tensor([[3, 3], [0, 3], [3, 1], [3, 3]], dtype=torch.int32)
     else:
         ids = _ids(n_tok, top_k, experts, experts)
     order, expert, start, rows = (t.cpu() for t in ck._group_by_expert(ids.to(DEVICE), experts, bm=bm))
     flat = ids.view(-1)
+    assert torch.equal(order.long(), torch.sort(flat, stable=True).indices)  # by expert, then pair order
     seen, tiles = [], {}
     for e, s, r in zip(expert.tolist(), start.tolist(), rows.tolist(), strict=True):
         pairs = order[s : s + r].tolist()

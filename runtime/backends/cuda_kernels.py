@@ -728,9 +728,11 @@ if triton is not None:
     @triton.jit
     def _tile_table_kernel(ids, table, pairs, E, bm, n_tiles, EP: tl.constexpr, BLOCK: tl.constexpr,
                            BB: tl.constexpr):  # fmt: skip
-        """For pairs sorted by expert (stably), tile b of the grouped GEMM: its expert, first position in the
-        sorted order and rows (rows [0, E) of table); an expert's pairs take ceil(count / bm) tiles in expert
-        order, the tiles past the last get 0 rows."""
+        """The (token, slot) pairs grouped by expert for the grouped GEMM, in table (int32): rows [0, 3) of
+        n_tiles each: tile b's expert, first position in the order and rows (an expert's pairs take
+        ceil(count / bm) tiles in expert order, the tiles past the last get 0 rows); then the order itself
+        (pairs values: the pairs sorted by expert, stably). Program b writes tiles [b BB, b BB + BB) and,
+        when b < E, the positions of expert b's pairs; each counts the pairs again."""
         e = tl.arange(0, EP)
         counts = tl.zeros([EP], dtype=tl.int32)
         for p0 in range(0, pairs, BLOCK):
@@ -742,7 +744,8 @@ if triton is not None:
         tiles = (counts + bm - 1) // bm
         tile_end = tl.cumsum(tiles, 0)
         seg_start = tl.cumsum(counts, 0) - counts
-        b = tl.program_id(0) * BB + tl.arange(0, BB)  # this program's tiles (each counts the pairs again)
+        pid = tl.program_id(0)
+        b = pid * BB + tl.arange(0, BB)
         te = tl.sum(((tile_end[None, :] <= b[:, None]) & (e[None, :] < E)).to(tl.int32), axis=1)
         at = e[None, :] == tl.minimum(te, E - 1)[:, None]  # the tile's expert, as a one-hot row
         first = tl.sum(tl.where(at, tile_end - tiles, 0), axis=1)
@@ -754,6 +757,15 @@ if triton is not None:
         tl.store(table + b, tl.minimum(te, E - 1), mask=keep)
         tl.store(table + n_tiles + b, start, mask=keep)
         tl.store(table + 2 * n_tiles + b, rows, mask=keep)
+        if pid < E:
+            at_order = table + 3 * n_tiles + tl.sum(tl.where(e == pid, seg_start, 0), axis=0)
+            seen = tl.zeros([], dtype=tl.int32)
+            for p0 in range(0, pairs, BLOCK):
+                p = p0 + tl.arange(0, BLOCK)
+                mine = tl.load(ids + p, mask=p < pairs, other=-1).to(tl.int32) == pid
+                rank = seen + tl.cumsum(mine.to(tl.int32), 0) - 1
+                tl.store(at_order + rank, p, mask=mine)
+                seen += tl.sum(mine.to(tl.int32), 0)
 
     @triton.jit
     def _split_x_kernel(x, parts, sums, numel, PARTS: tl.constexpr, S: tl.constexpr, SUMS: tl.constexpr,
@@ -1038,19 +1050,19 @@ def moe_linear(
 def _group_by_expert(
     ids: torch.Tensor, e_count: int, bm: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token, slot) pairs sorted by expert, cut in tiles of <= bm pairs of one expert, on the device: the sort,
-    then one launch for the tile table (_tile_table_kernel).
+    """(token, slot) pairs sorted by expert (stably), cut in tiles of <= bm pairs of one expert: one launch on
+    the device (_tile_table_kernel) -> (order, tile expert, tile start, tile rows), views of one int32 buffer.
 
     The tile count is bounded on the host (ceil(pairs / bm) + min(E, pairs)); the spare tiles get 0 rows
     and return at once, so nothing here waits for the device."""
     flat = ids.reshape(-1)
     pairs = flat.numel()
-    order = torch.sort(flat, stable=True).indices.to(torch.int32)
     n_tiles = -(-pairs // bm) + min(e_count, pairs)
-    table = torch.empty((3, n_tiles), dtype=torch.int32, device=ids.device)
+    table = torch.empty(3 * n_tiles + pairs, dtype=torch.int32, device=ids.device)
+    grid = (max(_cdiv(n_tiles, 32), e_count),)
     launch(
         _tile_table_kernel,
-        (_cdiv(n_tiles, 32),),
+        grid,
         flat,
         table,
         pairs,
@@ -1061,7 +1073,12 @@ def _group_by_expert(
         BLOCK=1024,
         BB=32,
     )
-    return order, table[0], table[1], table[2]
+    return (
+        table[3 * n_tiles :],
+        table[:n_tiles],
+        table[n_tiles : 2 * n_tiles],
+        table[2 * n_tiles : 3 * n_tiles],
+    )
 
 
 def _cdiv(a: int, b: int) -> int:
