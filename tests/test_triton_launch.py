@@ -50,8 +50,15 @@ def _axpy(x: torch.Tensor, y: torch.Tensor, a: float, square: bool = False) -> t
 
 
 def _expected(x: torch.Tensor, y: torch.Tensor, a: float, square: bool = False) -> torch.Tensor:
-    v = x * a + y
+    v = x[: y.numel()] * a + y
     return v * v if square else v
+
+
+def test_no_launch_hook_is_set() -> None:
+    """The direct path is taken (Triton's empty hook chains are not hooks)."""
+    assert not triton_launch._hooked(triton_launch.knobs.runtime.launch_enter_hook)
+    assert not triton_launch._hooked(triton_launch.knobs.runtime.launch_exit_hook)
+    assert triton_launch._hooked(lambda metadata: None)
 
 
 def _entries() -> int:

@@ -35,8 +35,8 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
         not DIRECT
         or JITFunction is None
         or not isinstance(kernel, JITFunction)
-        or knobs.runtime.launch_enter_hook is not None
-        or knobs.runtime.launch_exit_hook is not None
+        or _hooked(knobs.runtime.launch_enter_hook)
+        or _hooked(knobs.runtime.launch_exit_hook)
     ):
         kernel[grid](*args, **meta)
         return
@@ -61,6 +61,11 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
         grid[0], g1, g2, driver.active.get_current_stream(device), compiled.function,
         compiled.packed_metadata, None, None, None, *bound.values(),
     )  # fmt: skip
+
+
+def _hooked(hook: Any) -> bool:
+    """A launch hook is set: a function, or a HookChain (Triton >= 3.4: always there) holding one."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _remember(
