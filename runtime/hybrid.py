@@ -32,6 +32,7 @@ how the tests run the whole executor without a GPU.
 from __future__ import annotations
 
 import copy
+import itertools
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -724,9 +725,9 @@ def _to(device: torch.device, *rows: np.ndarray | torch.Tensor) -> list[torch.Te
 
 
 def measure_rates(executor: HybridExperts, layer: HybridLayer, repeat: int = 5) -> Rates:
-    """The rate of a batch's copies to the fast device (16 experts' records, as ``_upload`` makes them) and
-    the CPU side's time for one expert's 2 and 32 pairs (after first calls, which load or compile the
-    kernels): a few milliseconds."""
+    """The rate of a batch's copies to the fast device (16 experts' records, as ``_upload`` makes them, other
+    experts each repetition) and the CPU side's time for one expert's 2 and 32 pairs (after first calls, which
+    load or compile the kernels): a few milliseconds."""
     dev = executor.device
 
     def best(f: Callable[[], object]) -> float:
@@ -741,9 +742,11 @@ def measure_rates(executor: HybridExperts, layer: HybridLayer, repeat: int = 5) 
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    # a batch's copy as it is made: 16 experts gathered from host memory, then copied
-    some = torch.arange(min(16, layer.n_expert))
-    copy_s = best(lambda: _upload(layer, some, dev))
+    # a batch's copy as it is made: 16 experts gathered from host memory, then copied; other experts each
+    # time, as a batch's misses are (the same 16 again were cache-warm: 6-10x the rate on this box's 2 cores)
+    n = max(1, min(16, layer.n_expert // (repeat + 2)))
+    batches = itertools.cycle(torch.arange(layer.n_expert // n * n).view(-1, n))
+    copy_s = best(lambda: _upload(layer, next(batches), dev))
     whole_bps = 0.0
     if layer.whole:  # one part of the layer, whole (the first copy also faults the mapping in)
         part = layer.host.down.raw
@@ -763,7 +766,7 @@ def measure_rates(executor: HybridExperts, layer: HybridLayer, repeat: int = 5) 
     t2, t32 = best(cpu(2)), best(cpu(32))
     cpu_kernels.use_threads(torch.get_num_threads())
     pair = max(t32 - t2, 0.0) / 30
-    return Rates(len(some) * layer.record_bytes / max(copy_s, 1e-9), max(t2 - 2 * pair, 0.0), pair, whole_bps)
+    return Rates(n * layer.record_bytes / max(copy_s, 1e-9), max(t2 - 2 * pair, 0.0), pair, whole_bps)
 
 
 def attach(model: Any, cache_bytes: int, profile: Path | None = None, device: torch.device | str | None = None,
