@@ -112,6 +112,28 @@ def _prefetch_compiled(w, index, r):  # noqa: ANN001, ANN202
     return lambda w, index, r: prefetch_row(w[index[r, 0] : index[r, 1]])
 
 
+@njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
+def _gemv_rows(
+    x: np.ndarray,
+    w: np.ndarray,
+    index: np.ndarray,
+    res: np.ndarray,
+    has_res: bool,
+    out: np.ndarray,
+    xsum: np.ndarray,
+    scratch: np.ndarray,
+    r0: int,
+    r1: int,
+) -> None:
+    """Rows r0 .. r1 - 1 of ``_gemv_serial``'s product (the next row's bytes prefetched); xsum: x prepared."""
+    n = out.shape[0]
+    for r in range(r0, r1):
+        if r + 1 < n:
+            _prefetch(w, index, r + 1)
+        s = _row_dot(w, index, r, x, xsum, scratch)
+        out[r] = s + res[r] if has_res else s
+
+
 @njit(fastmath=_FASTMATH, nogil=True, cache=True)
 def _gemv_serial(
     x: np.ndarray,
@@ -124,13 +146,8 @@ def _gemv_serial(
 ) -> None:
     """out[r] = w's row r . x (+ res[r]); w, index: float32 rows or encoded rows (see ``_row_dot``); acts: the
     form K-quant rows take x in (``runtime.cpu_rows.activation_form``)."""
-    xsum, scratch = prepare_input(x, acts), np.empty(x.shape[0], np.float32)
-    n = out.shape[0]
-    for r in range(n):
-        if r + 1 < n:
-            _prefetch(w, index, r + 1)
-        s = _row_dot(w, index, r, x, xsum, scratch)
-        out[r] = s + res[r] if has_res else s
+    scratch = np.empty(x.shape[0], np.float32)
+    _gemv_rows(x, w, index, res, has_res, out, prepare_input(x, acts), scratch, 0, out.shape[0])
 
 
 _ROW_CHUNK = 64  # rows per parallel work item (one scratch row each)
@@ -151,11 +168,9 @@ def _gemv_parallel(
     n = out.shape[0]
     for c in prange((n + _ROW_CHUNK - 1) // _ROW_CHUNK):
         scratch = np.empty(x.shape[0], np.float32)
-        for r in range(c * _ROW_CHUNK, min(n, (c + 1) * _ROW_CHUNK)):
-            if r + 1 < n:
-                _prefetch(w, index, r + 1)
-            s = _row_dot(w, index, r, x, xsum, scratch)
-            out[r] = s + res[r] if has_res else s
+        _gemv_rows(
+            x, w, index, res, has_res, out, xsum, scratch, c * _ROW_CHUNK, min(n, (c + 1) * _ROW_CHUNK)
+        )
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True)
