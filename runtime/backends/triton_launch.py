@@ -7,9 +7,9 @@ handling, a string cache key built from the specialization, launch metadata and 
 profile, session 15). ``launch`` keeps Triton's own binder (so the kernel is specialized exactly as Triton
 would: argument types, 16-byte alignment, integers equal to 1 or divisible by 16) and its compiler, and
 skips the rest: the compiled kernel is looked up by the binder's specialization and constexprs and started
-through its launcher. The first launch of a specialization, the interpreter, launch hooks (Triton's
-profilers), Tritons without the structures used here and FORGE_TRITON_DIRECT=0 (read at import) take
-``kernel[grid](...)``.
+through its launcher. A kernel's first launch on a device and each specialization's first, the interpreter,
+launch hooks (Triton's profilers), Tritons without the structures used here and FORGE_TRITON_DIRECT=0 (read
+at import) take ``kernel[grid](...)``.
 """
 
 from __future__ import annotations
@@ -42,18 +42,22 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
         return
     device = driver.active.get_current_device()
     caches = kernel.device_caches.get(device)
-    if caches is None:  # the binder is made on the kernel's first launch on a device
-        _remember(kernel, device, grid, args, meta)
+    if caches is None:  # the binder is made by the kernel's first launch on a device
+        kernel[grid](*args, **meta)
         return
     bound, specialization, _ = caches[4](*args, **meta)
+    key = (kernel, device, tuple(specialization), tuple(meta.items()))
     try:
-        key = (kernel, device, tuple(specialization), tuple(meta.items()))
         compiled = _compiled.get(key)
     except TypeError:  # an unhashable specialization value: Triton's own path
         kernel[grid](*args, **meta)
         return
-    if compiled is None:
-        _remember(kernel, device, grid, args, meta, key)
+    if compiled is None:  # Triton's entry compiles it (or finds it in its caches); remembered for the next
+        compiled = kernel[grid](*args, **meta)
+        if hasattr(compiled, "result"):  # compiled asynchronously
+            compiled = compiled.result()
+        if hasattr(compiled, "packed_metadata"):
+            _compiled[key] = compiled
         return
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
@@ -66,19 +70,6 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
 def _hooked(hook: Any) -> bool:
     """A launch hook is set: a function, or a HookChain (Triton >= 3.4: always there) holding one."""
     return hook is not None and bool(getattr(hook, "calls", True))
-
-
-def _remember(
-    kernel: Any, device: int, grid: tuple, args: tuple, meta: dict, key: tuple | None = None
-) -> None:
-    compiled = kernel[grid](*args, **meta)
-    if key is None:
-        bound, specialization, _ = kernel.device_caches[device][4](*args, **meta)
-        key = (kernel, device, tuple(specialization), tuple(meta.items()))
-    if hasattr(compiled, "result"):  # compiled asynchronously
-        compiled = compiled.result()
-    if compiled is not None and hasattr(compiled, "packed_metadata"):
-        _compiled[key] = compiled
 
 
 def clear() -> None:
