@@ -45,7 +45,7 @@ import torch
 
 from forge.errors import ForgeError
 from runtime import cpu_kernels
-from runtime.backends import cpu_backend, cuda_backend, torch_backend
+from runtime.backends import cpu_backend, cuda_backend, cuda_graph, torch_backend
 from runtime.experts import Component, LayerExperts
 from runtime.observers import expert_output_observers
 from runtime.weights import ExpertTensor
@@ -166,8 +166,10 @@ class SlotPool:
                 rows += c.rows
             self.kind[part] = comps[0]
             shapes[part] = (rows, comps[0].expert_bytes // comps[0].rows)
+        # zeros: a decode step computes every pair on the pool, a missed one from slot 0 with weight 0, so no
+        # slot may hold bytes that decode to inf or NaN
         self.parts = {
-            p: torch.empty((n_slots, *shape), dtype=torch.uint8, device=device) for p, shape in shapes.items()
+            p: torch.zeros((n_slots, *shape), dtype=torch.uint8, device=device) for p, shape in shapes.items()
         }
         self.key = np.full(n_slots, -1, np.int64)  # the key each slot holds (or is being filled with)
         self.pending: list[tuple[int, int, Any]] = []  # (slot, key, copy done event)
@@ -266,6 +268,7 @@ class HybridLayer:
     """The backend installed on one ``RoutedExperts`` layer (``routed_ffn`` as the backend modules')."""
 
     NAME = "hybrid"
+    CUTS_GRAPHS = True  # a decode step's host half is cut out of its CUDA graph (``cuda_graph.cut``)
 
     def __init__(self, executor: HybridExperts, layer: int, source: Any, pool: SlotPool) -> None:
         self.executor, self.layer, self.pool = executor, layer, pool
@@ -289,6 +292,9 @@ class HybridLayer:
         taps: Any,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if x.shape[0] == 1 and not taps.observers and self.pool.n_slots:
+            out = self.executor.pooled_step(self, x, ids, weights, residual)
+            return cuda_graph.cut(self.executor.host_step, self, x, ids, weights, out)
         return self.executor.routed_ffn(self, x, ids, weights, taps, residual)
 
 
@@ -350,7 +356,14 @@ class HybridExperts:
         )
         n_keys = sum(self.layers[i].experts for i in order)
         self.policy = Frequency(n_keys, window or 8 * n_keys)
-        self.slot_of = np.full(n_keys, -1, np.int64)  # key -> its slot in its layer's pool (-1: not there)
+        # key -> its slot in its layer's pool (-1: not there), on the host and (``slot_table``) on the device,
+        # where a decode step's pooled experts are looked up without the host; changed only between layer
+        # calls, copied over before the next device work (``_publish``)
+        cuda = self.device.type == "cuda"
+        host_table = torch.full((n_keys,), -1, dtype=torch.int64, pin_memory=cuda)
+        self.slot_of = host_table.numpy()
+        self.slot_table = host_table.to(self.device) if cuda else host_table
+        self._host_table, self._changed = host_table, False
         self.pools = self._pools(order, cache_bytes)
         self.hybrid_layers: dict[int, HybridLayer] = {}
         for i in order:
@@ -360,6 +373,7 @@ class HybridExperts:
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="hybrid-copy")
         # the CPU side's kernel threads: one core left to the thread that launches the GPU's work
         self.cpu_threads = max(1, torch.get_num_threads() - (self.device.type == "cuda"))
+        self.step_threads = torch.get_num_threads()  # a decode step's CPU share runs on the calling thread
         if profile is not None:
             self._seed(profile, order)
         self.rates = rates or measure_rates(self, next(iter(self.hybrid_layers.values())))
@@ -424,6 +438,7 @@ class HybridExperts:
                     self._settle(wait=True)  # frees the staging records for the next round
                     if self.stats.admissions == before:
                         break
+        self._publish()
         self.seeded, self.stats = self.stats.admissions, HybridStats()
 
     def _settle(self, wait: bool = False) -> None:
@@ -433,9 +448,17 @@ class HybridExperts:
             for slot, key, copied in pool.pending:
                 if _finished(copied, wait):
                     self.slot_of[key] = slot
+                    self._changed = True
                 else:
                     still.append((slot, key, copied))
             pool.pending = still
+
+    def _publish(self) -> None:
+        """The slot table's changes to the device, queued before the next layer's work. The copy reads the
+        pinned host table when it runs: the host changes it again only after its next wait for the device."""
+        if self._changed and self.slot_table is not self._host_table:
+            self.slot_table.copy_(self._host_table, non_blocking=True)
+        self._changed = False
 
     def _admit(self, layer: HybridLayer, experts: np.ndarray, uploaded: dict[int, dict[str, torch.Tensor]] | None,
                limit: int) -> None:  # fmt: skip
@@ -467,6 +490,7 @@ class HybridExperts:
                 break  # no staging record free: the next call admits
             if pool.key[slot] >= 0:
                 self.slot_of[pool.key[slot]] = -1
+                self._changed = True
                 self.stats.evictions += 1
             pool.key[slot] = key
             pool.pending.append((slot, key, copied))
@@ -520,7 +544,6 @@ class HybridExperts:
         host = packed if dev.type == "cpu" else packed.to("cpu")
         ids_n = host[:, :k].numpy().astype(np.int64).reshape(-1)
         w_h, x_h = host[:, k : 2 * k].reshape(-1), host[:, 2 * k :]
-        self._settle()
         keys = layer.base + ids_n
         self.policy.observe(keys)
         slots = self.slot_of[keys]
@@ -582,6 +605,56 @@ class HybridExperts:
                     rec.replay(taps, dev)
         if missed.size:
             self._admit(layer, missed, uploaded, self.admit_per_call if n_tok == 1 else 0)
+        self._settle()
+        self._publish()
+        return out
+
+    def pooled_step(self, layer: HybridLayer, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                    residual: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """A decode step's first half, on the device alone (so a CUDA graph can hold it): residual + the
+        token's pairs whose expert is pooled, looked up in the device's slot table; a missed pair is computed
+        from slot 0 with weight 0."""
+        slot = self.slot_table[ids + layer.base]
+        hit = slot >= 0
+        if residual is None:
+            residual = torch.zeros_like(x)
+        return layer.fast_backend.routed_ffn(
+            x, slot.clamp(min=0), torch.where(hit, w, 0.0), layer.pooled, _NO_TAPS, residual
+        )
+
+    def host_step(self, layer: HybridLayer, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                  out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """A decode step's second half, after ``pooled_step``'s ``out``: the routing to the host (the step's
+        one wait for the device), the missed pairs computed on the CPU by this thread, the policy and the
+        admissions. The host's slot table is the device's as ``pooled_step`` read it: both change only here,
+        after the misses are known."""
+        k, dev = ids.shape[1], x.device
+        packed = torch.cat([ids.to(x.dtype), w.to(x.dtype), x], 1)
+        host = packed if dev.type == "cpu" else packed.to("cpu")
+        ids_n = host[0, :k].numpy().astype(np.int64)
+        keys = layer.base + ids_n
+        self.policy.observe(keys)
+        miss = self.slot_of[keys] < 0
+        n_miss = int(miss.sum())
+        s = self.stats
+        s.gpu_hits += k - n_miss
+        s.gpu_pairs += k - n_miss
+        if n_miss:
+            t0 = time.perf_counter()
+            cpu_kernels.use_threads(self.step_threads)
+            sel = torch.from_numpy(np.flatnonzero(miss))
+            y = layer.host_backend.routed_ffn(
+                host[:, 2 * k :], torch.from_numpy(ids_n)[sel][None], host[:, k : 2 * k][:, sel], layer.host,
+                _NO_TAPS, torch.zeros(1, x.shape[1]),
+            )  # fmt: skip
+            out = out + (y if dev.type == "cpu" else y.to(dev, non_blocking=True))
+            s.cpu_seconds += time.perf_counter() - t0
+            s.cpu_pairs += n_miss
+            s.cpu_computes += n_miss
+            s.bytes_read += n_miss * layer.record_bytes
+            self._admit(layer, ids_n[miss], None, self.admit_per_call)
+        self._settle()
+        self._publish()
         return out
 
     def _cpu_side(

@@ -397,6 +397,25 @@ def test_on_cuda(example_q8: Path, tmp_path: Path) -> None:
     assert h.stats.cpu_pairs == 0 and h.stats.admissions == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_steps_in_cuda_graphs(example_q8: Path) -> None:
+    """Without observers a decode step is captured as CUDA graphs cut at each routed layer's host half, and
+    replayed while admissions change the pool between steps: logits as the resident path's."""
+    ids = _ids(PREFILL + 12)
+    want = _logits(load_model(example_q8), ids)
+    m, h = _hybrid(example_q8, device="cuda")
+    state = m.new_state(64)
+    got = [m.forward(ids[:PREFILL], state)]
+    got += [m.forward(ids[i : i + 1], state) for i in range(PREFILL, len(ids))]
+    _close(torch.cat(got), want)
+    graphs = state.graphs
+    assert graphs is not None and graphs.replays >= 8 and not graphs.failed
+    (captured,) = graphs.graphs.values()
+    assert len(captured.segments.graphs) == len(m.routed_layers()) + 1
+    assert h.stats.admissions > 0 and h.stats.cpu_pairs > 0 and h.stats.gpu_pairs > 0
+
+
 @pytest.mark.slow
 def test_server_live_imatrix_in_hybrid_mode(example_q8: Path, tmp_path: Path) -> None:
     """A server's live imatrix (its prefill gate over the observers) sees the resident server's inputs."""
