@@ -101,14 +101,26 @@ def scaled_trace(trace: dict[int, np.ndarray], trace_experts: int, layers: int, 
 
 
 class Routing:
-    """A routing table and the position of the next token in it (wrapping around)."""
+    """A routing table and the position of the next token in it (wrapping around), kept on the device of
+    the model it routes (so that a captured decode step reads the position from there)."""
 
     def __init__(self, table: list[np.ndarray]) -> None:
         self.table, self.cursor = table, 0
+        self.on: dict[torch.device, tuple[list[torch.Tensor], torch.Tensor]] = {}
 
-    def ids(self, pos: int, n: int) -> np.ndarray:
-        t = self.table[pos]
-        return t[np.arange(self.cursor, self.cursor + n) % len(t)]
+    def advance(self, n: int) -> None:
+        self.cursor += n
+        for _, at in self.on.values():
+            at.fill_(self.cursor)
+
+    def ids(self, pos: int, n: int, device: torch.device) -> torch.Tensor:
+        if device not in self.on:
+            with torch.inference_mode(False):  # ``advance`` updates the position outside the forward pass
+                tables = [torch.from_numpy(t).to(device) for t in self.table]
+                self.on[device] = tables, torch.full((), self.cursor, dtype=torch.int64, device=device)
+        tables, at = self.on[device]
+        t = tables[pos]
+        return t[(at + torch.arange(n, device=device)) % t.shape[0]]
 
 
 class TableRouter:
@@ -121,7 +133,7 @@ class TableRouter:
         self.routing, self.pos, self.n_out, self.weight = routing, pos, n_expert, weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        ids = torch.from_numpy(self.routing.ids(self.pos, x.shape[0])).to(x.device)
+        ids = self.routing.ids(self.pos, x.shape[0], x.device)
         return torch.zeros(x.shape[0], self.n_out, device=x.device).scatter_(1, ids, 1.0)
 
     step = __call__
@@ -154,7 +166,7 @@ def timed(model: Any, routing: Routing | None, device: str, args: argparse.Names
 
     def advance(n: int) -> None:
         if routing is not None:
-            routing.cursor += n
+            routing.advance(n)
 
     st = model.new_state(args.pp + args.warmup + 2)
     model.forward(toks[: args.pp], st, last_only=True)
