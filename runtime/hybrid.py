@@ -128,8 +128,12 @@ class Frequency:
         self.count = np.zeros(n_keys, np.float64)
         self.window, self.seen = window, 0
 
-    def observe(self, keys: np.ndarray) -> None:
-        np.add.at(self.count, keys, 1.0)
+    def observe(self, keys: np.ndarray, distinct: bool = False) -> None:
+        """One pair for each of ``keys`` (``distinct``: no key twice, as one token's experts)."""
+        if distinct:
+            self.count[keys] += 1.0
+        else:
+            np.add.at(self.count, keys, 1.0)
         self.seen += keys.size
         while self.seen >= self.window:
             self.count *= 0.5
@@ -282,6 +286,7 @@ class HybridLayer:
         self.whole = source.kind == "per-use" and all(
             getattr(source, c.role).raw.is_contiguous() for c in pool.components
         )
+        self._step_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def routed_ffn(
         self,
@@ -293,9 +298,21 @@ class HybridLayer:
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if x.shape[0] == 1 and not taps.observers and self.pool.n_slots:
-            out = self.executor.pooled_step(self, x, ids, weights, residual)
-            return cuda_graph.cut(self.executor.host_step, self, x, ids, weights, out)
+            out, routed = self.executor.pooled_step(self, x, ids, weights, residual)
+            return cuda_graph.cut(self.executor.host_step, self, routed, out)
         return self.executor.routed_ffn(self, x, ids, weights, taps, residual)
+
+    def step_buffers(self, k: int, n_embd: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's host buffers for one token (pinned on a GPU, reused every step: each step reads and
+        writes them only after its wait for the device): the routing in, (1, 2k + n_embd) ids, weights and
+        input; the CPU's sum out, (1, n_embd)."""
+        if self._step_buffers is None or self._step_buffers[0].shape[1] != 2 * k + n_embd:
+            pin = self.executor.device.type == "cuda"
+            self._step_buffers = (
+                torch.empty(1, 2 * k + n_embd, pin_memory=pin),
+                torch.empty(1, n_embd, pin_memory=pin),
+            )
+        return self._step_buffers
 
 
 class HybridExperts:
@@ -364,6 +381,7 @@ class HybridExperts:
         self.slot_of = host_table.numpy()
         self.slot_table = host_table.to(self.device) if cuda else host_table
         self._host_table, self._changed = host_table, False
+        self.held = np.zeros(n_keys, bool)  # key -> in a slot or being copied into one
         self.pools = self._pools(order, cache_bytes)
         self.hybrid_layers: dict[int, HybridLayer] = {}
         for i in order:
@@ -467,13 +485,11 @@ class HybridExperts:
         qualify). ``uploaded``: this batch's device copies of some of them by key, copied from there."""
         pool, count = layer.pool, self.policy.count
         keys = layer.base + experts
+        keys = keys[~self.held[keys]]  # not in the pool, nor being copied there
         keys = keys[np.argsort(-count[keys], kind="stable")]
-        done = 0
-        for key in keys.tolist():
+        for done, key in enumerate(keys.tolist()):
             if limit and done >= limit:
                 break
-            if self.slot_of[key] >= 0 or (pool.key == key).any():
-                continue  # in the pool, or being copied there
             free = np.flatnonzero(pool.key < 0)
             busy = [s for s, _, _ in pool.pending]
             if free.size:
@@ -490,11 +506,12 @@ class HybridExperts:
                 break  # no staging record free: the next call admits
             if pool.key[slot] >= 0:
                 self.slot_of[pool.key[slot]] = -1
+                self.held[pool.key[slot]] = False
                 self._changed = True
                 self.stats.evictions += 1
             pool.key[slot] = key
+            self.held[key] = True
             pool.pending.append((slot, key, copied))
-            done += 1
             self.stats.admissions += 1
             self.stats.bytes_uploaded += 0 if from_batch else pool.record_bytes
 
@@ -610,49 +627,60 @@ class HybridExperts:
         return out
 
     def pooled_step(self, layer: HybridLayer, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                    residual: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+                    residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """A decode step's first half, on the device alone (so a CUDA graph can hold it): residual + the
-        token's pairs whose expert is pooled, looked up in the device's slot table; a missed pair is computed
-        from slot 0 with weight 0."""
+        token's pairs whose expert is pooled, looked up in the device's slot table (a missed pair is computed
+        from slot 0 with weight 0); and the routing (ids, weights, input) queued for copying to the host.
+        Returns that sum and the host buffer the routing arrives in."""
         slot = self.slot_table[ids + layer.base]
         hit = slot >= 0
         if residual is None:
             residual = torch.zeros_like(x)
-        return layer.fast_backend.routed_ffn(
+        out = layer.fast_backend.routed_ffn(
             x, slot.clamp(min=0), torch.where(hit, w, 0.0), layer.pooled, _NO_TAPS, residual
         )
-
-    def host_step(self, layer: HybridLayer, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                  out: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """A decode step's second half, after ``pooled_step``'s ``out``: the routing to the host (the step's
-        one wait for the device), the missed pairs computed on the CPU by this thread, the policy and the
-        admissions. The host's slot table is the device's as ``pooled_step`` read it: both change only here,
-        after the misses are known."""
-        k, dev = ids.shape[1], x.device
         packed = torch.cat([ids.to(x.dtype), w.to(x.dtype), x], 1)
-        host = packed if dev.type == "cpu" else packed.to("cpu")
-        ids_n = host[0, :k].numpy().astype(np.int64)
+        if x.device.type == "cpu":
+            return out, packed
+        routed, _ = layer.step_buffers(ids.shape[1], x.shape[1])
+        routed.copy_(packed, non_blocking=True)
+        return out, routed
+
+    def host_step(self, layer: HybridLayer, routed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """A decode step's second half, after ``pooled_step``: the wait for the routing on the host (the
+        step's one wait for the device), the missed pairs computed on the CPU by this thread and added to
+        ``out``, the policy and the admissions. The host's slot table is the device's as ``pooled_step`` read
+        it: both change only here, after the misses are known."""
+        dev = out.device
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
+        k = (routed.shape[1] - out.shape[1]) // 2
+        ids_n = routed[0, :k].numpy().astype(np.int64)
         keys = layer.base + ids_n
-        self.policy.observe(keys)
+        self.policy.observe(keys, distinct=True)
         miss = self.slot_of[keys] < 0
-        n_miss = int(miss.sum())
+        n_miss = int(np.count_nonzero(miss))
         s = self.stats
         s.gpu_hits += k - n_miss
         s.gpu_pairs += k - n_miss
         if n_miss:
             t0 = time.perf_counter()
             cpu_kernels.use_threads(self.step_threads)
-            sel = torch.from_numpy(np.flatnonzero(miss))
+            sel = np.flatnonzero(miss)
+            w = torch.from_numpy(routed[:, k : 2 * k].numpy()[:, sel])
             y = layer.host_backend.routed_ffn(
-                host[:, 2 * k :], torch.from_numpy(ids_n)[sel][None], host[:, k : 2 * k][:, sel], layer.host,
-                _NO_TAPS, torch.zeros(1, x.shape[1]),
+                routed[:, 2 * k :], torch.from_numpy(ids_n[sel])[None], w, layer.host, _NO_TAPS,
+                torch.zeros(1, out.shape[1]),
             )  # fmt: skip
-            out = out + (y if dev.type == "cpu" else y.to(dev, non_blocking=True))
+            if dev.type == "cuda":
+                _, into = layer.step_buffers(k, out.shape[1])
+                y = into.copy_(y).to(dev, non_blocking=True)
+            out = out + y
             s.cpu_seconds += time.perf_counter() - t0
             s.cpu_pairs += n_miss
             s.cpu_computes += n_miss
             s.bytes_read += n_miss * layer.record_bytes
-            self._admit(layer, ids_n[miss], None, self.admit_per_call)
+            self._admit(layer, ids_n[sel], None, self.admit_per_call)
         self._settle()
         self._publish()
         return out
