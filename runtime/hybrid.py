@@ -54,6 +54,8 @@ from runtime.weights import ExpertTensor
 ADMIT_PER_CALL = 2
 #: pinned staging records per pool for admissions in flight; when all are busy an admission waits a call
 STAGING_RECORDS = 8
+#: bytes of each of the two pinned buffers a batch's copies pass through (``Staging``)
+STAGING_BYTES = 64 << 20
 #: a missed expert replaces the coldest pooled one when its decayed pair count is higher by more than this
 ADMIT_MARGIN = 1.0
 
@@ -388,6 +390,8 @@ class HybridExperts:
             pool = self.pools[_geometry(self.layers[i])]
             self.hybrid_layers[i] = moes[i].backend = HybridLayer(self, i, moes[i].source, pool)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="hybrid-cpu")
+        biggest = max(lay.record_bytes for lay in self.layers.values())
+        self.staging = Staging(max(STAGING_BYTES, biggest)) if self.device.type == "cuda" else None
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="hybrid-copy")
         # the CPU side's kernel threads: one core left to the thread that launches the GPU's work
         self.cpu_threads = max(1, torch.get_num_threads() - (self.device.type == "cuda"))
@@ -762,14 +766,50 @@ def _to_device(raw: torch.Tensor, device: torch.device) -> torch.Tensor:
     return raw if device.type == "cpu" else raw.to(device, non_blocking=True)
 
 
+class Staging:
+    """Two pinned host buffers that a batch's expert copies pass through in turns: one is filled (gathered
+    from host memory) while the other's copy to the device runs. Allocated once: pinning memory is slow (a
+    batch's own pinned buffers made a 40-layer prefill spend most of its time allocating them)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.copied: list[Any] = [None, None]  # the event after each buffer's last copy
+        self.turn = 0
+
+    def take(self) -> tuple[torch.Tensor, int]:
+        """A buffer whose last copy has finished, and its index (for ``done``)."""
+        i, self.turn = self.turn, 1 - self.turn
+        if self.copied[i] is not None:
+            self.copied[i].synchronize()
+        return self.buffers[i], i
+
+    def done(self, i: int) -> None:
+        self.copied[i] = torch.cuda.Event()
+        self.copied[i].record()
+
+
 def _upload(layer: HybridLayer, experts: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
     """Experts ``experts`` of ``layer`` copied from host memory to ``device``, per pool component: gathered
-    straight into pinned memory, then one asynchronous copy each."""
+    into the executor's pinned buffers a share at a time, each share copied asynchronously while the next
+    is gathered."""
     if device.type != "cuda":
         return host_records(layer, experts)
-    staged = [torch.empty((len(experts), *_shape(c)), dtype=torch.uint8, pin_memory=True)
-              for c in layer.pool.components]  # fmt: skip
-    return [t.to(device, non_blocking=True) for t in host_records(layer, experts, staged)]
+    comps = layer.pool.components
+    out = [torch.empty((len(experts), *_shape(c)), dtype=torch.uint8, device=device) for c in comps]
+    staging = layer.executor.staging
+    share = max(1, STAGING_BYTES // layer.record_bytes)
+    for a in range(0, len(experts), share):
+        part = experts[a : a + share]
+        buf, i = staging.take()
+        views, at = [], 0
+        for c in comps:
+            n = len(part) * c.expert_bytes
+            views.append(buf[at : at + n].view(len(part), *_shape(c)))
+            at += n
+        for dst, src in zip(out, host_records(layer, part, views), strict=True):
+            dst[a : a + len(part)].copy_(src, non_blocking=True)
+        staging.done(i)
+    return out
 
 
 def _finished(copied: Any, wait: bool = False) -> bool:
