@@ -122,6 +122,15 @@ class Rates:
         return cls(float("inf"), 1.0, 0.0)
 
 
+@dataclass
+class BatchCopies:
+    """A batch's copies of experts on the fast device: per role (n, rows, row bytes), and per expert of the
+    layer its index there (-1: not copied)."""
+
+    parts: dict[str, torch.Tensor]
+    where: np.ndarray
+
+
 class Frequency:
     """Least frequently used with decay: per key (layer x experts + expert) the pairs routed to it, halved
     every ``window`` pairs, so that a shift in routing is followed."""
@@ -482,49 +491,90 @@ class HybridExperts:
             self.slot_table.copy_(self._host_table, non_blocking=True)
         self._changed = False
 
-    def _admit(self, layer: HybridLayer, experts: np.ndarray, uploaded: dict[int, dict[str, torch.Tensor]] | None,
-               limit: int) -> None:  # fmt: skip
+    def _admit(self, layer: HybridLayer, experts: np.ndarray, batch: BatchCopies | None, limit: int) -> None:
         """Copy ``experts`` (hottest first) into free slots or over colder ones (by more than
         ``ADMIT_MARGIN`` pairs, so that equally hot experts do not churn), ``limit`` at most (0: all that
-        qualify). ``uploaded``: this batch's device copies of some of them by key, copied from there."""
+        qualify): those of ``batch`` (this batch's device copies) in one copy per part, the others from host
+        memory one at a time while staging records are free."""
         pool, count = layer.pool, self.policy.count
         keys = layer.base + experts
         keys = keys[~self.held[keys]]  # not in the pool, nor being copied there
         keys = keys[np.argsort(-count[keys], kind="stable")]
-        for done, key in enumerate(keys.tolist()):
-            if limit and done >= limit:
-                break
-            free = np.flatnonzero(pool.key < 0)
-            busy = [s for s, _, _ in pool.pending]
-            if free.size:
-                slot = int(free[0])
-            else:
-                held = count[pool.key]
-                held[busy] = np.inf
-                slot = int(np.argmin(held))
-                if count[key] <= held[slot] + ADMIT_MARGIN:
-                    break  # the coldest slot is about as hot as the hottest candidate
-            from_batch = uploaded is not None and key in uploaded
-            copied = self._copy(layer, pool, slot, key - layer.base, uploaded[key] if from_batch else None)
-            if copied is False:
-                break  # no staging record free: the next call admits
-            if pool.key[slot] >= 0:
-                self.slot_of[pool.key[slot]] = -1
-                self.held[pool.key[slot]] = False
-                self._changed = True
-                self.stats.evictions += 1
-            pool.key[slot] = key
-            self.held[key] = True
-            pool.pending.append((slot, key, copied))
-            self.stats.admissions += 1
-            self.stats.bytes_uploaded += 0 if from_batch else pool.record_bytes
+        if limit:
+            keys = keys[:limit]
+        slots = self._slots_for(pool, keys)
+        keys = keys[: slots.size]
+        copied = np.zeros(keys.size, bool) if batch is None else batch.where[keys - layer.base] >= 0
+        if copied.any():
+            done = self._copy_from_batch(pool, slots[copied], batch, keys[copied] - layer.base)
+            for key, slot in zip(keys[copied].tolist(), slots[copied].tolist(), strict=True):
+                self._place(pool, key, slot, done)
+        for key, slot in zip(keys[~copied].tolist(), slots[~copied].tolist(), strict=True):
+            job = self._copy(layer, pool, slot, key - layer.base)
+            if job is False:
+                break  # no staging record free: a later call admits
+            self._place(pool, key, slot, job)
+            self.stats.bytes_uploaded += pool.record_bytes
 
-    def _copy(self, layer: HybridLayer, pool: SlotPool, slot: int, expert: int,
-              on_device: dict[str, torch.Tensor] | None) -> Any:  # fmt: skip
-        """Start copying ``expert`` of ``layer`` into ``slot``: from this batch's copy ``on_device`` (on the
-        side stream) or from host memory (the copier thread stages the record in pinned memory, then copies
-        on the side stream). Returns what ``_finished`` waits on; None when done; False when every staging
-        record is in use."""
+    def _slots_for(self, pool: SlotPool, keys: np.ndarray) -> np.ndarray:
+        """Slots for ``keys`` (hottest first) in turn: free ones, then the coldest held ones (not being
+        filled) while the key is hotter than the slot's by more than ``ADMIT_MARGIN``."""
+        free = np.flatnonzero(pool.key < 0)
+        if keys.size <= free.size:
+            return free[: keys.size]
+        count = self.policy.count
+        held = np.where(pool.key >= 0, count[pool.key], np.inf)
+        held[[s for s, _, _ in pool.pending]] = np.inf
+        rest = keys[free.size :]
+        victims = np.argsort(held, kind="stable")[: rest.size]
+        hotter = count[rest[: victims.size]] > held[victims] + ADMIT_MARGIN
+        n = hotter.size if hotter.all() else int(np.argmin(hotter))
+        return np.concatenate([free, victims[:n]])
+
+    def _place(self, pool: SlotPool, key: int, slot: int, copied: Any) -> None:
+        """``key`` takes ``slot`` (its copy ``copied`` under way; the slot's expert evicted)."""
+        old = pool.key[slot]
+        if old >= 0:
+            self.slot_of[old] = -1
+            self.held[old] = False
+            self._changed = True
+            self.stats.evictions += 1
+        pool.key[slot] = key
+        self.held[key] = True
+        pool.pending.append((slot, key, copied))
+        self.stats.admissions += 1
+
+    def _copy_from_batch(
+        self, pool: SlotPool, slots: np.ndarray, batch: BatchCopies, experts: np.ndarray
+    ) -> Any:
+        """Copy ``experts`` from ``batch`` into ``slots``, one copy per component (on the side stream after
+        the kernels queued so far). Returns what ``_finished`` waits on."""
+
+        def copy() -> None:
+            to = torch.as_tensor(slots, device=pool.device)
+            rows = torch.as_tensor(batch.where[experts], device=pool.device)
+            for c in pool.components:
+                part, first, last = pool.where[c.role]
+                pool.parts[part][:, first:last].index_copy_(0, to, batch.parts[c.role].index_select(0, rows))
+
+        if pool.stream is None:
+            copy()
+            return None
+        queued = torch.cuda.Event()
+        queued.record()  # the kernels queued so far may read the slots' old experts
+        with torch.cuda.stream(pool.stream):
+            pool.stream.wait_event(queued)
+            copy()
+            for t in batch.parts.values():
+                t.record_stream(pool.stream)  # not reused before the copy is done
+            done = torch.cuda.Event()
+            done.record(pool.stream)
+        return done
+
+    def _copy(self, layer: HybridLayer, pool: SlotPool, slot: int, expert: int) -> Any:
+        """Start copying ``expert`` of ``layer`` from host memory into ``slot`` (the copier thread stages the
+        record in pinned memory, then copies on the side stream). Returns what ``_finished`` waits on; None
+        when done; False when every staging record is in use."""
         if pool.stream is None:  # a host "device": copied now
             records = host_records(layer, torch.tensor([expert]))
             for c, rec in zip(pool.components, records, strict=True):
@@ -532,15 +582,6 @@ class HybridExperts:
             return None
         queued = torch.cuda.Event()
         queued.record()  # the kernels queued so far may read the slot's old expert: the copy waits for them
-        if on_device is not None:
-            with torch.cuda.stream(pool.stream):
-                pool.stream.wait_event(queued)
-                for c in pool.components:
-                    pool.view(pool.parts, c.role, slot).copy_(on_device[c.role], non_blocking=True)
-                    on_device[c.role].record_stream(pool.stream)  # not reused before the copy is done
-                done = torch.cuda.Event()
-                done.record(pool.stream)
-            return done
         free = [i for i, job in enumerate(pool.staging) if job is None or _finished(job)]
         if not free:
             return False
@@ -706,10 +747,10 @@ class HybridExperts:
 
     def _batch_upload(self, layer: HybridLayer, x: torch.Tensor, tok: np.ndarray, ids: np.ndarray,
                       w: torch.Tensor, upload: np.ndarray, observers: list[Any], whole: bool = False
-                      ) -> tuple[torch.Tensor, _Recorder | None, dict[int, dict[str, torch.Tensor]]]:  # fmt: skip
+                      ) -> tuple[torch.Tensor, _Recorder | None, BatchCopies]:  # fmt: skip
         """The pairs ``upload`` of a batch: their experts copied to the device for this batch (``whole``: the
         layer's experts whole, one copy per part) and computed there. Returns their sum per token, the
-        recorded observer inputs and the copies by key."""
+        recorded observer inputs and the copies."""
         dev = x.device
         sel = np.flatnonzero(upload)
         experts, index = np.unique(ids[sel], return_inverse=True)
@@ -728,11 +769,9 @@ class HybridExperts:
         self.stats.upload_experts += experts.size
         self.stats.upload_pairs += sel.size
         self.stats.bytes_uploaded += (layer.n_expert if whole else experts.size) * layer.record_bytes
-        copies = {
-            int(layer.base + e): {role: t.raw[j] for role, t in parts.items()}
-            for j, e in zip(slot_of.tolist(), experts.tolist(), strict=True)
-        }
-        return y, rec, copies
+        where = np.full(layer.n_expert, -1, np.int64)
+        where[experts] = slot_of
+        return y, rec, BatchCopies({role: t.raw for role, t in parts.items()}, where)
 
     def close(self) -> None:
         self.worker.shutdown()

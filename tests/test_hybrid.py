@@ -201,6 +201,25 @@ def test_misses_are_admitted_then_hit(example_q8: Path) -> None:
     assert h.stats.gpu_pairs - gpu_pairs == _pairs(m, PREFILL + DECODE)
 
 
+def test_batch_copies_admitted_into_the_pool(example_q8: Path) -> None:
+    """A prefill that copies every miss for the batch admits those copies into the pool in one copy per
+    part: each pooled slot then holds its expert's record as the file stores it."""
+    from runtime.hybrid import host_records
+
+    probe = load_model(example_q8)
+    m, h = _hybrid(example_q8, probe.n_expert * len(probe.routed_layers()) // 2, rates=Rates.always())
+    state = m.new_state(64)
+    m.forward(_ids()[:PREFILL], state)
+    assert h.stats.upload_experts > 0 and h.stats.admissions > 0
+    for layer in h.hybrid_layers.values():
+        pooled = np.flatnonzero(h.slot_of[layer.base : layer.base + layer.n_expert] >= 0)
+        assert pooled.size
+        records = host_records(layer, torch.from_numpy(pooled))
+        for c, rec in zip(layer.pool.components, records, strict=True):
+            slots = torch.from_numpy(h.slot_of[layer.base + pooled])
+            assert torch.equal(layer.pool.view(layer.pool.parts, c.role, slots), rec), c.role
+
+
 def test_pool_parts(example_q8: Path) -> None:
     """Gate and up of one type share a part (rows stacked), else each role has its own."""
     import dataclasses
