@@ -2,7 +2,7 @@
 
     python benchmarks/hybrid_experts.py FILE.gguf [--caches-gib 1,4,8] [--stream-gib 4]
         [--routing trace,uniform] [--trace-model DIR|GGUF] [--text FILE] [--trace-tokens 2048]
-        [--pp 512] [--tg 64] [--reps 2] [--warmup 64] [--threads N] [--profile PROFILE.json]
+        [--pp 512] [--tg 64] [--reps 2] [--warmup 64] [--warmup-prefills 2] [--threads N] [--profile PROFILE.json]
         [--llama-bench PATH] [--cold] [--host-cache-gib G] [--rows resident,hybrid,streaming,llama]
         [--layers N] [--json OUT]
 
@@ -168,6 +168,11 @@ def timed(model: Any, routing: Routing | None, device: str, args: argparse.Names
         if routing is not None:
             routing.advance(n)
 
+    # prefills first: each new (pair count) specialization of a Triton kernel compiles on first use (seconds
+    # for the GEMM), and a hybrid layer's pair counts vary from batch to batch
+    for _ in range(args.warmup_prefills):
+        model.forward(toks[: args.pp], model.new_state(args.pp + 1), last_only=True)
+        advance(args.pp)
     st = model.new_state(args.pp + args.warmup + 2)
     model.forward(toks[: args.pp], st, last_only=True)
     advance(args.pp)
@@ -254,7 +259,7 @@ def row_hybrid(
     try:
         r = timed(model, routing, "cuda", args, path, counter)
         s = h.stats
-        tokens = args.pp + args.warmup + args.reps * (args.pp + args.tg)
+        tokens = (args.warmup_prefills + 1) * args.pp + args.warmup + args.reps * (args.pp + args.tg)
         layers = len(model.routed_layers())
         r |= {"pool_experts": h.capacity, "hit_rate": round(s.hit_rate, 4),
               "cpu_experts_per_token_layer": round(s.cpu_computes / tokens / layers, 3),
@@ -382,6 +387,12 @@ def main() -> None:
     ap.add_argument("--tg", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=64)
+    ap.add_argument(
+        "--warmup-prefills",
+        type=int,
+        default=2,
+        help="prefills before the timed runs (and the one before --warmup)",
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--profile", type=Path, help="forge prune profile JSON seeding the GPU pools")
     ap.add_argument("--llama-bench", type=Path)
