@@ -16,7 +16,11 @@ expert ids come to the host once; then
 - the remaining pairs are computed by the CPU backend (numba kernels on the encoded records, which release
   the GIL) in a worker thread at the same time,
 
-and the partial sums (each pair weighted by its router weight, as every backend does) are added. The pool's
+and the partial sums (each pair weighted by its router weight, as every backend does) are added. A decode step
+(one token, no observers) splits the same work so that a CUDA graph can hold its device half: the pooled
+experts are looked up in a slot table on the device (``pooled_step``), and the host half (``host_step``,
+cut out of the graph by ``cuda_graph.cut``) takes the routing, computes the misses on the CPU in the calling
+thread and adds them. The pool's
 policy is least-frequently-used with decay over the measured routing (``Frequency``), seeded from a
 ``forge prune profile`` JSON when given; a missed expert whose count beats the coldest slot's is copied into
 that slot on a side stream after the layer's kernels are queued (the step never waits for it: the slot
