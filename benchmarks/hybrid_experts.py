@@ -42,6 +42,7 @@ its row and the next row runs.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import os
@@ -64,6 +65,7 @@ from runtime_speed import run_llama_bench  # noqa: E402
 from streaming import drop_cache, read_ceiling  # noqa: E402
 
 from runtime import hybrid  # noqa: E402
+from runtime.backends import triton_launch  # noqa: E402
 from runtime.experts import ExpertCache  # noqa: E402
 from runtime.layers import rms_norm_row  # noqa: E402
 from runtime.models import build_model  # noqa: E402
@@ -204,13 +206,32 @@ def timed(model: Any, routing: Routing | None, device: str, args: argparse.Names
             model.forward(toks[i : i + 1], st, last_only=True)
             advance(1)
 
-    best_pp = best_rate(args.pp, prefill)
+    compiled0 = triton_launch.compiled_count()
+    best_pp = profiled(args, "pp", lambda: best_rate(args.pp, prefill))
     read0 = bytes_read() if bytes_read else 0
-    best_tg = best_rate(args.tg, decode)
-    out = {"pp": round(best_pp, 1), "tg": round(best_tg, 1)}
+    best_tg = profiled(args, "tg", lambda: best_rate(args.tg, decode))
+    # kernel specializations first seen in the timed runs (each compiled there: seconds for a GEMM)
+    out = {
+        "pp": round(best_pp, 1),
+        "tg": round(best_tg, 1),
+        "compiles": triton_launch.compiled_count() - compiled0,
+    }
     if bytes_read:
         out["tg_bytes_read_per_token"] = round((bytes_read() - read0) / (args.reps * args.tg))
     return out
+
+
+def profiled(args: argparse.Namespace, phase: str, run: Any) -> Any:
+    """``run()``, under cProfile with ``--cprofile DIR`` (its statistics written to DIR/PHASE-N.pstats)."""
+    if args.cprofile is None:
+        return run()
+    args.cprofile.mkdir(parents=True, exist_ok=True)
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(run)
+    finally:
+        n = len(list(args.cprofile.glob(f"{phase}-*.pstats")))
+        prof.dump_stats(args.cprofile / f"{phase}-{n}.pstats")
 
 
 # rows ----------------------------------------------------------------------------------------------------
@@ -264,7 +285,8 @@ def row_hybrid(
         r |= {"pool_experts": h.capacity, "hit_rate": round(s.hit_rate, 4),
               "cpu_experts_per_token_layer": round(s.cpu_computes / tokens / layers, 3),
               "mb_uploaded": round(s.bytes_uploaded / 1e6, 1), "mb_read_cpu": round(s.bytes_read / 1e6, 1),
-              "admissions": s.admissions, "rates": vars(h.rates) if hasattr(h.rates, "__dict__") else str(h.rates),
+              "admissions": s.admissions, "pinned_gb": round(h.pinned.nbytes / 1e9, 2) if h.pinned else 0,
+              "pin_seconds": round(h.pinned.seconds, 2) if h.pinned else 0, "rates": vars(h.rates) if hasattr(h.rates, "__dict__") else str(h.rates),
               "stats": s.to_json()}  # fmt: skip
         r["note"] = (
             f"pool {h.capacity} experts, GPU hits {s.hit_rate:.0%}, {s.bytes_uploaded / 1e6:,.0f} MB uploaded"
@@ -402,6 +424,9 @@ def main() -> None:
     ap.add_argument("--rows", default="resident,hybrid,streaming,llama",
                     help="which rows: resident, hybrid, streaming, llama (a device's time limit: split a run)")  # fmt: skip
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--cprofile", type=Path, help="write cProfile statistics of the timed runs to this folder"
+    )
     args = ap.parse_args()
     want = {r.strip() for r in args.rows.split(",") if r.strip()}
     if not want or want - {"resident", "hybrid", "streaming", "llama"}:

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from forge.errors import ForgeError
-from runtime import cpu_kernels
+from runtime import cpu_kernels, host_pin
 from runtime.backends import cpu_backend, cuda_backend, cuda_graph, torch_backend
 from runtime.experts import Component, LayerExperts
 from runtime.observers import expert_output_observers
@@ -409,9 +409,23 @@ class HybridExperts:
         # the CPU side's kernel threads: one core left to the thread that launches the GPU's work
         self.cpu_threads = max(1, torch.get_num_threads() - (self.device.type == "cuda"))
         self.step_threads = torch.get_num_threads()  # a decode step's CPU share runs on the calling thread
+        self.pinned = self._pin() if cuda else None
         if profile is not None:
             self._seed(profile, order)
         self.rates = rates or measure_rates(self, next(iter(self.hybrid_layers.values())))
+
+    def _pin(self) -> host_pin.PinnedRanges | None:
+        """Page-lock the mapped file's routed experts (layers held in host memory, not streamed through a
+        host cache), so that batch copies and admissions read them at DMA speed."""
+        from runtime.planner import available_memory
+
+        parts = [
+            getattr(lay.host, c.role).raw
+            for lay in self.hybrid_layers.values()
+            if lay.host.kind == "per-use"
+            for c in lay.pool.components
+        ]
+        return host_pin.pin(parts, available_memory()[0]) if parts else None
 
     # pools ------------------------------------------------------------------------------------------------
     def _pools(self, order: list[int], cache_bytes: int) -> dict[tuple, SlotPool]:
@@ -530,7 +544,7 @@ class HybridExperts:
         held = np.where(pool.key >= 0, count[pool.key], np.inf)
         held[[s for s, _, _ in pool.pending]] = np.inf
         rest = keys[free.size :]
-        victims = np.argsort(held, kind="stable")[: rest.size]
+        victims = _coldest(held, rest.size)
         hotter = count[rest[: victims.size]] > held[victims] + ADMIT_MARGIN
         n = hotter.size if hotter.all() else int(np.argmin(hotter))
         return np.concatenate([free, victims[:n]])
@@ -586,6 +600,16 @@ class HybridExperts:
             return None
         queued = torch.cuda.Event()
         queued.record()  # the kernels queued so far may read the slot's old expert: the copy waits for them
+        if self.pinned is not None and layer.host.kind == "per-use":  # from the page-locked file itself
+            with torch.cuda.stream(pool.stream):
+                pool.stream.wait_event(queued)
+                for c in pool.components:
+                    pool.view(pool.parts, c.role, slot).copy_(
+                        getattr(layer.host, c.role).raw[expert], non_blocking=True
+                    )
+                done = torch.cuda.Event()
+                done.record(pool.stream)
+            return done
         free = [i for i, job in enumerate(pool.staging) if job is None or _finished(job)]
         if not free:
             return False
@@ -626,8 +650,10 @@ class HybridExperts:
                 int(pays.sum()) * layer.record_bytes,
                 self.rates.cpu_seconds(pairs[~pays]),
             )
-            if whole:  # the whole layer goes over anyway: every miss is computed there
-                upload[~hit] = True
+            if (
+                whole
+            ):  # the whole layer goes over anyway: every pair is computed there, in one grouped product
+                upload[:], hit = True, np.zeros_like(hit)
         on_cpu = ~hit & ~upload
         observers = taps.observers
 
@@ -780,6 +806,10 @@ class HybridExperts:
     def close(self) -> None:
         self.worker.shutdown()
         self.copier.shutdown()
+        if self.pinned is not None:
+            torch.cuda.synchronize(self.device)  # no copy may still read the pages
+            self.pinned.release()
+            self.pinned = None
 
 
 def host_records(layer: HybridLayer, experts: torch.Tensor, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:  # fmt: skip
@@ -839,6 +869,15 @@ def _upload(layer: HybridLayer, experts: torch.Tensor, device: torch.device) -> 
         return host_records(layer, experts)
     comps = layer.pool.components
     out = [torch.empty((len(experts), *_shape(c)), dtype=torch.uint8, device=device) for c in comps]
+    if layer.executor.pinned is not None and layer.host.kind == "per-use":
+        # straight from the page-locked file: one copy per run of consecutive experts and part
+        ids = experts.numpy()
+        cut = np.flatnonzero(np.diff(ids) != 1) + 1
+        for a, b in zip([0, *cut.tolist()], [*cut.tolist(), len(ids)], strict=True):
+            e = int(ids[a])
+            for c, dst in zip(comps, out, strict=True):
+                dst[a:b].copy_(getattr(layer.host, c.role).raw[e : e + b - a], non_blocking=True)
+        return out
     staging = layer.executor.staging
     share = max(1, STAGING_BYTES // layer.record_bytes)
     for a in range(0, len(experts), share):
@@ -853,6 +892,18 @@ def _upload(layer: HybridLayer, experts: torch.Tensor, device: torch.device) -> 
             dst[a : a + len(part)].copy_(src, non_blocking=True)
         staging.done(i)
     return out
+
+
+def _coldest(count: np.ndarray, n: int) -> np.ndarray:
+    """The indices of the ``n`` smallest counts, smallest first (ties: the lower index), as a stable argsort's
+    first ``n`` but without sorting them all (a pool holds thousands of slots; a step admits one or two)."""
+    if n <= 0 or n >= count.size:
+        return np.argsort(count, kind="stable")[: max(n, 0)]
+    cut = np.partition(count, n - 1)[n - 1]
+    below = np.flatnonzero(count < cut)
+    at = np.flatnonzero(count == cut)[: n - below.size]
+    both = np.concatenate([below, at])
+    return both[np.argsort(count[both], kind="stable")]
 
 
 def _finished(copied: Any, wait: bool = False) -> bool:
@@ -974,5 +1025,11 @@ def format_stats(h: HybridExperts) -> str:
         f"{s.admissions} admissions, {s.evictions} evictions, CPU side {s.cpu_seconds:.3f} s "
         f"({s.wait_seconds:.3f} s waited); pool {h.capacity} experts ({h.nbytes / (1 << 20):,.0f} MiB on "
         f"{h.device}); measured: copy {r.upload_bps / 1e9:,.1f} GB/s, CPU {r.cpu_expert_s * 1e3:.3f} ms per "
-        f"expert + {r.cpu_pair_s * 1e3:.3f} ms per pair"
+        f"expert + {r.cpu_pair_s * 1e3:.3f} ms per pair; {_pinned(h.pinned)}"
     )
+
+
+def _pinned(p: host_pin.PinnedRanges | None) -> str:
+    if p is None:
+        return "the file's experts not page-locked (copies staged)"
+    return f"the file's experts page-locked ({p.nbytes / 1e9:,.1f} GB in {p.seconds:.1f} s)"

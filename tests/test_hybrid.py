@@ -7,6 +7,7 @@ expert-major files and the observers' inputs. ``test_on_cuda`` runs the same on 
 
 from __future__ import annotations
 
+import mmap
 import subprocess
 import sys
 from pathlib import Path
@@ -97,8 +98,9 @@ def test_logits_match_resident(example_q8: Path, rates: str, share: int) -> None
 
 
 def test_batch_copies_the_layer_whole(example_q8: Path, tmp_path: Path) -> None:
-    """When copying a layer's experts whole beats gathering the missed ones, a batch's misses all go to the
-    fast side over the whole copy (canonical files only: an expert-major file's parts are strided)."""
+    """When copying a layer's experts whole beats gathering the missed ones, a batch's pairs all go to the
+    fast side over the whole copy, pooled ones too (canonical files only: an expert-major file's parts are
+    strided)."""
     want = _logits(load_model(example_q8))
     whole = Rates(1.0, 1.0, 0.0, float("inf"))  # gathering never pays, the CPU is slow, a whole copy is free
     m, h = _hybrid(example_q8, rates=whole)
@@ -109,6 +111,7 @@ def test_batch_copies_the_layer_whole(example_q8: Path, tmp_path: Path) -> None:
     assert s.upload_pairs > 0 and s.bytes_uploaded >= n * layer.n_expert * layer.record_bytes
     assert s.cpu_pairs + s.gpu_pairs + s.upload_pairs == _pairs(m, PREFILL + DECODE)
     assert s.cpu_pairs <= _pairs(m, DECODE)  # the prefill's misses all went over
+    assert s.gpu_pairs <= _pairs(m, DECODE)  # and its pooled pairs were computed from the copy too
     major = tmp_path / "major.gguf"
     convert(example_q8, major, "v2")
     m, h = _hybrid(major, rates=whole)
@@ -379,13 +382,23 @@ def test_cli_fails_closed(example_q8: Path, args: list[str], message: str) -> No
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda(example_q8: Path, tmp_path: Path) -> None:
+def test_on_cuda(example_q8: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU: the pool on the cuda kernels, misses on the CPU backend, prefill copies and admissions on
     the side stream; logits against the resident CPU path, expert-major == canonical, imatrix counts."""
     want = _logits(load_model(example_q8))
-    for rates in (Rates.never(), Rates.always(), None):
+    whole = Rates(1.0, 1.0, 0.0, float("inf"))
+    for rates, pin in (
+        (Rates.never(), "1"),
+        (Rates.always(), "1"),
+        (Rates.always(), "0"),
+        (whole, "1"),
+        (None, "1"),
+    ):
+        monkeypatch.setenv("FORGE_HYBRID_PIN", pin)
         acc = ImatrixAccumulator()
         m, h = _hybrid(example_q8, rates=rates, device="cuda", observers=[acc])
+        # the file's experts page-locked (copies straight from the mapping), or staged through pinned buffers
+        assert (h.pinned is not None) == (pin == "1")
         assert all(layer.fast_backend.NAME == "cuda" for layer in h.hybrid_layers.values())
         got = _logits(m)
         _close(got, want)
@@ -399,6 +412,7 @@ def test_on_cuda(example_q8: Path, tmp_path: Path) -> None:
             assert torch.allclose(ref_acc._sums[name].cpu(), acc._sums[name].cpu(), rtol=1e-3, atol=1e-6), (
                 name
             )
+        h.close()  # the pages unlocked before the next model maps the file again
     major = tmp_path / "major.gguf"
     convert(example_q8, major, "v2")
     _close(_logits(_hybrid(major, rates=Rates.never(), device="cuda")[0]), want)
@@ -492,3 +506,27 @@ def test_planned_hybrid_over_a_host_cache(example_q8: Path) -> None:
     assert m.weights.expert_cache.capacity == 40 and "host expert cache of 40 experts" in said[0]  # type: ignore[union-attr]
     _close(_logits(m), _logits(load_model(example_q8)))
     assert "GPU hits" in model_stats(m)
+
+
+def test_pages_to_lock_and_coldest_slots() -> None:
+    """The page ranges under a file's expert views (merged when close; strided views covered whole), and
+    the coldest slots without a full sort (ties to the lower slot, as a stable sort)."""
+    from runtime.host_pin import merged_pages
+    from runtime.hybrid import _coldest
+
+    page = mmap.PAGESIZE
+    base = torch.zeros(64 * page, dtype=torch.uint8)
+    start = -(-base.data_ptr() // page) * page - base.data_ptr()  # the first page boundary in it
+    a, b = base[start + 10 : start + 20], base[start + page + 5 : start + 2 * page + 1]
+    far = base[start + 40 * page : start + 41 * page]
+    lo = base.data_ptr() + start
+    assert merged_pages([a, b, far], gap=0) == [(lo, 3 * page), (lo + 40 * page, page)]
+    assert merged_pages([far, a], gap=64 * page) == [(lo, 41 * page)]
+    strided = base[start : start + 8 * page].view(8, page)[:, :16]  # 8 rows of 16 bytes, a page apart
+    assert merged_pages([strided], gap=0) == [(lo, 8 * page)]
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        count = rng.integers(0, 4, int(rng.integers(1, 40))).astype(np.float64)
+        count[rng.random(count.size) < 0.2] = np.inf
+        n = int(rng.integers(0, count.size + 2))
+        assert np.array_equal(_coldest(count, n), np.argsort(count, kind="stable")[:n])

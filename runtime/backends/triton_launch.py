@@ -72,9 +72,14 @@ def _hooked(hook: Any) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def compiled_count() -> int:
+    """How many compiled kernels ``launch`` has remembered (one per kernel specialization first seen)."""
+    return len(_compiled)
+
+
 def clear() -> None:
     """Forget the compiled kernels (tests)."""
     _compiled.clear()
 
 
-__all__ = ["clear", "launch"]
+__all__ = ["clear", "compiled_count", "launch"]
