@@ -142,6 +142,7 @@ class Frequency:
     def __init__(self, n_keys: int, window: int) -> None:
         self.count = np.zeros(n_keys, np.float64)
         self.window, self.seen = window, 0
+        self.decays = 0  # halvings so far
 
     def observe(self, keys: np.ndarray, distinct: bool = False) -> None:
         """One pair for each of ``keys`` (``distinct``: no key twice, as one token's experts)."""
@@ -152,6 +153,7 @@ class Frequency:
         self.seen += keys.size
         while self.seen >= self.window:
             self.count *= 0.5
+            self.decays += 1
             self.seen -= self.window
 
     def seed(self, keys: np.ndarray, counts: np.ndarray) -> None:
@@ -191,6 +193,9 @@ class SlotPool:
             p: torch.zeros((n_slots, *shape), dtype=torch.uint8, device=device) for p, shape in shapes.items()
         }
         self.key = np.full(n_slots, -1, np.int64)  # the key each slot holds (or is being filled with)
+        # every slot taken, and the coldest held count as the last full look found it (at the policy's decay
+        # ``epoch``): counts only grow between decays, so a key not above it by the margin cannot take a slot
+        self.full, self.coldest, self.epoch = False, 0.0, 0
         self.pending: list[tuple[int, int, Any]] = []  # (slot, key, copy done event)
         self.device = device
         cuda = device.type == "cuda"
@@ -516,6 +521,9 @@ class HybridExperts:
         memory one at a time while staging records are free."""
         pool, count = layer.pool, self.policy.count
         keys = layer.base + experts
+        coldest = pool.coldest * 0.5 ** (self.policy.decays - pool.epoch)
+        if limit and pool.full and keys.size and count[keys].max() <= coldest + ADMIT_MARGIN:
+            return  # none beats the coldest slot (a decode step's usual case, without looking at every slot)
         keys = keys[~self.held[keys]]  # not in the pool, nor being copied there
         keys = keys[np.argsort(-count[keys], kind="stable")]
         if limit:
@@ -545,6 +553,12 @@ class HybridExperts:
         held[[s for s, _, _ in pool.pending]] = np.inf
         rest = keys[free.size :]
         victims = _coldest(held, rest.size)
+        cold = float(held[victims[0]]) if victims.size else np.inf
+        pool.full, pool.coldest, pool.epoch = (
+            free.size == 0,
+            cold if np.isfinite(cold) else 0.0,
+            self.policy.decays,
+        )
         hotter = count[rest[: victims.size]] > held[victims] + ADMIT_MARGIN
         n = hotter.size if hotter.all() else int(np.argmin(hotter))
         return np.concatenate([free, victims[:n]])
@@ -569,8 +583,8 @@ class HybridExperts:
         the kernels queued so far). Returns what ``_finished`` waits on."""
 
         def copy() -> None:
-            to = torch.as_tensor(slots, device=pool.device)
-            rows = torch.as_tensor(batch.where[experts], device=pool.device)
+            # pinned, asynchronous: a pageable copy would wait for the kernels the side stream waits for
+            to, rows = _to(pool.device, slots, batch.where[experts])
             for c in pool.components:
                 part, first, last = pool.where[c.role]
                 pool.parts[part][:, first:last].index_copy_(0, to, batch.parts[c.role].index_select(0, rows))

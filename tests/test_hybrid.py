@@ -266,6 +266,16 @@ def test_a_hotter_miss_evicts_the_coldest_slot(example_q8: Path) -> None:
     )
     h._admit(layer, np.array([10]), None, 0)
     assert h.slot_of[layer.base + 10] == -1 and h.stats.evictions == 1
+    # a decode step's admission (a limit) skips the look at every slot while no miss beats the coldest count
+    # seen last, which follows the policy's halvings: after two, expert 10 (4) beats expert 3 (3 -> 0.75)
+    h._admit(layer, np.array([10]), None, 2)
+    assert h.slot_of[layer.base + 10] == -1 and layer.pool.coldest == 3
+    count *= 0.25
+    h.policy.decays += 2
+    count[layer.base + 10] = 4
+    h._admit(layer, np.array([10]), None, 2)
+    h._settle(wait=True)
+    assert h.slot_of[layer.base + 10] >= 0 and h.slot_of[layer.base + 3] == -1 and h.stats.evictions == 2
 
 
 class _Routed(Observer):
