@@ -17,14 +17,15 @@ expert ids come to the host once; then
   the GIL) in a worker thread at the same time,
 
 and the partial sums (each pair weighted by its router weight, as every backend does) are added. A decode step
-(one token, no observers) splits the same work so that a CUDA graph can hold its device half: the pooled
-experts are looked up in a slot table on the device (``pooled_step``), and the host half (``host_step``,
-cut out of the graph by ``cuda_graph.cut``) takes the routing, computes the misses on the CPU in the calling
-thread and adds them. The pool's
-policy is least-frequently-used with decay over the measured routing (``Frequency``), seeded from a
-``forge prune profile`` JSON when given; a missed expert whose count beats the coldest slot's is copied into
-that slot on a side stream after the layer's kernels are queued (the step never waits for it: the slot
-serves from the first lookup after the copy has finished).
+(one token, no observers) never waits for the device: per routed layer the device posts the routing to a
+mailbox in page-locked host memory (``Exchange``), computes the pooled pairs (looked up in a slot table on
+the device), then waits on the device (``host_wait``) until the CPU worker, which watches the mailbox, has
+computed the missed pairs and written their sum; so a CUDA graph holds the whole step, and the host's only
+call in it (``begin_step``, cut out by ``cuda_graph.cut``) settles the last step's accounts and starts the
+worker. The pool's policy is least-frequently-used with decay over the measured routing (``Frequency``),
+seeded from a ``forge prune profile`` JSON when given; a missed expert whose count beats the coldest slot's
+is copied into that slot on a side stream after the kernels queued so far (the step never waits for it: the
+slot serves from the first lookup after the copy has finished).
 
 Observers see what they see on the resident path: each side's matmul inputs are recorded with their expert
 ids and reported from the calling thread (``runtime.moe.Taps``).
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,7 +51,7 @@ import torch
 
 from forge.errors import ForgeError
 from runtime import cpu_kernels, host_pin
-from runtime.backends import cpu_backend, cuda_backend, cuda_graph, torch_backend
+from runtime.backends import cpu_backend, cuda_backend, cuda_graph, host_wait, torch_backend
 from runtime.experts import Component, LayerExperts
 from runtime.observers import expert_output_observers
 from runtime.weights import ExpertTensor
@@ -306,7 +308,6 @@ class HybridLayer:
         self.whole = source.kind == "per-use" and all(
             getattr(source, c.role).raw.is_contiguous() for c in pool.components
         )
-        self._step_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def routed_ffn(
         self,
@@ -318,21 +319,28 @@ class HybridLayer:
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if x.shape[0] == 1 and not taps.observers and self.pool.n_slots:
-            out, routed = self.executor.pooled_step(self, x, ids, weights, residual)
-            return cuda_graph.cut(self.executor.host_step, self, routed, out)
+            return self.executor.decode_step(self, x, ids, weights, residual)
         return self.executor.routed_ffn(self, x, ids, weights, taps, residual)
 
-    def step_buffers(self, k: int, n_embd: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's host buffers for one token (pinned on a GPU, reused every step: each step reads and
-        writes them only after its wait for the device): the routing in, (1, 2k + n_embd) ids, weights and
-        input; the CPU's sum out, (1, n_embd)."""
-        if self._step_buffers is None or self._step_buffers[0].shape[1] != 2 * k + n_embd:
-            pin = self.executor.device.type == "cuda"
-            self._step_buffers = (
-                torch.empty(1, 2 * k + n_embd, pin_memory=pin),
-                torch.empty(1, n_embd, pin_memory=pin),
-            )
-        return self._step_buffers
+
+class Exchange:
+    """A decode step's mailbox between the device and the CPU worker, a row per routed layer (page-locked on
+    a GPU): ``mail`` the routing the device posts (ids, weights, input: (layers, 2k + n_embd)), ``result`` the
+    CPU's sum of the missed pairs (layers, n_embd), ``posted`` / ``done`` the step number of each row's post
+    and answer, ``step`` the device's step counter, ``fault`` set by a wait that gave up."""
+
+    def __init__(self, layers: list[HybridLayer], k: int, n_embd: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.layers, self.k, self.n_embd = layers, k, n_embd
+        self.index = {lay.layer: i for i, lay in enumerate(layers)}
+        self.bases = np.array([lay.base for lay in layers], np.int64)
+        n = len(layers)
+        self.mail = torch.zeros(n, 2 * k + n_embd, pin_memory=pin)
+        self.result = torch.zeros(n, n_embd, pin_memory=pin)
+        self.posted = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
+        self.done = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
+        self.fault = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
+        self.step = torch.zeros(1, dtype=torch.int32, device=device)
 
 
 class HybridExperts:
@@ -363,7 +371,7 @@ class HybridExperts:
                 "saliency): run without --gpu-expert-cache"
             )
         self.seeded = 0  # experts copied into the pools from the profile at load
-        self.stats = HybridStats()
+        self._stats = HybridStats()
         self.admit_per_call = admit_per_call
         self.layers: dict[int, LayerExperts] = weights.expert_layers()
         moes = {i: b.moe for i, b in enumerate(model.blocks) if i in model.routed_layers()}
@@ -413,7 +421,9 @@ class HybridExperts:
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="hybrid-copy")
         # the CPU side's kernel threads: one core left to the thread that launches the GPU's work
         self.cpu_threads = max(1, torch.get_num_threads() - (self.device.type == "cuda"))
-        self.step_threads = torch.get_num_threads()  # a decode step's CPU share runs on the calling thread
+        self.step_threads = torch.get_num_threads()  # a decode step's CPU share: the worker, all cores
+        self.exchange: Exchange | None = None  # the decode steps' mailbox, made at the first
+        self._step_job: Future | None = None  # the worker serving the decode step under way
         self.pinned = self._pin() if cuda else None
         if profile is not None:
             self._seed(profile, order)
@@ -487,13 +497,13 @@ class HybridExperts:
             for lay in mine:
                 chosen = hot[(hot >= lay.base) & (hot < lay.base + lay.n_expert)]
                 while (todo := chosen[self.slot_of[chosen] < 0]).size:
-                    before = self.stats.admissions
+                    before = self._stats.admissions
                     self._admit(lay, todo - lay.base, None, 0)
                     self._settle(wait=True)  # frees the staging records for the next round
-                    if self.stats.admissions == before:
+                    if self._stats.admissions == before:
                         break
         self._publish()
-        self.seeded, self.stats = self.stats.admissions, HybridStats()
+        self.seeded, self._stats = self._stats.admissions, HybridStats()
 
     def _settle(self, wait: bool = False) -> None:
         """Admissions whose copy has finished serve from now on (``wait``: all of them, waiting)."""
@@ -540,7 +550,7 @@ class HybridExperts:
             if job is False:
                 break  # no staging record free: a later call admits
             self._place(pool, key, slot, job)
-            self.stats.bytes_uploaded += pool.record_bytes
+            self._stats.bytes_uploaded += pool.record_bytes
 
     def _slots_for(self, pool: SlotPool, keys: np.ndarray) -> np.ndarray:
         """Slots for ``keys`` (hottest first) in turn: free ones, then the coldest held ones (not being
@@ -570,11 +580,11 @@ class HybridExperts:
             self.slot_of[old] = -1
             self.held[old] = False
             self._changed = True
-            self.stats.evictions += 1
+            self._stats.evictions += 1
         pool.key[slot] = key
         self.held[key] = True
         pool.pending.append((slot, key, copied))
-        self.stats.admissions += 1
+        self._stats.admissions += 1
 
     def _copy_from_batch(
         self, pool: SlotPool, slots: np.ndarray, batch: BatchCopies, experts: np.ndarray
@@ -641,6 +651,7 @@ class HybridExperts:
         taps: Any,
         residual: torch.Tensor | None,
     ) -> torch.Tensor:
+        self.finish_step()
         n_tok, k = ids.shape
         dev = x.device
         # the one wait for the device in a layer call: ids, weights and inputs to the host in one copy
@@ -688,8 +699,8 @@ class HybridExperts:
             out = out + _partial(
                 layer.fast_backend, layer.pooled, rec or _NO_TAPS, x, pair_tok, pair_slot, pair_w
             )
-            self.stats.gpu_pairs += sel.size
-            self.stats.gpu_hits += np.unique(slots[sel]).size
+            self._stats.gpu_pairs += sel.size
+            self._stats.gpu_hits += np.unique(slots[sel]).size
         uploaded = None
         if upload.any():
             y, rec, uploaded = self._batch_upload(layer, x, tok, ids_n, w_h, upload, observers, whole)
@@ -698,13 +709,13 @@ class HybridExperts:
         if job is not None:
             t0 = time.perf_counter()
             y, seconds = job.result()
-            self.stats.wait_seconds += time.perf_counter() - t0
-            self.stats.cpu_seconds += seconds
+            self._stats.wait_seconds += time.perf_counter() - t0
+            self._stats.cpu_seconds += seconds
             out = out + (y if dev.type == "cpu" else y.to(dev, non_blocking=True))
             n_exp = int(np.unique(ids_n[on_cpu]).size)
-            self.stats.cpu_pairs += int(on_cpu.sum())
-            self.stats.cpu_computes += n_exp
-            self.stats.bytes_read += n_exp * layer.record_bytes
+            self._stats.cpu_pairs += int(on_cpu.sum())
+            self._stats.cpu_computes += n_exp
+            self._stats.bytes_read += n_exp * layer.record_bytes
         if observers:
             for rec in [*fast_taps, cpu_taps]:
                 if rec is not None:
@@ -715,12 +726,22 @@ class HybridExperts:
         self._publish()
         return out
 
-    def pooled_step(self, layer: HybridLayer, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                    residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """A decode step's first half, on the device alone (so a CUDA graph can hold it): residual + the
-        token's pairs whose expert is pooled, looked up in the device's slot table (a missed pair is computed
-        from slot 0 with weight 0); and the routing (ids, weights, input) queued for copying to the host.
-        Returns that sum and the host buffer the routing arrives in."""
+    # the decode step ----------------------------------------------------------------------------------------
+    def decode_step(self, layer: HybridLayer, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                    residual: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """One token through ``layer``, queued on the device without waiting for it (a CUDA graph holds the
+        whole step): the routing posted to the host's mailbox, the pooled pairs computed (looked up in the
+        device's slot table; a missed pair from slot 0 with weight 0), then a wait on the device until the
+        CPU worker has answered with the missed pairs' sum (``_serve_step``), which is added. The step's
+        first layer first runs ``begin_step`` on the host (the step's one host call)."""
+        ex = self._exchange_for(ids.shape[1], x.shape[1])
+        i = ex.index[layer.layer]
+        if i == 0:
+            x = cuda_graph.cut(self.begin_step, x)
+            ex.step.add_(1)
+        packed = torch.cat([ids.to(x.dtype), w.to(x.dtype), x], 1)
+        ex.mail[i : i + 1].copy_(packed, non_blocking=True)
+        ex.posted[i : i + 1].copy_(ex.step, non_blocking=True)
         slot = self.slot_table[ids + layer.base]
         hit = slot >= 0
         if residual is None:
@@ -728,51 +749,89 @@ class HybridExperts:
         out = layer.fast_backend.routed_ffn(
             x, slot.clamp(min=0), torch.where(hit, w, 0.0), layer.pooled, _NO_TAPS, residual
         )
-        packed = torch.cat([ids.to(x.dtype), w.to(x.dtype), x], 1)
-        if x.device.type == "cpu":
-            return out, packed
-        routed, _ = layer.step_buffers(ids.shape[1], x.shape[1])
-        routed.copy_(packed, non_blocking=True)
-        return out, routed
+        host_wait.wait_for_host(ex.done, i, ex.step, ex.fault)
+        return out + ex.result[i : i + 1].to(x.device, non_blocking=True)
 
-    def host_step(self, layer: HybridLayer, routed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """A decode step's second half, after ``pooled_step``: the wait for the routing on the host (the
-        step's one wait for the device), the missed pairs computed on the CPU by this thread and added to
-        ``out``, the policy and the admissions. The host's slot table is the device's as ``pooled_step`` read
-        it: both change only here, after the misses are known."""
-        dev = out.device
-        if dev.type == "cuda":
-            torch.cuda.current_stream(dev).synchronize()
-        k = (routed.shape[1] - out.shape[1]) // 2
-        ids_n = routed[0, :k].numpy().astype(np.int64)
-        keys = layer.base + ids_n
-        self.policy.observe(keys, distinct=True)
-        miss = self.slot_of[keys] < 0
-        n_miss = int(np.count_nonzero(miss))
-        s = self.stats
-        s.gpu_hits += k - n_miss
-        s.gpu_pairs += k - n_miss
-        if n_miss:
-            t0 = time.perf_counter()
-            cpu_kernels.use_threads(self.step_threads)
-            sel = np.flatnonzero(miss)
-            w = torch.from_numpy(routed[:, k : 2 * k].numpy()[:, sel])
-            y = layer.host_backend.routed_ffn(
-                routed[:, 2 * k :], torch.from_numpy(ids_n[sel])[None], w, layer.host, _NO_TAPS,
-                torch.zeros(1, out.shape[1]),
-            )  # fmt: skip
-            if dev.type == "cuda":
-                _, into = layer.step_buffers(k, out.shape[1])
-                y = into.copy_(y).to(dev, non_blocking=True)
-            out = out + y
-            s.cpu_seconds += time.perf_counter() - t0
-            s.cpu_pairs += n_miss
-            s.cpu_computes += n_miss
-            s.bytes_read += n_miss * layer.record_bytes
-            self._admit(layer, ids_n[sel], None, self.admit_per_call)
+    @property
+    def stats(self) -> HybridStats:
+        """The figures so far (the decode step under way, if any, waited for and accounted)."""
+        self.finish_step()
+        return self._stats
+
+    def _exchange_for(self, k: int, n_embd: int) -> Exchange:
+        ex = self.exchange
+        if ex is None or ex.mail.shape[1] != 2 * k + n_embd:
+            self.finish_step()
+            layers = [self.hybrid_layers[i] for i in sorted(self.hybrid_layers)]
+            ex = self.exchange = Exchange(layers, k, n_embd, self.device)
+        return ex
+
+    def begin_step(self, x: torch.Tensor) -> torch.Tensor:
+        """The host's part at a decode step's start: the last step's accounts (policy, admissions), the slot
+        table's changes to the device (queued before this step's lookups), and the CPU worker set to serve
+        this step's layers. Returns ``x``."""
+        self.finish_step()
         self._settle()
         self._publish()
-        return out
+        self._step_job = self.worker.submit(self._serve_step, self.exchange)
+        return x
+
+    def finish_step(self) -> None:
+        """Wait for the worker's last decode step, then account for it (before anything else uses the pools)."""
+        job, self._step_job = self._step_job, None
+        if job is None:
+            return
+        job.result()
+        ex = self.exchange
+        if ex.fault[0]:
+            ex.fault[0] = 0
+            raise ForgeError("hybrid experts: the CPU side did not answer a decode step in time")
+        self._account(ex)
+
+    def _serve_step(self, ex: Exchange) -> None:
+        """The CPU worker's decode step: per routed layer in order, wait for its routing in the mailbox, compute
+        the missed pairs on the CPU (the slot table is the one the device looks up: it changes only between
+        steps), write their sum, then the answer's flag (which releases the device)."""
+        cpu_kernels.use_threads(self.step_threads)
+        posted, done, mail, result = ex.posted.numpy(), ex.done.numpy(), ex.mail.numpy(), ex.result.numpy()
+        k, s = ex.k, self._stats
+        with torch.inference_mode():
+            for i, layer in enumerate(ex.layers):
+                t0 = time.monotonic()
+                while posted[i] == done[i]:  # the device's post not there yet
+                    if time.monotonic() - t0 > host_wait.CPU_TIMEOUT:
+                        return  # the step was abandoned (its capture failed, say)
+                    os.sched_yield()
+                ids = mail[i, :k].astype(np.int64)
+                miss = np.flatnonzero(self.slot_of[layer.base + ids] < 0)
+                if miss.size:
+                    t0 = time.perf_counter()
+                    y = layer.host_backend.routed_ffn(
+                        torch.from_numpy(mail[i : i + 1, 2 * k :]), torch.from_numpy(ids[miss])[None],
+                        torch.from_numpy(mail[i : i + 1, k : 2 * k][:, miss]), layer.host, _NO_TAPS,
+                        torch.zeros(1, ex.n_embd),
+                    )  # fmt: skip
+                    result[i] = y.numpy()[0]
+                    s.cpu_seconds += time.perf_counter() - t0
+                    s.cpu_pairs += miss.size
+                    s.cpu_computes += miss.size
+                    s.bytes_read += miss.size * layer.record_bytes
+                else:
+                    result[i] = 0.0
+                done[i] = posted[i]
+
+    def _account(self, ex: Exchange) -> None:
+        """A served decode step's policy counts, hits and admissions, from its mailbox."""
+        k = ex.k
+        ids = ex.mail.numpy()[:, :k].astype(np.int64)
+        keys = ex.bases[:, None] + ids
+        self.policy.observe(keys.reshape(-1), distinct=True)
+        missed = self.slot_of[keys] < 0
+        n_miss = int(missed.sum())
+        self._stats.gpu_hits += keys.size - n_miss
+        self._stats.gpu_pairs += keys.size - n_miss
+        for i in np.flatnonzero(missed.any(1)).tolist():
+            self._admit(ex.layers[i], ids[i][missed[i]], None, self.admit_per_call)
 
     def _cpu_side(
         self,
@@ -810,14 +869,15 @@ class HybridExperts:
         rec = _Recorder(observers, None if whole else _to(dev, experts)[0]) if observers else None
         pair_tok, pair_index, pair_w = _to(dev, tok[sel], index, w[sel])
         y = _partial(backend, source, rec or _NO_TAPS, x, pair_tok, pair_index, pair_w)
-        self.stats.upload_experts += experts.size
-        self.stats.upload_pairs += sel.size
-        self.stats.bytes_uploaded += (layer.n_expert if whole else experts.size) * layer.record_bytes
+        self._stats.upload_experts += experts.size
+        self._stats.upload_pairs += sel.size
+        self._stats.bytes_uploaded += (layer.n_expert if whole else experts.size) * layer.record_bytes
         where = np.full(layer.n_expert, -1, np.int64)
         where[experts] = slot_of
         return y, rec, BatchCopies({role: t.raw for role, t in parts.items()}, where)
 
     def close(self) -> None:
+        self.finish_step()
         self.worker.shutdown()
         self.copier.shutdown()
         if self.pinned is not None:

@@ -443,8 +443,9 @@ def test_on_cuda(example_q8: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_decode_steps_in_cuda_graphs(example_q8: Path) -> None:
-    """Without observers a decode step is captured as CUDA graphs cut at each routed layer's host half, and
-    replayed while admissions change the pool between steps: logits as the resident path's."""
+    """Without observers a decode step is captured whole (the CPU's answers awaited on the device), cut once
+    for the host's call at its start, and replayed while admissions change the pool between steps: logits as
+    the resident path's."""
     ids = _ids(PREFILL + 12)
     want = _logits(load_model(example_q8), ids)
     m, h = _hybrid(example_q8, device="cuda")
@@ -455,7 +456,7 @@ def test_decode_steps_in_cuda_graphs(example_q8: Path) -> None:
     graphs = state.graphs
     assert graphs is not None and graphs.replays >= 8 and not graphs.failed
     (captured,) = graphs.graphs.values()
-    assert len(captured.segments.graphs) == len(m.routed_layers()) + 1
+    assert len(captured.segments.graphs) == 2  # cut once, at the step's first routed layer (``begin_step``)
     assert h.stats.admissions > 0 and h.stats.cpu_pairs > 0 and h.stats.gpu_pairs > 0
 
 
@@ -540,3 +541,30 @@ def test_pages_to_lock_and_coldest_slots() -> None:
         count[rng.random(count.size) < 0.2] = np.inf
         n = int(rng.integers(0, count.size + 2))
         assert np.array_equal(_coldest(count, n), np.argsort(count, kind="stable")[:n])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_waits_for_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stream holds until a host thread writes the step number into page-locked memory; a wait that
+    nobody answers gives up after its reads and sets the fault flag."""
+    import threading
+    import time
+
+    from runtime.backends import host_wait
+
+    done = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+    fault = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    step = torch.full((1,), 3, dtype=torch.int32, device="cuda")
+    after = torch.zeros(1, device="cuda")
+    host_wait.wait_for_host(done, 2, step, fault)
+    after.fill_(1.0)
+    time.sleep(0.2)
+    assert not torch.cuda.current_stream().query()  # held by the wait
+    threading.Timer(0.1, lambda: done.__setitem__(2, 3)).start()
+    torch.cuda.synchronize()
+    assert after.item() == 1.0 and int(fault[0]) == 0
+    monkeypatch.setattr(host_wait, "LIMIT", 1000)
+    host_wait.wait_for_host(done, 1, step, fault)
+    torch.cuda.synchronize()
+    assert int(fault[0]) == 1
