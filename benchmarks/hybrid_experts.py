@@ -4,7 +4,7 @@
         [--routing trace,uniform] [--trace-model DIR|GGUF] [--text FILE] [--trace-tokens 2048]
         [--pp 512] [--tg 64] [--reps 2] [--warmup 64] [--warmup-prefills 2] [--threads N] [--profile PROFILE.json]
         [--llama-bench PATH] [--cold] [--host-cache-gib G] [--rows resident,hybrid,streaming,llama]
-        [--layers N] [--json OUT]
+        [--layers N] [--json OUT] [--cprofile DIR]
 
 FILE is e.g. the Qwen3.6-35B-A3B-geometry Q4_K file; when absent it is written
 (``runtime.synth``, ``--layers`` fewer layers). Per row, decode (tg: ``--tg`` one-token steps from an

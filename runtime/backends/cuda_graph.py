@@ -8,9 +8,10 @@ span runs eagerly in that same form (it compiles kernels and grows tables outsid
 are captured (once per sequence and span) and replayed. A graph is used only while everything it read is where it was: the state's
 cache tensors (updated in place) and the prune mask.
 
-A layer whose step needs the host in the middle (hybrid experts: the routing to the host, the missed experts
-on the CPU) calls ``cut``: under capture the step's graph ends there, the host call runs on what the graph
-computed, and a new graph begins on its result; a replay runs the graphs and the host calls in turn.
+A layer whose step needs the host in the middle (hybrid experts: the last step's accounts and the CPU worker
+started, at the step's first routed layer) calls ``cut``: under capture the step's graph ends there, the host
+call runs on what the graph computed, and a new graph begins on its result; a replay runs the graphs and the
+host calls in turn.
 """
 
 from __future__ import annotations
