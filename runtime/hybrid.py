@@ -422,7 +422,7 @@ class HybridExperts:
         # the CPU side's kernel threads: one core left to the thread that launches the GPU's work
         self.cpu_threads = max(1, torch.get_num_threads() - (self.device.type == "cuda"))
         self.step_threads = torch.get_num_threads()  # a decode step's CPU share: the worker, all cores
-        self.exchange: Exchange | None = None  # the decode steps' mailbox, made at the first
+        self.exchange: Exchange | None = None  # the decode steps' mailbox, made at the first step
         self._step_job: Future | None = None  # the worker serving the decode step under way
         self.pinned = self._pin() if cuda else None
         if profile is not None:
@@ -675,9 +675,8 @@ class HybridExperts:
                 int(pays.sum()) * layer.record_bytes,
                 self.rates.cpu_seconds(pairs[~pays]),
             )
-            if (
-                whole
-            ):  # the whole layer goes over anyway: every pair is computed there, in one grouped product
+            # the whole layer goes over anyway: every pair is computed there, in one grouped product
+            if whole:
                 upload[:], hit = True, np.zeros_like(hit)
         on_cpu = ~hit & ~upload
         observers = taps.observers
