@@ -782,8 +782,9 @@ class HybridExperts:
             return
         job.result()
         ex = self.exchange
-        if ex.fault[0]:
-            ex.fault[0] = 0
+        fault = ex.fault.numpy()
+        if fault[0]:
+            fault[0] = 0
             raise ForgeError("hybrid experts: the CPU side did not answer a decode step in time")
         self._account(ex)
 
@@ -876,13 +877,17 @@ class HybridExperts:
         return y, rec, BatchCopies({role: t.raw for role, t in parts.items()}, where)
 
     def close(self) -> None:
-        self.finish_step()
-        self.worker.shutdown()
-        self.copier.shutdown()
-        if self.pinned is not None:
-            torch.cuda.synchronize(self.device)  # no copy may still read the pages
-            self.pinned.release()
-            self.pinned = None
+        """Wait for the last decode step and the copies, stop the threads, unlock the file's pages (also when
+        the last step failed: its error is raised after)."""
+        try:
+            self.finish_step()
+        finally:
+            self.worker.shutdown()
+            self.copier.shutdown()
+            if self.pinned is not None:
+                torch.cuda.synchronize(self.device)  # no copy may still read the pages
+                self.pinned.release()
+                self.pinned = None
 
 
 def host_records(layer: HybridLayer, experts: torch.Tensor, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:  # fmt: skip

@@ -568,3 +568,23 @@ def test_device_waits_for_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
     host_wait.wait_for_host(done, 1, step, fault)
     torch.cuda.synchronize()
     assert int(fault[0]) == 1
+
+
+def test_a_step_the_cpu_side_never_answers_fails_closed(
+    example_q8: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the CPU worker does not answer a decode step, the wait gives up (its fault flag set) and the next
+    use of the executor raises a ForgeError instead of computing on with a missing share."""
+    from runtime.backends import host_wait
+
+    m, h = _hybrid(example_q8)
+    state = m.new_state(64)
+    ids = _ids()
+    m.forward(ids[:PREFILL], state)
+    monkeypatch.setattr(host_wait, "CPU_TIMEOUT", 0.2)
+    monkeypatch.setattr(HybridExperts, "_serve_step", lambda self, ex: None)  # never answers
+    m.forward(ids[PREFILL : PREFILL + 1], state)
+    assert int(h.exchange.fault[0]) == 1
+    with pytest.raises(ForgeError, match="did not answer"):
+        h.finish_step()
+    h.close()

@@ -50,7 +50,7 @@ def wait_for_host(done: torch.Tensor, i: int, step: torch.Tensor, fault: torch.T
     flags = done.numpy()
     while flags[i] != want:
         if time.monotonic() - t0 > CPU_TIMEOUT:
-            fault[0] = 1
+            fault.numpy()[0] = 1
             return
         os.sched_yield()
 
