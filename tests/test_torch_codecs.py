@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 
 import numpy as np
@@ -368,3 +369,67 @@ def test_nan_fields_do_not_depend_on_the_devices_nan_bits(qtype: str, with_impor
     rows = _edge_rows(n, seed=7)
     with _CanonicalNaNs():
         _assert_same(qtype, rows, _importance(n, 3) if with_importance else None, "cpu")
+
+
+def _q4k_rows() -> np.ndarray:
+    """Rows for the fused Q4_K kernel: Gaussian, heavy-tailed, tiny, on a grid, an outlier, flat and zero
+    sub-blocks."""
+    rng = np.random.default_rng(7)
+    parts = [
+        rng.standard_normal((16, 1024)),
+        rng.standard_t(2, (16, 1024)),
+        rng.uniform(-1, 1, (8, 1024)) * 1e-3,
+        np.round(rng.standard_normal((8, 1024)) * 4) / 4,
+    ]
+    rows = np.concatenate(parts).astype(np.float32)
+    rows[3, 100] = 1e4
+    rows[40:42, 256:512] = -2.0
+    rows[44, :32] = 0.0
+    return rows
+
+
+_Q4K_SCRIPT = """
+import sys, numpy as np, torch
+sys.path.insert(0, sys.argv[1])
+from tests.test_torch_codecs import _q4k_rows
+from forge.quant.torch_codecs import q4k_triton
+from forge.quant.types import get_type
+rows = _q4k_rows()[:: int(sys.argv[2])]
+got = q4k_triton.encode_q4_k_fused(torch.from_numpy(rows)).numpy()
+print(np.flatnonzero((got != get_type("q4_k").encode(rows, None)).any(1)).tolist())
+"""
+
+
+def test_fused_q4_k_in_the_triton_interpreter() -> None:
+    """The fused Q4_K kernel's operations, run by Triton's interpreter (numpy float32: no contraction,
+    correctly rounded division), give the CPU codec's bytes. Needs triton (absent from CI's CPU torch)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", _Q4K_SCRIPT, str(root), "6"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "[]"  # no row differs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+def test_fused_q4_k_on_cuda() -> None:
+    """On a GPU the fused Q4_K kernel passes its self-check (so ``encode_on_device`` uses it) and gives the
+    CPU codec's bytes on rows of every kind."""
+    from forge.quant.torch_codecs import q4k_triton
+
+    assert q4k_triton.usable(torch.device("cuda"))
+    rows = _q4k_rows()
+    got = q4k_triton.encode_q4_k_fused(torch.from_numpy(rows).cuda()).cpu().numpy()
+    assert np.array_equal(got, get_type("q4_k").encode(rows, None))
+    assert np.array_equal(encode_on_device("Q4_K", rows, None, "cuda"), get_type("q4_k").encode(rows, None))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType as T
 
-from forge.quant.torch_codecs import device_encoder, ops
+from forge.quant.torch_codecs import device_encoder, ops, q4k_triton
 
 QK = 256
 
@@ -94,6 +94,14 @@ def _pack_nibbles_64(levels: torch.Tensor) -> torch.Tensor:
 # peak device bytes per element measured on an H200: 49 (Q4_K)
 @device_encoder(T.Q4_K, bytes_per_elem=64)
 def encode_q4_k(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+    """Without importance weights on a GPU: one fused kernel (``q4k_triton``) once it has shown the same
+    bytes as these operations in this process."""
+    if importance is None and rows.is_cuda and q4k_triton.usable(rows.device):
+        return q4k_triton.encode_q4_k_fused(rows)
+    return encode_q4_k_ops(rows, importance)
+
+
+def encode_q4_k_ops(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
     header, levels = encode_q45k_blocks(rows, importance, 15)
     return torch.cat([header, _pack_nibbles_64(levels)], dim=1).reshape(rows.shape[0], -1)
 
