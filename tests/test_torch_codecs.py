@@ -388,21 +388,30 @@ def _q4k_rows() -> np.ndarray:
     return rows
 
 
-_Q4K_SCRIPT = """
+_FUSED_SCRIPT = """
 import sys, numpy as np, torch
 sys.path.insert(0, sys.argv[1])
 from tests.test_torch_codecs import _q4k_rows
-from forge.quant.torch_codecs import q4k_triton
+from forge.quant.torch_codecs import kquants_triton
 from forge.quant.types import get_type
 rows = _q4k_rows()[:: int(sys.argv[2])]
-got = q4k_triton.encode_q4_k_fused(torch.from_numpy(rows)).numpy()
-print(np.flatnonzero((got != get_type("q4_k").encode(rows, None)).any(1)).tolist())
+imp = np.random.default_rng(3).random(rows.shape[1]).astype(np.float32)
+bad = []
+got = kquants_triton.encode_q4_k_fused(torch.from_numpy(rows)).numpy()
+bad.append(np.flatnonzero((got != get_type("q4_k").encode(rows, None)).any(1)).tolist())
+for w in (None, imp, np.tile(imp, (len(rows), 1))):
+    t = None if w is None else torch.from_numpy(w)
+    got = kquants_triton.encode_q6_k_fused(torch.from_numpy(rows), t).numpy()
+    want = get_type("q6_k").encode(rows, None if w is None else imp)
+    bad.append(np.flatnonzero((got != want).any(1)).tolist())
+print(bad)
 """
 
 
-def test_fused_q4_k_in_the_triton_interpreter() -> None:
-    """The fused Q4_K kernel's operations, run by Triton's interpreter (numpy float32: no contraction,
-    correctly rounded division), give the CPU codec's bytes. Needs triton (absent from CI's CPU torch)."""
+def test_fused_k_quants_in_the_triton_interpreter() -> None:
+    """The fused Q4_K and Q6_K kernels' operations, run by Triton's interpreter (numpy float32: no
+    contraction, correctly rounded division), give the CPU codecs' bytes (Q6_K without importance, with one
+    vector, with one per row). Needs triton (absent from CI's CPU torch)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -411,25 +420,26 @@ def test_fused_q4_k_in_the_triton_interpreter() -> None:
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run(
-        [sys.executable, "-c", _Q4K_SCRIPT, str(root), "6"],
+        [sys.executable, "-c", _FUSED_SCRIPT, str(root), "6"],
         capture_output=True,
         text=True,
         env=env,
-        timeout=600,
+        timeout=900,
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip().splitlines()[-1] == "[]"  # no row differs
+    assert run.stdout.strip().splitlines()[-1] == "[[], [], [], []]"  # no row differs
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
-def test_fused_q4_k_on_cuda() -> None:
-    """On a GPU the fused Q4_K kernel passes its self-check (so ``encode_on_device`` uses it) and gives the
-    CPU codec's bytes on rows of every kind."""
-    from forge.quant.torch_codecs import q4k_triton
+def test_fused_k_quants_on_cuda() -> None:
+    """On a GPU the fused Q4_K and Q6_K kernels pass their self-checks (so ``encode_on_device`` uses them)
+    and give the CPU codecs' bytes on rows of every kind."""
+    from forge.quant.torch_codecs import kquants_triton
 
-    assert q4k_triton.usable(torch.device("cuda"))
     rows = _q4k_rows()
-    got = q4k_triton.encode_q4_k_fused(torch.from_numpy(rows).cuda()).cpu().numpy()
-    assert np.array_equal(got, get_type("q4_k").encode(rows, None))
-    assert np.array_equal(encode_on_device("Q4_K", rows, None, "cuda"), get_type("q4_k").encode(rows, None))
+    imp = np.random.default_rng(3).random(rows.shape[1]).astype(np.float32)
+    for qtype, w in (("q4_k", None), ("q6_k", None), ("q6_k", imp)):
+        assert kquants_triton.usable(qtype, torch.device("cuda"))
+        want = get_type(qtype).encode(rows, w)
+        assert np.array_equal(encode_on_device(qtype.upper(), rows, w, "cuda"), want), (qtype, w is None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType as T
 
-from forge.quant.torch_codecs import device_encoder, ops, q4k_triton
+from forge.quant.torch_codecs import device_encoder, kquants_triton, ops
 
 QK = 256
 
@@ -94,10 +94,10 @@ def _pack_nibbles_64(levels: torch.Tensor) -> torch.Tensor:
 # peak device bytes per element measured on an H200: 49 (Q4_K)
 @device_encoder(T.Q4_K, bytes_per_elem=64)
 def encode_q4_k(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
-    """Without importance weights on a GPU: one fused kernel (``q4k_triton``) once it has shown the same
+    """Without importance weights on a GPU: one fused kernel (``kquants_triton``) once it has shown the same
     bytes as these operations in this process."""
-    if importance is None and rows.is_cuda and q4k_triton.usable(rows.device):
-        return q4k_triton.encode_q4_k_fused(rows)
+    if importance is None and rows.is_cuda and kquants_triton.usable("q4_k", rows.device):
+        return kquants_triton.encode_q4_k_fused(rows)
     return encode_q4_k_ops(rows, importance)
 
 
@@ -157,6 +157,14 @@ def _pack_2bit_128(levels: torch.Tensor) -> torch.Tensor:
 
 @device_encoder(T.Q6_K, bytes_per_elem=64)
 def encode_q6_k(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+    """On a GPU: one fused kernel (``kquants_triton``) once it has shown the same bytes as these operations
+    in this process."""
+    if rows.is_cuda and kquants_triton.usable("q6_k", rows.device):
+        return kquants_triton.encode_q6_k_fused(rows, importance)
+    return encode_q6_k_ops(rows, importance)
+
+
+def encode_q6_k_ops(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
     n_rows = rows.shape[0]
     x_t = _sub_t(rows, 16)  # (16, NS), NS = NB*16
     nb = x_t.shape[1] // 16

@@ -1,0 +1,362 @@
+"""Q4_K (without importance weights) and Q6_K as one Triton kernel each: the same float32 operations in the
+same order as ``forge/quant/kernels/kquants.py`` (ggml's ``quantize_row_q4_K_ref`` / ``quantize_row_q6_K``
+and their imatrix form for Q6_K), so the same bytes.
+
+The torch encoder (``kquants.encode_q4_k``) runs the sub-block search as chains of whole-chunk operations:
+a sequential 32-term sum is 32 launches, a search step four of them, and the chunk passes through memory
+for every one (1.2 GB/s of float32 input on an H200). Here a program takes ``BS`` super-blocks and keeps
+their 8 sub-blocks' running sums, scales and errors in registers; each pass over a sub-block's 32 values
+reads them again from the cache in C order, and the search's levels go to a scratch row only when a step
+improves. Bit-exact needs what C does: divisions and square roots correctly rounded (``div_rn``,
+``sqrt_rn``), no multiply-add contraction (the kernel is launched with ``enable_fp_fusion=False``),
+round-half-even through ggml's 1.5 * 2**23 trick, fp16 by round to nearest even.
+
+``encode_q4_k_fused(rows)`` / ``encode_q6_k_fused(rows, importance)`` take float32 rows (R, n_per_row) on
+a CUDA device and return (R, row_bytes) uint8; ``usable(qtype, device)`` compares a kernel with the torch
+encoder once per process (``kquants`` uses it only when they agree).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import numpy as np
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - machines without triton
+    triton = tl = None
+
+log = logging.getLogger(__name__)
+
+QK = 256
+BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}
+#: super-blocks per program
+BS = 32
+
+if triton is not None:
+
+    @triton.jit
+    def _nearest_int(v):
+        bits = (v + 12582912.0).to(tl.int32, bitcast=True)
+        return (bits & 0x007FFFFF) - 0x00400000
+
+    @triton.jit
+    def _weight(x, av):
+        return av + tl.abs(x)
+
+    @triton.jit
+    def _q4k_kernel(x_ptr, out_ptr, lv_ptr, n_sb, steps_ptr, BS_: tl.constexpr):
+        pid = tl.program_id(0)
+        row = pid * BS_ + tl.arange(0, BS_)  # (BS,) super-blocks
+        sb = row[:, None]
+        j = tl.arange(0, 8)[None, :]  # (1, 8) sub-block
+        ok = (sb < n_sb) & (j < 8)
+        base = sb * 256 + j * 32  # (BS, 8) first value of each sub-block
+        zero = tl.zeros((BS_, 8), tl.float32)
+
+        # per sub-block: sum of squares (C order), its weights' scale, min / max, sums of w and w * x
+        sum_x2 = zero
+        for i in range(32):
+            v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
+            sum_x2 = sum_x2 + v * v
+        av = tl.sqrt_rn(tl.div_rn(sum_x2, 32.0))
+        x0 = tl.load(x_ptr + base, mask=ok, other=0.0)
+        mn = x0
+        mx = x0
+        sum_w = _weight(x0, av)
+        sum_x = sum_w * x0
+        for i in range(1, 32):
+            v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
+            w = _weight(v, av)
+            mn = tl.where(v < mn, v, mn)
+            mx = tl.where(v > mx, v, mx)
+            sum_w = sum_w + w
+            sum_x = sum_x + w * v
+        mn = tl.where(mn > 0.0, 0.0, mn)
+        flat = mx == mn
+        span = tl.where(flat, 1.0, mx - mn)
+
+        # make_qkx2_quants(32, 15, x, w, rmin -1, rdelta 0.1, nstep 20)
+        iscale = tl.div_rn(tl.full((BS_, 8), 15.0, tl.float32), span)
+        scale = tl.div_rn(tl.full((BS_, 8), 1.0, tl.float32), iscale)
+        best = zero
+        for i in range(32):
+            v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
+            li = tl.minimum(tl.maximum(_nearest_int(iscale * (v - mn)), 0), 15)
+            tl.store(lv_ptr + base + i, li.to(tl.uint8), mask=ok)
+            diff = scale * li.to(tl.float32) + mn - v
+            best = best + _weight(v, av) * (diff * diff)
+        for step in range(21):
+            # over the current min (a better step moves it), as ggml's loop
+            iscale = tl.div_rn(zero + tl.load(steps_ptr + step), tl.where(flat, 1.0, mx - mn))
+            sum_l = zero
+            sum_l2 = zero
+            sum_xl = zero
+            for i in range(32):
+                v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
+                fl = tl.minimum(tl.maximum(_nearest_int(iscale * (v - mn)), 0), 15).to(tl.float32)
+                wl = _weight(v, av) * fl
+                sum_l = sum_l + wl
+                sum_l2 = sum_l2 + wl * fl
+                sum_xl = sum_xl + wl * v
+            det = sum_w * sum_l2 - sum_l * sum_l
+            this_scale = tl.div_rn(sum_w * sum_xl - sum_x * sum_l, det)
+            this_min = tl.div_rn(sum_l2 * sum_x - sum_l * sum_xl, det)
+            pos = this_min > 0.0
+            this_min = tl.where(pos, 0.0, this_min)
+            this_scale = tl.where(pos, tl.div_rn(sum_xl, sum_l2), this_scale)
+            cur = zero
+            for i in range(32):
+                v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
+                fl = tl.minimum(tl.maximum(_nearest_int(iscale * (v - mn)), 0), 15).to(tl.float32)
+                diff = this_scale * fl + this_min - v
+                cur = cur + _weight(v, av) * (diff * diff)
+            better = (det > 0.0) & (cur < best) & ~flat
+            for i in range(32):
+                v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
+                li = tl.minimum(tl.maximum(_nearest_int(iscale * (v - mn)), 0), 15)
+                tl.store(lv_ptr + base + i, li.to(tl.uint8), mask=ok & better)
+            best = tl.where(better, cur, best)
+            scale = tl.where(better, this_scale, scale)
+            mn = tl.where(better, this_min, mn)
+        scale = tl.where(flat, 0.0, scale)
+        the_min = -mn  # flat: -min(x0's min, 0) as the search never moved it
+
+        # the super-block's 6-bit scales and mins, its fp16 d and dmin
+        max_scale = tl.max(scale, axis=1)  # (BS,); C starts from +0 and keeps it unless a value is above
+        max_scale = tl.where(max_scale > 0.0, max_scale, 0.0)
+        max_min = tl.max(the_min, axis=1)
+        max_min = tl.where(max_min > 0.0, max_min, 0.0)
+        inv_scale = tl.where(max_scale > 0.0, tl.div_rn(tl.full((BS_,), 63.0, tl.float32), max_scale), 0.0)
+        inv_min = tl.where(max_min > 0.0, tl.div_rn(tl.full((BS_,), 63.0, tl.float32), max_min), 0.0)
+        ls = tl.minimum(_nearest_int(inv_scale[:, None] * scale) & 0xFF, 63)  # (BS, 8)
+        lm = tl.minimum(_nearest_int(inv_min[:, None] * the_min) & 0xFF, 63)
+        d16 = tl.div_rn(max_scale, 63.0).to(tl.float16)
+        m16 = tl.div_rn(max_min, 63.0).to(tl.float16)
+        live = row < n_sb
+        out = out_ptr + row * 144
+        dbits = d16.to(tl.int16, bitcast=True).to(tl.int32)
+        mbits = m16.to(tl.int16, bitcast=True).to(tl.int32)
+        tl.store(out + 0, (dbits & 0xFF).to(tl.uint8), mask=live)
+        tl.store(out + 1, ((dbits >> 8) & 0xFF).to(tl.uint8), mask=live)
+        tl.store(out + 2, (mbits & 0xFF).to(tl.uint8), mask=live)
+        tl.store(out + 3, ((mbits >> 8) & 0xFF).to(tl.uint8), mask=live)
+        for q in range(4):
+            s_lo = tl.sum(tl.where(j == q, ls, 0), axis=1)
+            s_hi = tl.sum(tl.where(j == q + 4, ls, 0), axis=1)
+            m_lo = tl.sum(tl.where(j == q, lm, 0), axis=1)
+            m_hi = tl.sum(tl.where(j == q + 4, lm, 0), axis=1)
+            tl.store(out + 4 + q, (s_lo | ((s_hi >> 4) << 6)).to(tl.uint8), mask=live)
+            tl.store(out + 8 + q, (m_lo | ((m_hi >> 4) << 6)).to(tl.uint8), mask=live)
+            tl.store(out + 12 + q, ((s_hi & 0xF) | ((m_hi & 0xF) << 4)).to(tl.uint8), mask=live)
+
+        # the levels again from the rounded d and dmin (a sub-block whose d is 0 keeps the search's)
+        d = d16.to(tl.float32)[:, None] * ls.to(tl.float32)  # (BS, 8)
+        dm = m16.to(tl.float32)[:, None] * lm.to(tl.float32)
+        keep = d == 0.0
+        d_safe = tl.where(keep, 1.0, d)
+        for i in range(32):
+            v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
+            li = tl.minimum(tl.maximum(_nearest_int(tl.div_rn(v + dm, d_safe)), 0), 15)
+            old = tl.load(lv_ptr + base + i, mask=ok, other=0).to(tl.int32)
+            tl.store(lv_ptr + base + i, tl.where(keep, old, li).to(tl.uint8), mask=ok)
+        # nibbles: byte 16 + 32 c + i = L[64 c + i] | L[64 c + 32 + i] << 4
+        lane = tl.arange(0, 32)[None, :]
+        for c in range(4):
+            lo = tl.load(lv_ptr + row[:, None] * 256 + 64 * c + lane, mask=live[:, None], other=0).to(
+                tl.int32
+            )
+            hi = tl.load(lv_ptr + row[:, None] * 256 + 64 * c + 32 + lane, mask=live[:, None], other=0)
+            byte = lo | (hi.to(tl.int32) << 4)
+            tl.store(out[:, None] + 16 + 32 * c + lane, byte.to(tl.uint8), mask=live[:, None])
+
+    @triton.jit
+    def _q6k_kernel(x_ptr, imp_ptr, imp_stride, n_per_row, out_ptr, lv_ptr, n_sb, steps_ptr,
+                    HAS_IMP: tl.constexpr, BS_: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0)
+        row = pid * BS_ + tl.arange(0, BS_)  # (BS,) super-blocks
+        sb = row[:, None]
+        j = tl.arange(0, 16)[None, :]  # (1, 16) sub-block of 16
+        ok = (sb < n_sb) & (j < 16)
+        base = sb * 256 + j * 16
+        sbs = n_per_row // 256  # super-blocks per row: the importance vector's row and column
+        imp_base = (sb // sbs) * imp_stride + (sb % sbs) * 256 + j * 16
+        zero = tl.zeros((BS_, 16), tl.float32)
+
+        # make_qx_quants(16, 32, x, L, rmse_type 1, w): w the importance, else x * x
+        amax = zero
+        mx = zero
+        for i in range(16):
+            v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
+            ax = tl.abs(v)
+            up = ax > amax
+            amax = tl.where(up, ax, amax)
+            mx = tl.where(up, v, mx)
+        iscale = tl.div_rn(zero - 32.0, mx)
+        best_iscale = iscale
+        sumlx = zero
+        suml2 = zero
+        for i in range(16):
+            v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
+            if HAS_IMP:
+                w = tl.load(imp_ptr + imp_base + i, mask=ok, other=0.0)
+            else:
+                w = v * v
+            fl = tl.minimum(tl.maximum(_nearest_int(iscale * v), -32), 31).to(tl.float32)
+            sumlx = sumlx + (w * v) * fl
+            suml2 = suml2 + (w * fl) * fl
+        scale = tl.where(suml2 != 0.0, tl.div_rn(sumlx, tl.where(suml2 != 0.0, suml2, 1.0)), 0.0)
+        best = scale * sumlx
+        for k in range(18):  # steps -9..-1, 1..9
+            iscale = tl.div_rn(zero - tl.load(steps_ptr + k), mx)
+            sumlx = zero
+            suml2 = zero
+            for i in range(16):
+                v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
+                if HAS_IMP:
+                    w = tl.load(imp_ptr + imp_base + i, mask=ok, other=0.0)
+                else:
+                    w = v * v
+                fl = tl.minimum(tl.maximum(_nearest_int(iscale * v), -32), 31).to(tl.float32)
+                sumlx = sumlx + (w * v) * fl
+                suml2 = suml2 + (w * fl) * fl
+            better = (suml2 > 0.0) & (sumlx * sumlx > best * suml2)
+            scale = tl.where(better, tl.div_rn(sumlx, tl.where(better, suml2, 1.0)), scale)
+            best = tl.where(better, scale * sumlx, best)
+            best_iscale = tl.where(better, iscale, best_iscale)
+        empty = amax < 1e-15  # GROUP_MAX_EPS: an all-zero sub-block
+        scale = tl.where(empty, 0.0, scale)
+        for i in range(16):
+            v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
+            li = tl.minimum(tl.maximum(_nearest_int(best_iscale * v), -32), 31) + 32
+            tl.store(lv_ptr + base + i, tl.where(empty, 0, li).to(tl.uint8), mask=ok)
+
+        # the super-block: the scale of largest magnitude (the first such), its int8 scales, fp16 d
+        first = tl.argmax(tl.abs(scale), axis=1, tie_break_left=True)  # (BS,)
+        max_scale = tl.sum(tl.where(j == first[:, None], scale, 0.0), axis=1)
+        live = row < n_sb
+        blank = tl.abs(max_scale) < 1e-15
+        iscale_b = tl.div_rn(tl.full((BS_,), -128.0, tl.float32), tl.where(blank, 1.0, max_scale))
+        d16 = tl.div_rn(tl.full((BS_,), 1.0, tl.float32), iscale_b).to(tl.float16)
+        sc = tl.minimum(_nearest_int(iscale_b[:, None] * scale), 127)  # (BS, 16)
+        out = out_ptr + row * 210
+        dbits = d16.to(tl.int16, bitcast=True).to(tl.int32)
+        tl.store(out + 208, tl.where(blank, 0, dbits & 0xFF).to(tl.uint8), mask=live)
+        tl.store(out + 209, tl.where(blank, 0, (dbits >> 8) & 0xFF).to(tl.uint8), mask=live)
+        lane16 = tl.arange(0, 16)[None, :]
+        tl.store(
+            out[:, None] + 192 + lane16,
+            tl.where(blank[:, None], 0, sc & 0xFF).to(tl.uint8),
+            mask=live[:, None],
+        )
+        d = d16.to(tl.float32)[:, None] * sc.to(tl.float32)
+        keep = d == 0.0
+        d_safe = tl.where(keep, 1.0, d)
+        for i in range(16):
+            v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
+            li = tl.minimum(tl.maximum(_nearest_int(tl.div_rn(v, d_safe)), -32), 31) + 32
+            old = tl.load(lv_ptr + base + i, mask=ok, other=0).to(tl.int32)
+            tl.store(lv_ptr + base + i, tl.where(keep, old, li).to(tl.uint8), mask=ok)
+        # ql: byte 64 h + i = L[128 h + i] & 15 | (L[128 h + 64 + i] & 15) << 4, 64 h + 32 + i likewise from
+        # +32 / +96; qh: byte 128 + 32 h + i = the four levels' high 2 bits
+        lane = tl.arange(0, 32)[None, :]
+        at = lv_ptr + row[:, None] * 256 + lane
+        for h in range(2):
+            q0 = tl.load(at + 128 * h, mask=live[:, None], other=0).to(tl.int32)
+            q1 = tl.load(at + 128 * h + 32, mask=live[:, None], other=0).to(tl.int32)
+            q2 = tl.load(at + 128 * h + 64, mask=live[:, None], other=0).to(tl.int32)
+            q3 = tl.load(at + 128 * h + 96, mask=live[:, None], other=0).to(tl.int32)
+            gone = blank[:, None]
+            lo = tl.where(gone, 0, (q0 & 0xF) | ((q2 & 0xF) << 4))
+            lo2 = tl.where(gone, 0, (q1 & 0xF) | ((q3 & 0xF) << 4))
+            hi = tl.where(gone, 0, (q0 >> 4) | ((q1 >> 4) << 2) | ((q2 >> 4) << 4) | ((q3 >> 4) << 6))
+            tl.store(out[:, None] + 64 * h + lane, lo.to(tl.uint8), mask=live[:, None])
+            tl.store(out[:, None] + 64 * h + 32 + lane, lo2.to(tl.uint8), mask=live[:, None])
+            tl.store(out[:, None] + 128 + 32 * h + lane, hi.to(tl.uint8), mask=live[:, None])
+
+
+def encode_q4_k_fused(rows: torch.Tensor) -> torch.Tensor:
+    """float32 rows (R, n_per_row) on CUDA -> Q4_K bytes (R, n_per_row / 256 * 144) uint8."""
+    n_rows, n_per_row = rows.shape
+    n_sb = n_rows * n_per_row // QK
+    x = rows.contiguous()
+    out = torch.empty((n_sb, BLOCK_BYTES["q4_k"]), dtype=torch.uint8, device=rows.device)
+    scratch = torch.empty((n_sb, QK), dtype=torch.uint8, device=rows.device)
+    if n_sb:
+        grid = (triton.cdiv(n_sb, BS),)
+        _q4k_kernel[grid](x, out, scratch, n_sb, _steps(rows.device), BS_=BS, enable_fp_fusion=False)
+    return out.reshape(n_rows, -1)
+
+
+def encode_q6_k_fused(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+    """float32 rows (R, n_per_row) on CUDA, importance None, (n_per_row,) or one per row (R, n_per_row) ->
+    Q6_K bytes (R, n_per_row / 256 * 210) uint8."""
+    n_rows, n_per_row = rows.shape
+    n_sb = n_rows * n_per_row // QK
+    x = rows.contiguous()
+    out = torch.empty((n_sb, BLOCK_BYTES["q6_k"]), dtype=torch.uint8, device=rows.device)
+    scratch = torch.empty((n_sb, QK), dtype=torch.uint8, device=rows.device)
+    imp = x if importance is None else importance.to(torch.float32).contiguous()
+    stride = n_per_row if imp.dim() == 2 else 0
+    if n_sb:
+        grid = (triton.cdiv(n_sb, BS),)
+        _q6k_kernel[grid](x, imp, stride, n_per_row, out, scratch, n_sb, _steps(rows.device, "q6_k"),
+                          HAS_IMP=importance is not None, BS_=BS, enable_fp_fusion=False)  # fmt: skip
+    return out.reshape(n_rows, -1)
+
+
+@functools.cache
+def _steps(device: torch.device, qtype: str = "q4_k") -> torch.Tensor:
+    """The searches' float32 constants as C computes them: Q4_K's 21 rmin + rdelta * step + nmax (-1, 0.1,
+    15), Q6_K's 18 nmax + 0.1 * step (32; step -9..9 but 0)."""
+    if qtype == "q4_k":
+        step = np.arange(21, dtype=np.float32)
+        c = (np.float32(-1.0) + np.float32(0.1) * step) + np.float32(15.0)
+    else:
+        step = np.array([s for s in range(-9, 10) if s], dtype=np.float32)
+        c = np.float32(32.0) + np.float32(0.1) * step
+    return torch.from_numpy(c.astype(np.float32)).to(device)
+
+
+def usable(qtype: str, device: torch.device) -> bool:
+    """Triton is there and ``qtype``'s kernel gave the torch encoder's bytes on this device (checked once)."""
+    return triton is not None and self_check(qtype, str(device))
+
+
+@functools.cache
+def self_check(qtype: str, device: str) -> bool:
+    """Whether ``qtype``'s kernel gives the torch encoder's bytes on ``device`` (random rows, flat and zero
+    blocks, large and tiny magnitudes; Q6_K also with importance weights); checked once per process, a
+    difference logged."""
+    from forge.quant.torch_codecs import kquants
+
+    gen = torch.Generator().manual_seed(1234)
+    rows = torch.randn(48, 1024, generator=gen)
+    rows[1] = 0.0
+    rows[2, :256] = 3.25
+    rows[3] *= 1e-20
+    rows[4] *= 1e20
+    rows[5, ::2] = 0.0
+    rows[6, 16:32] = 0.0
+    rows = rows.to(device)
+    if qtype == "q4_k":
+        pairs = [(kquants.encode_q4_k_ops(rows, None), encode_q4_k_fused(rows))]
+    else:
+        imp = torch.rand(1024, generator=gen).to(device)
+        pairs = [
+            (kquants.encode_q6_k_ops(rows, w), encode_q6_k_fused(rows, w))
+            for w in (None, imp, imp.expand(48, -1))
+        ]
+    same = all(bool(torch.equal(want, got)) for want, got in pairs)
+    if not same:
+        log.warning(
+            "the fused %s kernel differs from the torch encoder on %s: not used", qtype.upper(), device
+        )
+    return same
+
+
+__all__ = ["encode_q4_k_fused", "encode_q6_k_fused", "self_check", "usable"]
