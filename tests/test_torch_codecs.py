@@ -397,8 +397,9 @@ from forge.quant.types import get_type
 rows = _q4k_rows()[:: int(sys.argv[2])]
 imp = np.random.default_rng(3).random(rows.shape[1]).astype(np.float32)
 bad = []
-got = kquants_triton.encode_q4_k_fused(torch.from_numpy(rows)).numpy()
-bad.append(np.flatnonzero((got != get_type("q4_k").encode(rows, None)).any(1)).tolist())
+for q in ("q4_k", "q5_k"):
+    got = kquants_triton.encode_q45_k_fused(torch.from_numpy(rows), q).numpy()
+    bad.append(np.flatnonzero((got != get_type(q).encode(rows, None)).any(1)).tolist())
 for w in (None, imp, np.tile(imp, (len(rows), 1))):
     t = None if w is None else torch.from_numpy(w)
     got = kquants_triton.encode_q6_k_fused(torch.from_numpy(rows), t).numpy()
@@ -409,7 +410,7 @@ print(bad)
 
 
 def test_fused_k_quants_in_the_triton_interpreter() -> None:
-    """The fused Q4_K and Q6_K kernels' operations, run by Triton's interpreter (numpy float32: no
+    """The fused Q4_K, Q5_K and Q6_K kernels' operations, run by Triton's interpreter (numpy float32: no
     contraction, correctly rounded division), give the CPU codecs' bytes (Q6_K without importance, with one
     vector, with one per row). Needs triton (absent from CI's CPU torch)."""
     import subprocess
@@ -427,19 +428,19 @@ def test_fused_k_quants_in_the_triton_interpreter() -> None:
         timeout=900,
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip().splitlines()[-1] == "[[], [], [], []]"  # no row differs
+    assert run.stdout.strip().splitlines()[-1] == "[[], [], [], [], []]"  # no row differs
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
 def test_fused_k_quants_on_cuda() -> None:
-    """On a GPU the fused Q4_K and Q6_K kernels pass their self-checks (so ``encode_on_device`` uses them)
+    """On a GPU the fused Q4_K, Q5_K and Q6_K kernels pass their self-checks (so ``encode_on_device`` uses them)
     and give the CPU codecs' bytes on rows of every kind."""
     from forge.quant.torch_codecs import kquants_triton
 
     rows = _q4k_rows()
     imp = np.random.default_rng(3).random(rows.shape[1]).astype(np.float32)
-    for qtype, w in (("q4_k", None), ("q6_k", None), ("q6_k", imp)):
+    for qtype, w in (("q4_k", None), ("q5_k", None), ("q6_k", None), ("q6_k", imp)):
         assert kquants_triton.usable(qtype, torch.device("cuda"))
         want = get_type(qtype).encode(rows, w)
         assert np.array_equal(encode_on_device(qtype.upper(), rows, w, "cuda"), want), (qtype, w is None)

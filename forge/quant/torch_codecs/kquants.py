@@ -97,7 +97,7 @@ def encode_q4_k(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Te
     """Without importance weights on a GPU: one fused kernel (``kquants_triton``) once it has shown the same
     bytes as these operations in this process."""
     if importance is None and rows.is_cuda and kquants_triton.usable("q4_k", rows.device):
-        return kquants_triton.encode_q4_k_fused(rows)
+        return kquants_triton.encode_q45_k_fused(rows, "q4_k")
     return encode_q4_k_ops(rows, importance)
 
 
@@ -108,6 +108,13 @@ def encode_q4_k_ops(rows: torch.Tensor, importance: torch.Tensor | None) -> torc
 
 @device_encoder(T.Q5_K, bytes_per_elem=64)
 def encode_q5_k(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+    """As ``encode_q4_k``."""
+    if importance is None and rows.is_cuda and kquants_triton.usable("q5_k", rows.device):
+        return kquants_triton.encode_q45_k_fused(rows, "q5_k")
+    return encode_q5_k_ops(rows, importance)
+
+
+def encode_q5_k_ops(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
     header, levels = encode_q45k_blocks(rows, importance, 31)
     nb = levels.shape[0]
     hi = (levels >> 4).reshape(nb, 4, 2, 32).to(torch.int32)  # chunk c, half, j -> bit 2c + half of qh[j]

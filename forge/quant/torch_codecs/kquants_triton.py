@@ -1,4 +1,4 @@
-"""Q4_K (without importance weights) and Q6_K as one Triton kernel each: the same float32 operations in the
+"""Q4_K and Q5_K (without importance weights) and Q6_K as one Triton kernel each: the same float32 operations in the
 same order as ``forge/quant/kernels/kquants.py`` (ggml's ``quantize_row_q4_K_ref`` / ``quantize_row_q6_K``
 and their imatrix form for Q6_K), so the same bytes.
 
@@ -11,7 +11,7 @@ improves. Bit-exact needs what C does: divisions and square roots correctly roun
 ``sqrt_rn``), no multiply-add contraction (the kernel is launched with ``enable_fp_fusion=False``),
 round-half-even through ggml's 1.5 * 2**23 trick, fp16 by round to nearest even.
 
-``encode_q4_k_fused(rows)`` / ``encode_q6_k_fused(rows, importance)`` take float32 rows (R, n_per_row) on
+``encode_q45_k_fused(rows, qtype)`` / ``encode_q6_k_fused(rows, importance)`` take float32 rows (R, n_per_row) on
 a CUDA device and return (R, row_bytes) uint8; ``usable(qtype, device)`` compares a kernel with the torch
 encoder once per process (``kquants`` uses it only when they agree).
 """
@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - machines without triton
 log = logging.getLogger(__name__)
 
 QK = 256
-BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}
+BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}
 #: super-blocks per program
 BS = 32
 
@@ -49,7 +49,8 @@ if triton is not None:
         return av + tl.abs(x)
 
     @triton.jit
-    def _q4k_kernel(x_ptr, out_ptr, lv_ptr, n_sb, steps_ptr, BS_: tl.constexpr):
+    def _q45k_kernel(x_ptr, out_ptr, lv_ptr, n_sb, steps_ptr, NMAX: tl.constexpr, NSTEPS: tl.constexpr,
+                     BYTES: tl.constexpr, BS_: tl.constexpr):  # fmt: skip
         pid = tl.program_id(0)
         row = pid * BS_ + tl.arange(0, BS_)  # (BS,) super-blocks
         sb = row[:, None]
@@ -80,17 +81,17 @@ if triton is not None:
         flat = mx == mn
         span = tl.where(flat, 1.0, mx - mn)
 
-        # make_qkx2_quants(32, 15, x, w, rmin -1, rdelta 0.1, nstep 20)
-        iscale = tl.div_rn(tl.full((BS_, 8), 15.0, tl.float32), span)
+        # make_qkx2_quants(32, nmax, x, w, rmin, rdelta, nstep): Q4_K 15, -1, 0.1, 20; Q5_K 31, -0.5, 0.1, 15
+        iscale = tl.div_rn(zero + NMAX, span)
         scale = tl.div_rn(tl.full((BS_, 8), 1.0, tl.float32), iscale)
         best = zero
         for i in range(32):
             v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
-            li = tl.minimum(tl.maximum(_nearest_int(iscale * (v - mn)), 0), 15)
+            li = tl.minimum(tl.maximum(_nearest_int(iscale * (v - mn)), 0), NMAX)
             tl.store(lv_ptr + base + i, li.to(tl.uint8), mask=ok)
             diff = scale * li.to(tl.float32) + mn - v
             best = best + _weight(v, av) * (diff * diff)
-        for step in range(21):
+        for step in range(NSTEPS):
             # over the current min (a better step moves it), as ggml's loop
             iscale = tl.div_rn(zero + tl.load(steps_ptr + step), tl.where(flat, 1.0, mx - mn))
             sum_l = zero
@@ -98,7 +99,7 @@ if triton is not None:
             sum_xl = zero
             for i in range(32):
                 v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
-                fl = tl.minimum(tl.maximum(_nearest_int(iscale * (v - mn)), 0), 15).to(tl.float32)
+                fl = tl.minimum(tl.maximum(_nearest_int(iscale * (v - mn)), 0), NMAX).to(tl.float32)
                 wl = _weight(v, av) * fl
                 sum_l = sum_l + wl
                 sum_l2 = sum_l2 + wl * fl
@@ -112,13 +113,13 @@ if triton is not None:
             cur = zero
             for i in range(32):
                 v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
-                fl = tl.minimum(tl.maximum(_nearest_int(iscale * (v - mn)), 0), 15).to(tl.float32)
+                fl = tl.minimum(tl.maximum(_nearest_int(iscale * (v - mn)), 0), NMAX).to(tl.float32)
                 diff = this_scale * fl + this_min - v
                 cur = cur + _weight(v, av) * (diff * diff)
             better = (det > 0.0) & (cur < best) & ~flat
             for i in range(32):
                 v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
-                li = tl.minimum(tl.maximum(_nearest_int(iscale * (v - mn)), 0), 15)
+                li = tl.minimum(tl.maximum(_nearest_int(iscale * (v - mn)), 0), NMAX)
                 tl.store(lv_ptr + base + i, li.to(tl.uint8), mask=ok & better)
             best = tl.where(better, cur, best)
             scale = tl.where(better, this_scale, scale)
@@ -138,7 +139,7 @@ if triton is not None:
         d16 = tl.div_rn(max_scale, 63.0).to(tl.float16)
         m16 = tl.div_rn(max_min, 63.0).to(tl.float16)
         live = row < n_sb
-        out = out_ptr + row * 144
+        out = out_ptr + row * BYTES
         dbits = d16.to(tl.int16, bitcast=True).to(tl.int32)
         mbits = m16.to(tl.int16, bitcast=True).to(tl.int32)
         tl.store(out + 0, (dbits & 0xFF).to(tl.uint8), mask=live)
@@ -161,18 +162,23 @@ if triton is not None:
         d_safe = tl.where(keep, 1.0, d)
         for i in range(32):
             v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
-            li = tl.minimum(tl.maximum(_nearest_int(tl.div_rn(v + dm, d_safe)), 0), 15)
+            li = tl.minimum(tl.maximum(_nearest_int(tl.div_rn(v + dm, d_safe)), 0), NMAX)
             old = tl.load(lv_ptr + base + i, mask=ok, other=0).to(tl.int32)
             tl.store(lv_ptr + base + i, tl.where(keep, old, li).to(tl.uint8), mask=ok)
-        # nibbles: byte 16 + 32 c + i = L[64 c + i] | L[64 c + 32 + i] << 4
+        # low nibbles: byte QS + 32 c + i = L[64 c + i] & 15 | (L[64 c + 32 + i] & 15) << 4; Q5_K's fifth bits:
+        # byte 16 + i holds bit 2 c of L[64 c + i] and bit 2 c + 1 of L[64 c + 32 + i]
         lane = tl.arange(0, 32)[None, :]
+        at = lv_ptr + row[:, None] * 256 + lane
+        qs = 16 if NMAX == 15 else 48
+        qh = tl.zeros((BS_, 32), tl.int32)
         for c in range(4):
-            lo = tl.load(lv_ptr + row[:, None] * 256 + 64 * c + lane, mask=live[:, None], other=0).to(
-                tl.int32
-            )
-            hi = tl.load(lv_ptr + row[:, None] * 256 + 64 * c + 32 + lane, mask=live[:, None], other=0)
-            byte = lo | (hi.to(tl.int32) << 4)
-            tl.store(out[:, None] + 16 + 32 * c + lane, byte.to(tl.uint8), mask=live[:, None])
+            lo = tl.load(at + 64 * c, mask=live[:, None], other=0).to(tl.int32)
+            hi = tl.load(at + 64 * c + 32, mask=live[:, None], other=0).to(tl.int32)
+            byte = (lo & 0xF) | ((hi & 0xF) << 4)
+            tl.store(out[:, None] + qs + 32 * c + lane, byte.to(tl.uint8), mask=live[:, None])
+            qh = qh | ((lo >> 4) << (2 * c)) | ((hi >> 4) << (2 * c + 1))
+        if NMAX == 31:
+            tl.store(out[:, None] + 16 + lane, qh.to(tl.uint8), mask=live[:, None])
 
     @triton.jit
     def _q6k_kernel(x_ptr, imp_ptr, imp_stride, n_per_row, out_ptr, lv_ptr, n_sb, steps_ptr,
@@ -279,16 +285,19 @@ if triton is not None:
             tl.store(out[:, None] + 128 + 32 * h + lane, hi.to(tl.uint8), mask=live[:, None])
 
 
-def encode_q4_k_fused(rows: torch.Tensor) -> torch.Tensor:
-    """float32 rows (R, n_per_row) on CUDA -> Q4_K bytes (R, n_per_row / 256 * 144) uint8."""
+def encode_q45_k_fused(rows: torch.Tensor, qtype: str) -> torch.Tensor:
+    """float32 rows (R, n_per_row) on CUDA -> ``qtype`` (q4_k, q5_k) bytes (R, n_per_row / 256 * block)
+    uint8, without importance weights."""
     n_rows, n_per_row = rows.shape
     n_sb = n_rows * n_per_row // QK
     x = rows.contiguous()
-    out = torch.empty((n_sb, BLOCK_BYTES["q4_k"]), dtype=torch.uint8, device=rows.device)
+    out = torch.empty((n_sb, BLOCK_BYTES[qtype]), dtype=torch.uint8, device=rows.device)
     scratch = torch.empty((n_sb, QK), dtype=torch.uint8, device=rows.device)
+    nmax, nsteps = (15, 21) if qtype == "q4_k" else (31, 16)
     if n_sb:
         grid = (triton.cdiv(n_sb, BS),)
-        _q4k_kernel[grid](x, out, scratch, n_sb, _steps(rows.device), BS_=BS, enable_fp_fusion=False)
+        _q45k_kernel[grid](x, out, scratch, n_sb, _steps(rows.device, qtype), NMAX=nmax, NSTEPS=nsteps,
+                           BYTES=BLOCK_BYTES[qtype], BS_=BS, enable_fp_fusion=False)  # fmt: skip
     return out.reshape(n_rows, -1)
 
 
@@ -311,11 +320,14 @@ def encode_q6_k_fused(rows: torch.Tensor, importance: torch.Tensor | None) -> to
 
 @functools.cache
 def _steps(device: torch.device, qtype: str = "q4_k") -> torch.Tensor:
-    """The searches' float32 constants as C computes them: Q4_K's 21 rmin + rdelta * step + nmax (-1, 0.1,
-    15), Q6_K's 18 nmax + 0.1 * step (32; step -9..9 but 0)."""
+    """The searches' float32 constants as C computes them: Q4_K's 21 and Q5_K's 16 rmin + rdelta * step +
+    nmax (-1, 0.1, 15; -0.5, 0.1, 31), Q6_K's 18 nmax + 0.1 * step (32; step -9..9 but 0)."""
     if qtype == "q4_k":
         step = np.arange(21, dtype=np.float32)
         c = (np.float32(-1.0) + np.float32(0.1) * step) + np.float32(15.0)
+    elif qtype == "q5_k":
+        step = np.arange(16, dtype=np.float32)
+        c = (np.float32(-0.5) + np.float32(0.1) * step) + np.float32(31.0)
     else:
         step = np.array([s for s in range(-9, 10) if s], dtype=np.float32)
         c = np.float32(32.0) + np.float32(0.1) * step
@@ -343,8 +355,9 @@ def self_check(qtype: str, device: str) -> bool:
     rows[5, ::2] = 0.0
     rows[6, 16:32] = 0.0
     rows = rows.to(device)
-    if qtype == "q4_k":
-        pairs = [(kquants.encode_q4_k_ops(rows, None), encode_q4_k_fused(rows))]
+    if qtype in ("q4_k", "q5_k"):
+        ops = kquants.encode_q4_k_ops if qtype == "q4_k" else kquants.encode_q5_k_ops
+        pairs = [(ops(rows, None), encode_q45_k_fused(rows, qtype))]
     else:
         imp = torch.rand(1024, generator=gen).to(device)
         pairs = [
@@ -359,4 +372,4 @@ def self_check(qtype: str, device: str) -> bool:
     return same
 
 
-__all__ = ["encode_q4_k_fused", "encode_q6_k_fused", "self_check", "usable"]
+__all__ = ["encode_q45_k_fused", "encode_q6_k_fused", "self_check", "usable"]
