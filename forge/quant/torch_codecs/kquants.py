@@ -94,10 +94,10 @@ def _pack_nibbles_64(levels: torch.Tensor) -> torch.Tensor:
 # peak device bytes per element measured on an H200: 49 (Q4_K)
 @device_encoder(T.Q4_K, bytes_per_elem=64)
 def encode_q4_k(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
-    """Without importance weights on a GPU: one fused kernel (``kquants_triton``) once it has shown the same
-    bytes as these operations in this process."""
-    if importance is None and rows.is_cuda and kquants_triton.usable("q4_k", rows.device):
-        return kquants_triton.encode_q45_k_fused(rows, "q4_k")
+    """On a GPU: one fused kernel (``kquants_triton``) once it has shown the same bytes as these operations in
+    this process."""
+    if rows.is_cuda and kquants_triton.usable("q4_k", rows.device):
+        return kquants_triton.encode_q45_k_fused(rows, "q4_k", importance)
     return encode_q4_k_ops(rows, importance)
 
 
@@ -109,8 +109,8 @@ def encode_q4_k_ops(rows: torch.Tensor, importance: torch.Tensor | None) -> torc
 @device_encoder(T.Q5_K, bytes_per_elem=64)
 def encode_q5_k(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
     """As ``encode_q4_k``."""
-    if importance is None and rows.is_cuda and kquants_triton.usable("q5_k", rows.device):
-        return kquants_triton.encode_q45_k_fused(rows, "q5_k")
+    if rows.is_cuda and kquants_triton.usable("q5_k", rows.device):
+        return kquants_triton.encode_q45_k_fused(rows, "q5_k", importance)
     return encode_q5_k_ops(rows, importance)
 
 

@@ -1,6 +1,6 @@
-"""Q4_K and Q5_K (without importance weights) and Q6_K as one Triton kernel each: the same float32 operations in the
+"""Q4_K, Q5_K and Q6_K as one Triton kernel each (Q4_K and Q5_K one kernel between them): the same float32 operations in the
 same order as ``forge/quant/kernels/kquants.py`` (ggml's ``quantize_row_q4_K_ref`` / ``quantize_row_q6_K``
-and their imatrix form for Q6_K), so the same bytes.
+and their imatrix forms), so the same bytes.
 
 The torch encoder (``kquants.encode_q4_k``) runs the sub-block search as chains of whole-chunk operations:
 a sequential 32-term sum is 32 launches, a search step four of them, and the chunk passes through memory
@@ -45,34 +45,128 @@ if triton is not None:
         return (bits & 0x007FFFFF) - 0x00400000
 
     @triton.jit
-    def _weight(x, av):
-        return av + tl.abs(x)
+    def _weight(v, av, imp_ptr, off, sig, ok, HAS_IMP: tl.constexpr):
+        """A value's weight in the sub-block search: imp * sqrt(sigma2 + x^2) with importance, else
+        av_x + |x|."""
+        if HAS_IMP:
+            return tl.load(imp_ptr + off, mask=ok, other=0.0) * tl.sqrt_rn(sig + v * v)
+        else:
+            return av + tl.abs(v)
 
     @triton.jit
-    def _q45k_kernel(x_ptr, out_ptr, lv_ptr, n_sb, steps_ptr, NMAX: tl.constexpr, NSTEPS: tl.constexpr,
-                     BYTES: tl.constexpr, BS_: tl.constexpr):  # fmt: skip
+    def _level(v, NMAX: tl.constexpr, GUARD: tl.constexpr):
+        """A search step's level: make_qkx3's v > 0 ? nearest_int(MIN(v, nmax)) : 0, make_qkx2's clamp."""
+        if GUARD:
+            return tl.where(v > 0.0, _nearest_int(tl.where(v < NMAX, v, NMAX * 1.0)), 0)
+        else:
+            return tl.minimum(tl.maximum(_nearest_int(v), 0), NMAX)
+
+    @triton.jit
+    def _pick(values, j, i):
+        """Column i of a (BS, n) tile, exactly (the other terms are zeros)."""
+        return tl.sum(tl.where(j == i, values, 0.0), axis=1)
+
+    @triton.jit
+    def _make_qp(x, w, j, qp_ptr, BS_: tl.constexpr):
+        """ggml make_qp_quants(8, 63, x, L, w) on each row of the (BS, 8) tiles x, w: returns (scale (BS,),
+        levels (BS, 8) int32). C's order throughout; each row's refinement stops at its first pass without a
+        change."""
+        zero1 = tl.zeros((BS_,), tl.float32)
+        mx = tl.max(x, axis=1)
+        mx = tl.where(mx > 0.0, mx, 0.0)
+        tiny = mx < 1e-15
+        mx = tl.where(tiny, 1.0, mx)
+        iscale = tl.div_rn(zero1 + 63.0, mx)
+        scale = tl.div_rn(zero1 + 1.0, iscale)
+        best = zero1
+        for i in range(8):
+            xi = _pick(x, j, i)
+            wi = _pick(w, j, i)
+            diff = xi - scale * (_nearest_int(iscale * xi) & 0xFF).to(tl.float32)
+            best = best + (wi * diff) * diff
+        for k in range(8):  # steps -4..-1, 1..4
+            iscale_is = tl.div_rn(zero1 + tl.load(qp_ptr + k), mx)
+            scale_is = tl.div_rn(zero1 + 1.0, iscale_is)
+            mse = zero1
+            for i in range(8):
+                xi = _pick(x, j, i)
+                wi = _pick(w, j, i)
+                diff = xi - scale_is * tl.minimum(_nearest_int(iscale_is * xi), 63).to(tl.float32)
+                mse = mse + (wi * diff) * diff
+            up = mse < best
+            best = tl.where(up, mse, best)
+            iscale = tl.where(up, iscale_is, iscale)
+        sumlx = zero1
+        suml2 = zero1
+        levels = tl.zeros((BS_, 8), tl.int32)
+        for i in range(8):
+            xi = _pick(x, j, i)
+            wi = _pick(w, j, i)
+            li = tl.minimum(_nearest_int(iscale * xi), 63)
+            levels = tl.where(j == i, (li & 0xFF)[:, None], levels)
+            fl = li.to(tl.float32)
+            sumlx = sumlx + (wi * xi) * fl
+            suml2 = suml2 + (wi * fl) * fl
+        active = ~tiny
+        for _ in range(5):
+            changed = tiny & ~tiny
+            for i in range(8):
+                xi = _pick(x, j, i)
+                wi = _pick(w, j, i)
+                li = tl.sum(tl.where(j == i, levels, 0), axis=1)
+                fl = li.to(tl.float32)
+                slx = sumlx - (wi * xi) * fl
+                sl2 = suml2 - (wi * fl) * fl
+                can = active & (slx > 0.0) & (sl2 > 0.0)
+                new_l = tl.minimum(_nearest_int(tl.div_rn(xi * sl2, tl.where(can, slx, 1.0))), 63)
+                fn = new_l.to(tl.float32)
+                slx = slx + (wi * xi) * fn
+                sl2 = sl2 + (wi * fn) * fn
+                take = can & (new_l != li) & ((slx * slx) * suml2 > (sumlx * sumlx) * sl2)
+                levels = tl.where(take[:, None] & (j == i), (new_l & 0xFF)[:, None], levels)
+                sumlx = tl.where(take, slx, sumlx)
+                suml2 = tl.where(take, sl2, suml2)
+                changed = changed | take
+            active = active & changed
+        scale = tl.where(suml2 > 0.0, tl.div_rn(sumlx, tl.where(suml2 > 0.0, suml2, 1.0)), 0.0)
+        return tl.where(tiny, 0.0, scale), tl.where(tiny[:, None], 0, levels)
+
+    @triton.jit
+    def _q45k_kernel(x_ptr, imp_ptr, imp_stride, n_per_row, out_ptr, lv_ptr, n_sb, steps_ptr,
+                     NMAX: tl.constexpr, NSTEPS: tl.constexpr, BYTES: tl.constexpr, HAS_IMP: tl.constexpr,
+                     BS_: tl.constexpr):  # fmt: skip
         pid = tl.program_id(0)
         row = pid * BS_ + tl.arange(0, BS_)  # (BS,) super-blocks
         sb = row[:, None]
         j = tl.arange(0, 8)[None, :]  # (1, 8) sub-block
         ok = (sb < n_sb) & (j < 8)
         base = sb * 256 + j * 32  # (BS, 8) first value of each sub-block
+        sbs = n_per_row // 256  # super-blocks per row: the importance vector's row and column
+        imp_base = (sb // sbs) * imp_stride + (sb % sbs) * 256 + j * 32
         zero = tl.zeros((BS_, 8), tl.float32)
 
-        # per sub-block: sum of squares (C order), its weights' scale, min / max, sums of w and w * x
+        # the weights' parameters: without importance each sub-block's rms (its squares summed in C order),
+        # with it each super-block's 2 * mean square (sigma2: the 256 squares in order)
         sum_x2 = zero
         for i in range(32):
             v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
             sum_x2 = sum_x2 + v * v
         av = tl.sqrt_rn(tl.div_rn(sum_x2, 32.0))
+        total = tl.zeros((BS_,), tl.float32)
+        if HAS_IMP:
+            for t in range(256):
+                v = tl.load(x_ptr + row * 256 + t, mask=row < n_sb, other=0.0)
+                total = total + v * v
+        sig = tl.div_rn(2.0 * total, 256.0)[:, None]
+        # min / max, sums of w and w * x (C order)
         x0 = tl.load(x_ptr + base, mask=ok, other=0.0)
         mn = x0
         mx = x0
-        sum_w = _weight(x0, av)
+        sum_w = _weight(x0, av, imp_ptr, imp_base, sig, ok, HAS_IMP)
         sum_x = sum_w * x0
         for i in range(1, 32):
             v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
-            w = _weight(v, av)
+            w = _weight(v, av, imp_ptr, imp_base + i, sig, ok, HAS_IMP)
             mn = tl.where(v < mn, v, mn)
             mx = tl.where(v > mx, v, mx)
             sum_w = sum_w + w
@@ -81,7 +175,8 @@ if triton is not None:
         flat = mx == mn
         span = tl.where(flat, 1.0, mx - mn)
 
-        # make_qkx2_quants(32, nmax, x, w, rmin, rdelta, nstep): Q4_K 15, -1, 0.1, 20; Q5_K 31, -0.5, 0.1, 15
+        # make_qkx2_quants(32, nmax, x, w, rmin, rdelta, nstep): Q4_K 15, -1, 0.1, 20; Q5_K 31, -0.5, 0.1, 15;
+        # with importance make_qkx3_quants (-0.9, 0.05, 36; guarded rounding in the steps)
         iscale = tl.div_rn(zero + NMAX, span)
         scale = tl.div_rn(tl.full((BS_, 8), 1.0, tl.float32), iscale)
         best = zero
@@ -90,7 +185,7 @@ if triton is not None:
             li = tl.minimum(tl.maximum(_nearest_int(iscale * (v - mn)), 0), NMAX)
             tl.store(lv_ptr + base + i, li.to(tl.uint8), mask=ok)
             diff = scale * li.to(tl.float32) + mn - v
-            best = best + _weight(v, av) * (diff * diff)
+            best = best + _weight(v, av, imp_ptr, imp_base + i, sig, ok, HAS_IMP) * (diff * diff)
         for step in range(NSTEPS):
             # over the current min (a better step moves it), as ggml's loop
             iscale = tl.div_rn(zero + tl.load(steps_ptr + step), tl.where(flat, 1.0, mx - mn))
@@ -99,8 +194,8 @@ if triton is not None:
             sum_xl = zero
             for i in range(32):
                 v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
-                fl = tl.minimum(tl.maximum(_nearest_int(iscale * (v - mn)), 0), NMAX).to(tl.float32)
-                wl = _weight(v, av) * fl
+                fl = _level(iscale * (v - mn), NMAX, HAS_IMP).to(tl.float32)
+                wl = _weight(v, av, imp_ptr, imp_base + i, sig, ok, HAS_IMP) * fl
                 sum_l = sum_l + wl
                 sum_l2 = sum_l2 + wl * fl
                 sum_xl = sum_xl + wl * v
@@ -113,13 +208,13 @@ if triton is not None:
             cur = zero
             for i in range(32):
                 v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
-                fl = tl.minimum(tl.maximum(_nearest_int(iscale * (v - mn)), 0), NMAX).to(tl.float32)
+                fl = _level(iscale * (v - mn), NMAX, HAS_IMP).to(tl.float32)
                 diff = this_scale * fl + this_min - v
-                cur = cur + _weight(v, av) * (diff * diff)
+                cur = cur + _weight(v, av, imp_ptr, imp_base + i, sig, ok, HAS_IMP) * (diff * diff)
             better = (det > 0.0) & (cur < best) & ~flat
             for i in range(32):
                 v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
-                li = tl.minimum(tl.maximum(_nearest_int(iscale * (v - mn)), 0), NMAX)
+                li = _level(iscale * (v - mn), NMAX, HAS_IMP)
                 tl.store(lv_ptr + base + i, li.to(tl.uint8), mask=ok & better)
             best = tl.where(better, cur, best)
             scale = tl.where(better, this_scale, scale)
@@ -127,17 +222,29 @@ if triton is not None:
         scale = tl.where(flat, 0.0, scale)
         the_min = -mn  # flat: -min(x0's min, 0) as the search never moved it
 
-        # the super-block's 6-bit scales and mins, its fp16 d and dmin
-        max_scale = tl.max(scale, axis=1)  # (BS,); C starts from +0 and keeps it unless a value is above
-        max_scale = tl.where(max_scale > 0.0, max_scale, 0.0)
-        max_min = tl.max(the_min, axis=1)
-        max_min = tl.where(max_min > 0.0, max_min, 0.0)
-        inv_scale = tl.where(max_scale > 0.0, tl.div_rn(tl.full((BS_,), 63.0, tl.float32), max_scale), 0.0)
-        inv_min = tl.where(max_min > 0.0, tl.div_rn(tl.full((BS_,), 63.0, tl.float32), max_min), 0.0)
-        ls = tl.minimum(_nearest_int(inv_scale[:, None] * scale) & 0xFF, 63)  # (BS, 8)
-        lm = tl.minimum(_nearest_int(inv_min[:, None] * the_min) & 0xFF, 63)
-        d16 = tl.div_rn(max_scale, 63.0).to(tl.float16)
-        m16 = tl.div_rn(max_min, 63.0).to(tl.float16)
+        # the super-block's 6-bit scales and mins, its fp16 d and dmin: with importance make_qp_quants over
+        # the sub-blocks' weight sums, else from the largest scale and min
+        if HAS_IMP:
+            d_val, ls = _make_qp(scale, sum_w, j, steps_ptr + NSTEPS, BS_)
+            m_val, lm = _make_qp(the_min, sum_w, j, steps_ptr + NSTEPS, BS_)
+            ls = tl.minimum(ls, 63)
+            lm = tl.minimum(lm, 63)
+        else:
+            max_scale = tl.max(scale, axis=1)  # (BS,); C starts from +0 and keeps it unless a value is above
+            max_scale = tl.where(max_scale > 0.0, max_scale, 0.0)
+            max_min = tl.max(the_min, axis=1)
+            max_min = tl.where(max_min > 0.0, max_min, 0.0)
+            one = tl.full((BS_,), 63.0, tl.float32)
+            inv_scale = tl.where(
+                max_scale > 0.0, tl.div_rn(one, tl.where(max_scale > 0.0, max_scale, 1.0)), 0.0
+            )
+            inv_min = tl.where(max_min > 0.0, tl.div_rn(one, tl.where(max_min > 0.0, max_min, 1.0)), 0.0)
+            ls = tl.minimum(_nearest_int(inv_scale[:, None] * scale) & 0xFF, 63)  # (BS, 8)
+            lm = tl.minimum(_nearest_int(inv_min[:, None] * the_min) & 0xFF, 63)
+            d_val = tl.div_rn(max_scale, 63.0)
+            m_val = tl.div_rn(max_min, 63.0)
+        d16 = d_val.to(tl.float16)
+        m16 = m_val.to(tl.float16)
         live = row < n_sb
         out = out_ptr + row * BYTES
         dbits = d16.to(tl.int16, bitcast=True).to(tl.int32)
@@ -285,19 +392,26 @@ if triton is not None:
             tl.store(out[:, None] + 128 + 32 * h + lane, hi.to(tl.uint8), mask=live[:, None])
 
 
-def encode_q45_k_fused(rows: torch.Tensor, qtype: str) -> torch.Tensor:
-    """float32 rows (R, n_per_row) on CUDA -> ``qtype`` (q4_k, q5_k) bytes (R, n_per_row / 256 * block)
-    uint8, without importance weights."""
+def encode_q45_k_fused(
+    rows: torch.Tensor, qtype: str, importance: torch.Tensor | None = None
+) -> torch.Tensor:
+    """float32 rows (R, n_per_row) on CUDA, importance None, (n_per_row,) or one per row (R, n_per_row) ->
+    ``qtype`` (q4_k, q5_k) bytes (R, n_per_row / 256 * block) uint8."""
     n_rows, n_per_row = rows.shape
     n_sb = n_rows * n_per_row // QK
     x = rows.contiguous()
     out = torch.empty((n_sb, BLOCK_BYTES[qtype]), dtype=torch.uint8, device=rows.device)
     scratch = torch.empty((n_sb, QK), dtype=torch.uint8, device=rows.device)
-    nmax, nsteps = (15, 21) if qtype == "q4_k" else (31, 16)
+    imat = importance is not None
+    nmax = 15 if qtype == "q4_k" else 31
+    nsteps = 37 if imat else (21 if qtype == "q4_k" else 16)
+    imp = x if importance is None else importance.to(torch.float32).contiguous()
+    stride = n_per_row if imp.dim() == 2 else 0
     if n_sb:
         grid = (triton.cdiv(n_sb, BS),)
-        _q45k_kernel[grid](x, out, scratch, n_sb, _steps(rows.device, qtype), NMAX=nmax, NSTEPS=nsteps,
-                           BYTES=BLOCK_BYTES[qtype], BS_=BS, enable_fp_fusion=False)  # fmt: skip
+        _q45k_kernel[grid](x, imp, stride, n_per_row, out, scratch, n_sb, _steps(rows.device, qtype, imat),
+                           NMAX=nmax, NSTEPS=nsteps, BYTES=BLOCK_BYTES[qtype], HAS_IMP=imat, BS_=BS,
+                           enable_fp_fusion=False)  # fmt: skip
     return out.reshape(n_rows, -1)
 
 
@@ -319,10 +433,17 @@ def encode_q6_k_fused(rows: torch.Tensor, importance: torch.Tensor | None) -> to
 
 
 @functools.cache
-def _steps(device: torch.device, qtype: str = "q4_k") -> torch.Tensor:
+def _steps(device: torch.device, qtype: str, imat: bool = False) -> torch.Tensor:
     """The searches' float32 constants as C computes them: Q4_K's 21 and Q5_K's 16 rmin + rdelta * step +
-    nmax (-1, 0.1, 15; -0.5, 0.1, 31), Q6_K's 18 nmax + 0.1 * step (32; step -9..9 but 0)."""
-    if qtype == "q4_k":
+    nmax (-1, 0.1, 15; -0.5, 0.1, 31), with importance 37 (-0.9, 0.05) then make_qp_quants' 8 0.1 * step +
+    63 (step -4..4 but 0); Q6_K's 18 nmax + 0.1 * step (32; step -9..9 but 0)."""
+    if imat:
+        nmax = np.float32(15.0 if qtype == "q4_k" else 31.0)
+        step = np.arange(37, dtype=np.float32)
+        search = (np.float32(-0.9) + np.float32(0.05) * step) + nmax
+        qp = np.float32(0.1) * np.array([s for s in range(-4, 5) if s], dtype=np.float32) + np.float32(63.0)
+        c = np.concatenate([search, qp])
+    elif qtype == "q4_k":
         step = np.arange(21, dtype=np.float32)
         c = (np.float32(-1.0) + np.float32(0.1) * step) + np.float32(15.0)
     elif qtype == "q5_k":
@@ -355,15 +476,13 @@ def self_check(qtype: str, device: str) -> bool:
     rows[5, ::2] = 0.0
     rows[6, 16:32] = 0.0
     rows = rows.to(device)
+    imp = torch.rand(1024, generator=gen).to(device)
+    weights = (None, imp, imp.expand(48, -1))
     if qtype in ("q4_k", "q5_k"):
         ops = kquants.encode_q4_k_ops if qtype == "q4_k" else kquants.encode_q5_k_ops
-        pairs = [(ops(rows, None), encode_q45_k_fused(rows, qtype))]
+        pairs = [(ops(rows, w), encode_q45_k_fused(rows, qtype, w)) for w in weights]
     else:
-        imp = torch.rand(1024, generator=gen).to(device)
-        pairs = [
-            (kquants.encode_q6_k_ops(rows, w), encode_q6_k_fused(rows, w))
-            for w in (None, imp, imp.expand(48, -1))
-        ]
+        pairs = [(kquants.encode_q6_k_ops(rows, w), encode_q6_k_fused(rows, w)) for w in weights]
     same = all(bool(torch.equal(want, got)) for want, got in pairs)
     if not same:
         log.warning(
