@@ -447,3 +447,18 @@ def test_fused_k_quants_on_cuda() -> None:
         assert kquants_triton.usable(qtype, torch.device("cuda"))
         want = get_type(qtype).encode(rows, w)
         assert np.array_equal(encode_on_device(qtype.upper(), rows, w, "cuda"), want), (qtype, w is None)
+
+
+def test_tame_chunks_for_the_fused_kernels() -> None:
+    """Chunks with a nonzero magnitude outside 1e-10..1e10 (rows or importance) go to the torch operations,
+    which reproduce the CPU's subnormals and NaN bits; zeros are tame."""
+    from forge.quant.torch_codecs.kquants_triton import tame
+
+    rows = torch.randn(4, 256)
+    rows[0, :10] = 0.0
+    assert tame(rows, None) and tame(rows, torch.rand(256) + 0.5)
+    for value in (1e-12, -1e-12, 1e11, -1e11):
+        odd = rows.clone()
+        odd[2, 7] = value
+        assert not tame(odd, None)
+    assert not tame(rows, torch.full((256,), 1e-20))

@@ -11,9 +11,12 @@ improves. Bit-exact needs what C does: divisions and square roots correctly roun
 ``sqrt_rn``), no multiply-add contraction (the kernel is launched with ``enable_fp_fusion=False``),
 round-half-even through ggml's 1.5 * 2**23 trick, fp16 by round to nearest even.
 
-``encode_q45_k_fused(rows, qtype)`` / ``encode_q6_k_fused(rows, importance)`` take float32 rows (R, n_per_row) on
-a CUDA device and return (R, row_bytes) uint8; ``usable(qtype, device)`` compares a kernel with the torch
-encoder once per process (``kquants`` uses it only when they agree).
+``encode_q45_k_fused(rows, qtype, importance)`` / ``encode_q6_k_fused(rows, importance)`` take float32 rows
+(R, n_per_row) on a CUDA device and return (R, row_bytes) uint8; ``usable(qtype, device)`` compares a kernel
+with the torch encoder once per process (``kquants`` uses it only when they agree), and ``tame(rows,
+importance)`` says whether a chunk's magnitudes keep every intermediate a normal float (no nonzero value
+below 1e-10 or above 1e10): Triton may flush subnormal results to zero where the CPU keeps them, and x86 and
+CUDA write NaNs with other bits, so chunks beyond that range take the torch operations, which reproduce both.
 """
 
 from __future__ import annotations
@@ -455,6 +458,21 @@ def _steps(device: torch.device, qtype: str, imat: bool = False) -> torch.Tensor
     return torch.from_numpy(c.astype(np.float32)).to(device)
 
 
+#: the magnitudes (nonzero values, importance weights) a fused kernel takes
+TAME = (1e-10, 1e10)
+
+
+def tame(rows: torch.Tensor, importance: torch.Tensor | None) -> bool:
+    """Every nonzero value of ``rows`` and ``importance`` within ``TAME`` (one device reduction, one sync)."""
+    lo, hi = TAME
+    checks = []
+    for t in (rows, importance):
+        if t is not None:
+            a = t.abs()
+            checks.append(((a < lo) & (a != 0)).any() | (a > hi).any())
+    return not bool(torch.stack(checks).any())
+
+
 def usable(qtype: str, device: torch.device) -> bool:
     """Triton is there and ``qtype``'s kernel gave the torch encoder's bytes on this device (checked once)."""
     return triton is not None and self_check(qtype, str(device))
@@ -462,17 +480,18 @@ def usable(qtype: str, device: torch.device) -> bool:
 
 @functools.cache
 def self_check(qtype: str, device: str) -> bool:
-    """Whether ``qtype``'s kernel gives the torch encoder's bytes on ``device`` (random rows, flat and zero
-    blocks, large and tiny magnitudes; Q6_K also with importance weights); checked once per process, a
-    difference logged."""
+    """Whether ``qtype``'s kernel gives the torch encoder's bytes on ``device`` (random rows at several scales,
+    flat and zero blocks and sub-blocks, an outlier; without importance, with one vector, with one per row);
+    checked once per process, a difference logged."""
     from forge.quant.torch_codecs import kquants
 
     gen = torch.Generator().manual_seed(1234)
     rows = torch.randn(48, 1024, generator=gen)
     rows[1] = 0.0
     rows[2, :256] = 3.25
-    rows[3] *= 1e-20
-    rows[4] *= 1e20
+    rows[3] *= 1e-6
+    rows[4] *= 1e6
+    rows[7, 300] = 1e5
     rows[5, ::2] = 0.0
     rows[6, 16:32] = 0.0
     rows = rows.to(device)
@@ -491,4 +510,4 @@ def self_check(qtype: str, device: str) -> bool:
     return same
 
 
-__all__ = ["encode_q45_k_fused", "encode_q6_k_fused", "self_check", "usable"]
+__all__ = ["TAME", "encode_q45_k_fused", "encode_q6_k_fused", "self_check", "tame", "usable"]
