@@ -1,6 +1,6 @@
-"""Q4_K, Q5_K and Q6_K as one Triton kernel each (Q4_K and Q5_K one kernel between them): the same float32 operations in the
-same order as ``forge/quant/kernels/kquants.py`` (ggml's ``quantize_row_q4_K_ref`` / ``quantize_row_q6_K``
-and their imatrix forms), so the same bytes.
+"""Q4_K, Q5_K and Q6_K encoders as fused Triton kernels (Q4_K and Q5_K share one): the same float32
+operations in the same order as ``forge/quant/kernels/kquants.py`` (ggml's ``quantize_row_q4_K_ref`` /
+``quantize_row_q6_K`` and their imatrix forms), so the same bytes.
 
 The torch encoder (``kquants.encode_q4_k``) runs the sub-block search as chains of whole-chunk operations:
 a sequential 32-term sum is 32 launches, a search step four of them, and the chunk passes through memory
