@@ -294,7 +294,7 @@ class HybridLayer:
     """The backend installed on one ``RoutedExperts`` layer (``routed_ffn`` as the backend modules')."""
 
     NAME = "hybrid"
-    CUTS_GRAPHS = True  # a decode step's host half is cut out of its CUDA graph (``cuda_graph.cut``)
+    CUTS_GRAPHS = True  # a decode step's host call, at its first routed layer, is cut out of its CUDA graph
 
     def __init__(self, executor: HybridExperts, layer: int, source: Any, pool: SlotPool) -> None:
         self.executor, self.layer, self.pool = executor, layer, pool
