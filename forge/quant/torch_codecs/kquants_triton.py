@@ -291,6 +291,23 @@ if triton is not None:
             tl.store(out[:, None] + 16 + lane, qh.to(tl.uint8), mask=live[:, None])
 
     @triton.jit
+    def _qx_sums(x_ptr, base, imp_ptr, imp_base, ok, iscale, zero, HAS_IMP: tl.constexpr):
+        """make_qx_quants' sums over a 16-value sub-block at ``iscale``, in C order: sum w x l and sum w l^2
+        (w the importance, else x^2; l = nearest_int(iscale x) within -32..31)."""
+        sumlx = zero
+        suml2 = zero
+        for i in range(16):
+            v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
+            if HAS_IMP:
+                w = tl.load(imp_ptr + imp_base + i, mask=ok, other=0.0)
+            else:
+                w = v * v
+            fl = tl.minimum(tl.maximum(_nearest_int(iscale * v), -32), 31).to(tl.float32)
+            sumlx = sumlx + (w * v) * fl
+            suml2 = suml2 + (w * fl) * fl
+        return sumlx, suml2
+
+    @triton.jit
     def _q6k_kernel(x_ptr, imp_ptr, imp_stride, n_per_row, out_ptr, lv_ptr, n_sb, steps_ptr,
                     HAS_IMP: tl.constexpr, BS_: tl.constexpr):  # fmt: skip
         pid = tl.program_id(0)
@@ -314,32 +331,12 @@ if triton is not None:
             mx = tl.where(up, v, mx)
         iscale = tl.div_rn(zero - 32.0, mx)
         best_iscale = iscale
-        sumlx = zero
-        suml2 = zero
-        for i in range(16):
-            v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
-            if HAS_IMP:
-                w = tl.load(imp_ptr + imp_base + i, mask=ok, other=0.0)
-            else:
-                w = v * v
-            fl = tl.minimum(tl.maximum(_nearest_int(iscale * v), -32), 31).to(tl.float32)
-            sumlx = sumlx + (w * v) * fl
-            suml2 = suml2 + (w * fl) * fl
+        sumlx, suml2 = _qx_sums(x_ptr, base, imp_ptr, imp_base, ok, iscale, zero, HAS_IMP)
         scale = tl.where(suml2 != 0.0, tl.div_rn(sumlx, tl.where(suml2 != 0.0, suml2, 1.0)), 0.0)
         best = scale * sumlx
         for k in range(18):  # steps -9..-1, 1..9
             iscale = tl.div_rn(zero - tl.load(steps_ptr + k), mx)
-            sumlx = zero
-            suml2 = zero
-            for i in range(16):
-                v = tl.load(x_ptr + base + i, mask=ok, other=0.0)
-                if HAS_IMP:
-                    w = tl.load(imp_ptr + imp_base + i, mask=ok, other=0.0)
-                else:
-                    w = v * v
-                fl = tl.minimum(tl.maximum(_nearest_int(iscale * v), -32), 31).to(tl.float32)
-                sumlx = sumlx + (w * v) * fl
-                suml2 = suml2 + (w * fl) * fl
+            sumlx, suml2 = _qx_sums(x_ptr, base, imp_ptr, imp_base, ok, iscale, zero, HAS_IMP)
             better = (suml2 > 0.0) & (sumlx * sumlx > best * suml2)
             scale = tl.where(better, tl.div_rn(sumlx, tl.where(better, suml2, 1.0)), scale)
             best = tl.where(better, scale * sumlx, best)
