@@ -173,6 +173,7 @@ def test_run_llama_bench_reports_failures(rs, tmp_path: Path) -> None:  # noqa: 
     assert "error" in rs.run_llama_bench(tmp_path / "missing", Path("m.gguf"), "cpu", 2, 16, 4, 2)
 
 
+@pytest.mark.slow  # a minute in CI: the script's subprocess compiles every kernel it runs from cold
 def test_side_by_side_end_to_end(tmp_path: Path) -> None:
     """The script on a tiny synth file with a stand-in llama-bench: the table, the ratios, the JSON."""
     from runtime.synth import SynthGeometry, synthesize
