@@ -275,6 +275,9 @@ if triton is not None:
             li = tl.minimum(tl.maximum(_nearest_int(tl.div_rn(v + dm, d_safe)), 0), NMAX)
             old = tl.load(lv_ptr + base + i, mask=ok, other=0).to(tl.int32)
             tl.store(lv_ptr + base + i, tl.where(keep, old, li).to(tl.uint8), mask=ok)
+        # the levels were stored by the threads holding their sub-blocks and are read below by others: the
+        # program's threads meet first (without it a GPU read stale levels; Triton's interpreter cannot tell)
+        tl.debug_barrier()
         # low nibbles: byte QS + 32 c + i = L[64 c + i] & 15 | (L[64 c + 32 + i] & 15) << 4; Q5_K's fifth bits:
         # byte 16 + i holds bit 2 c of L[64 c + i] and bit 2 c + 1 of L[64 c + 32 + i]
         lane = tl.arange(0, 32)[None, :]
@@ -374,6 +377,9 @@ if triton is not None:
             li = tl.minimum(tl.maximum(_nearest_int(tl.div_rn(v, d_safe)), -32), 31) + 32
             old = tl.load(lv_ptr + base + i, mask=ok, other=0).to(tl.int32)
             tl.store(lv_ptr + base + i, tl.where(keep, old, li).to(tl.uint8), mask=ok)
+        # the levels were stored by the threads holding their sub-blocks and are read below by others: the
+        # program's threads meet first (without it a GPU read stale levels; Triton's interpreter cannot tell)
+        tl.debug_barrier()
         # ql: byte 64 h + i = L[128 h + i] & 15 | (L[128 h + 64 + i] & 15) << 4, 64 h + 32 + i likewise from
         # +32 / +96; qh: byte 128 + 32 h + i = the four levels' high 2 bits
         lane = tl.arange(0, 32)[None, :]
