@@ -26,6 +26,7 @@ from forge.quant.types import get_type
 from runtime.backends import cuda_kernels as ck
 from runtime.dequant import dequantize
 from runtime.synth import fp16_fields, random_blocks
+from tests.test_expert_grouping import assert_tiles_cover
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and ck.triton is not None
 
@@ -273,27 +274,18 @@ def test_products_over_the_same_ids_share_one_grouping(monkeypatch: pytest.Monke
     ("experts", "n_tok", "top_k", "bm"), [(5, 4, 2, 2), (128, 300, 8, 16), (256, 512, 8, 32), (3, 1, 1, 64)]
 )
 def test_group_by_expert_tiles_cover_every_pair_once(experts: int, n_tok: int, top_k: int, bm: int) -> None:
-    """The pairs sorted by expert stably; every pair in exactly one tile of its expert, an expert's pairs in
-    ceil(count / bm) full-first tiles, the spare tiles empty: on a hand-made case and on random routing past one 1,024-pair block of the table kernel."""
+    """The grouping kernel on a hand-made case and on random routing past one 1,024-pair block of its table:
+    every pair in one tile of its expert (``assert_tiles_cover``), and the table of the torch operations
+    that serve larger pools, value for value."""
     if experts == 5:
         ids = torch.tensor([[3, 3], [0, 3], [3, 1], [3, 3]], dtype=torch.int32)
     else:
         ids = _ids(n_tok, top_k, experts, experts)
-    order, expert, start, rows = (t.cpu() for t in ck._group_by_expert(ids.to(DEVICE), experts, bm=bm))
-    flat = ids.view(-1)
-    assert torch.equal(order.long(), torch.sort(flat, stable=True).indices)  # by expert, then pair order
-    seen, tiles = [], {}
-    for e, s, r in zip(expert.tolist(), start.tolist(), rows.tolist(), strict=True):
-        pairs = order[s : s + r].tolist()
-        assert all(int(flat[p]) == e for p in pairs)
-        seen += pairs
-        if r:
-            tiles.setdefault(e, []).append(r)
-    assert sorted(seen) == list(range(flat.numel()))
-    counts = torch.bincount(flat.long(), minlength=experts).tolist()
-    for e, c in enumerate(counts):
-        want = [bm] * (c // bm) + ([c % bm] if c % bm else [])
-        assert tiles.get(e, []) == want, e
+    maps = ck._group_by_expert(ids.to(DEVICE), experts, bm=bm)
+    assert_tiles_cover(ids, experts, bm, maps)
+    n_tiles = maps[1].numel()
+    ops = ck._group_by_expert_ops(ids.to(DEVICE).view(-1), experts, bm, n_tiles)
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(maps, ops, strict=True))
 
 
 def test_type_without_kernel_falls_back_to_torch() -> None:

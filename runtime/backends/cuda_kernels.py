@@ -96,6 +96,9 @@ UNIT_ROUNDOFF = {
 # 35B-geometry file, over the 1e-4 acceptance. FORGE_CUDA_PRECISION overrides it (benchmarks).
 DEFAULT_PRECISION = "auto"
 DECODE_TOKENS = 8
+# the most experts the grouping kernel takes: it holds a per-expert row in each program, and 8,192 (an 8 GiB
+# hybrid pool's slots) took minutes to compile; more go through torch operations (_group_by_expert_ops)
+GROUP_KERNEL_EXPERTS = 1024
 _warned: set[str] = set()
 
 
@@ -1068,6 +1071,8 @@ def _group_by_expert(
     flat = ids.reshape(-1)
     pairs = flat.numel()
     n_tiles = -(-pairs // bm) + min(e_count, pairs)
+    if e_count > GROUP_KERNEL_EXPERTS:
+        return _group_by_expert_ops(flat, e_count, bm, n_tiles)
     table = torch.empty(3 * n_tiles + pairs, dtype=torch.int32, device=ids.device)
     grid = (max(_cdiv(n_tiles, 32), e_count),)
     launch(
@@ -1083,6 +1088,35 @@ def _group_by_expert(
         BLOCK=1024,
         BB=32,
     )
+    return (
+        table[3 * n_tiles :],
+        table[:n_tiles],
+        table[n_tiles : 2 * n_tiles],
+        table[2 * n_tiles : 3 * n_tiles],
+    )
+
+
+def _group_by_expert_ops(
+    flat: torch.Tensor, e_count: int, bm: int, n_tiles: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_group_by_expert``'s table from torch operations (a sort, a scatter, cumulative sums, a search), for
+    more experts than the kernel holds per program (a hybrid pool's thousands of slots): the same values,
+    and nothing waits for the device either."""
+    dev = flat.device
+    ids = flat.long()
+    counts = torch.zeros(e_count, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
+    tiles = (counts + bm - 1) // bm
+    tile_end = torch.cumsum(tiles, 0)
+    b = torch.arange(n_tiles, device=dev)
+    te = torch.searchsorted(
+        tile_end, b, right=True
+    )  # the tiles' experts: how many experts end at or before b
+    expert = te.clamp(max=e_count - 1)
+    row0 = (b - (tile_end[expert] - tiles[expert])) * bm
+    rows = torch.where(te >= e_count, 0, (counts[expert] - row0).clamp(0, bm))
+    start = torch.cumsum(counts, 0)[expert] - counts[expert] + row0
+    order = torch.sort(ids, stable=True).indices
+    table = torch.cat([expert, start, rows, order]).to(torch.int32)
     return (
         table[3 * n_tiles :],
         table[:n_tiles],
