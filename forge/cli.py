@@ -185,7 +185,8 @@ def quantize(
     n_bytes = sum(e["bytes"] for e in by_type.values())
     summary = {"output": str(output) if not dry_run else None, "dry_run": dry_run, "file_bytes": rep.bytes,
                "bits_per_weight": round(8 * n_bytes / n_el, 4), "seconds": round(rep.seconds, 3),
-               "by_type": by_type, "tensors": rep.tensors}  # fmt: skip
+               "stages": {k: round(v, 3) for k, v in rep.stages.items()}, "by_type": by_type,
+               "tensors": rep.tensors}  # fmt: skip
     if as_json:
         print_json(summary)
         return
@@ -206,6 +207,19 @@ def quantize(
     verb = "would write" if dry_run else f"wrote {output}:"
     out.print(f"{verb} {rep.bytes:,} bytes, {summary['bits_per_weight']:.3f} bpw"
               + ("" if dry_run else f" in {rep.seconds:.1f} s"))  # fmt: skip
+    if not dry_run:
+        out.print(_stages_line(rep.stages), highlight=False, soft_wrap=True)
+
+
+def _stages_line(stages: dict[str, float]) -> str:
+    """Where a build's time went: reading and encoding are busy seconds summed over tensors (they overlap each
+    other and the writer), the rest the writer's own."""
+    s = {k: f"{v:.1f} s" for k, v in stages.items()}
+    return (
+        f"  time: source keys {s['source_keys']}; reading {s['read']}, encoding {s['encode']} (summed over "
+        f"tensors); the writer waited {s['waited']}, hashed the output {s['output_digests']}, wrote "
+        f"{s['writing']}"
+    )
 
 
 @app.command()

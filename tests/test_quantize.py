@@ -146,3 +146,11 @@ def test_cli_json_report(tmp_path: Path) -> None:
     assert rep["file_bytes"] == out.stat().st_size
     assert {t["action"] for t in rep["tensors"]} == {"encoded", "copied"}
     assert rep["by_type"]["Q8_0"]["tensors"] == 30
+    # where the time went: the writer's own stages add up to the build's time, the workers' are per tensor
+    st = rep["stages"]
+    assert set(st) == {"source_keys", "read", "encode", "waited", "output_digests", "writing"}
+    assert all(v >= 0 for v in st.values()) and st["encode"] > 0
+    assert st["waited"] + st["output_digests"] + st["writing"] == pytest.approx(rep["seconds"], abs=0.01)
+    assert st["read"] + st["encode"] == pytest.approx(
+        sum(t.get("seconds", 0) for t in rep["tensors"]), abs=0.05
+    )

@@ -214,4 +214,6 @@ def _assemble(job: EncodeJob, parts: list[_Task]) -> EncodeResult:
         return parts[0].result
     results = [t.result for t in parts]
     data = np.concatenate([r.data for r in results])
-    return EncodeResult(data, results[0].rel_rmse, sum(r.seconds for r in results))
+    return EncodeResult(
+        data, results[0].rel_rmse, sum(r.seconds for r in results), sum(r.read_seconds for r in results)
+    )

@@ -11,6 +11,7 @@ from typing import BinaryIO
 
 from gguf import GGML_QUANT_VERSION, LlamaFileType
 
+from forge.bulk import thread_pool
 from forge.errors import ForgeError
 from forge.gguf_file import KV, GGUFLayout, T, write_gguf
 from forge.imatrix.model import Imatrix
@@ -65,15 +66,20 @@ class BuildReport:
     bytes: int
     seconds: float
     tensors: list[dict] = field(default_factory=list)
+    # seconds by stage: the source's reuse keys, and of the build reading and encoding (busy time summed over
+    # tensors: these overlap each other and the writing), the writer waiting for encoded tensors, hashing
+    # them for their keys, and writing the rest of the time
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 def stamp_plan(
     source: QuantSource, plan: list[PlannedTensor], trust_mtime: bool = False
 ) -> list[TensorStamp]:
-    """Each planned tensor's reuse key and its components."""
+    """Each planned tensor's reuse key and its components (the sources' digests on the encoders' threads:
+    hashing a 10 GB checkpoint on one took seconds before anything was encoded)."""
     stamps = []
-    for p in plan:
-        src = source.digest(p.name, trust_mtime)
+    sources = thread_pool().map(lambda p: source.digest(p.name, trust_mtime), plan)
+    for p, src in zip(plan, sources, strict=True):
         qt = get_type(p.out_type) if p.action == "encode" else None
         encoder = qt.version if qt is not None else 0
         imat = importance_digest(p.importance) if qt is not None and qt.uses_imatrix else ""
@@ -152,13 +158,20 @@ def build(
         executor = local_executor(jobs)
     elif owned:
         executor = executor()
+    stages = report.stages
+    stages.update(read=0.0, encode=0.0, waited=0.0, output_digests=0.0)
     try:
         results = executor.map(encode_jobs)
         with byte_progress(sum(s.nbytes for s in specs), "quantize", progress) as advance:
 
             def data() -> Iterator[object]:
                 for p in plan:
+                    t0 = time.perf_counter()
                     res = next(results) if p.action == "encode" else None
+                    stages["waited"] += time.perf_counter() - t0
+                    if res is not None:
+                        stages["read"] += res.read_seconds
+                        stages["encode"] += res.seconds - res.read_seconds
                     row = _row(p, res)
                     report.tensors.append(row)
                     note = executor.status()  # e.g. a cluster's tasks done/running/failed
@@ -169,7 +182,9 @@ def build(
                         yield copy_from_prior(p.prior)
                     else:
                         item = res.data if res else source.stored(p.name)
+                        t0 = time.perf_counter()
                         digests.append(content_digest([item]))
+                        stages["output_digests"] += time.perf_counter() - t0
                         yield item
                     advance(p.spec.nbytes, f"{p.name}  {note}" if note else p.name)
 
@@ -183,6 +198,7 @@ def build(
         if owned:
             executor.close()
     report.seconds = time.perf_counter() - start
+    stages["writing"] = report.seconds - stages["waited"] - stages["output_digests"]
     return report
 
 

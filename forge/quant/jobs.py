@@ -40,7 +40,8 @@ class EncodeJob:
 class EncodeResult:
     data: np.ndarray  # uint8, the tensor's bytes
     rel_rmse: float
-    seconds: float
+    seconds: float  # reading and encoding
+    read_seconds: float = 0.0  # reading the values (by the reader thread when overlapped)
 
 
 _SOURCES: dict[SourceRef, QuantSource] = {}
@@ -79,11 +80,13 @@ def encode_rows(
     return out
 
 
-def run_job(job: EncodeJob, values: np.ndarray | None = None) -> EncodeResult:
-    """Encode one job; ``values`` (float32) replace reading the tensor from the source."""
-    start = time.perf_counter()
+def run_job(job: EncodeJob, values: np.ndarray | None = None, read_seconds: float = 0.0) -> EncodeResult:
+    """Encode one job; ``values`` (float32, read in ``read_seconds``) replace reading the tensor from the
+    source."""
+    start = time.perf_counter() - read_seconds
     if values is None:
         values = open_source(job.source).float32(job.name)
+        read_seconds = time.perf_counter() - start
     n_per_row = values.shape[-1]
     mats = values.reshape(-1, *values.shape[-2:]) if values.ndim >= 2 else values.reshape(1, 1, -1)
     w = job.importance
@@ -96,7 +99,7 @@ def run_job(job: EncodeJob, values: np.ndarray | None = None) -> EncodeResult:
     decoded = get_type(job.out_type).decode(data[: len(sample)], n_per_row)
     denom = float(np.sqrt(np.mean(sample.astype(np.float64) ** 2))) or 1.0
     rel = float(np.sqrt(np.mean((decoded.astype(np.float64) - sample) ** 2))) / denom
-    return EncodeResult(data.reshape(-1), rel, time.perf_counter() - start)
+    return EncodeResult(data.reshape(-1), rel, time.perf_counter() - start, read_seconds)
 
 
 def overlapped(jobs: list[EncodeJob], ahead: int = 2) -> Iterator[EncodeResult]:
@@ -109,9 +112,13 @@ def overlapped(jobs: list[EncodeJob], ahead: int = 2) -> Iterator[EncodeResult]:
     pending: deque[Future] = deque()
     todo = iter(jobs)
 
+    def read(job: EncodeJob) -> tuple[np.ndarray, float]:
+        t0 = time.perf_counter()
+        return open_source(job.source).device_values(job.name), time.perf_counter() - t0
+
     def submit(job: EncodeJob) -> None:
-        values = reader.submit(lambda: open_source(job.source).device_values(job.name))
-        pending.append(encoder.submit(lambda: run_job(job, values.result())))
+        values = reader.submit(read, job)
+        pending.append(encoder.submit(lambda: run_job(job, *values.result())))
 
     try:
         for job in todo:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -68,7 +69,9 @@ def quantize(
     # a checkpoint's FP8/FP4 tensors are its own precision (converted to Q8_0/MXFP4 as llama.cpp does), not an
     # earlier quantization the user must opt into re-encoding
     plan = make_plan(source, rec, overrides, im, allow_requantize or ref.kind == "hf")
+    t0 = time.perf_counter()
     stamps = stamp_plan(source, plan, trust_mtime)
+    keys_seconds = time.perf_counter() - t0
     if priors is not None:
         for w in priors.warnings:
             (warn or log or (lambda _: None))(f"warning: {w}; building those tensors from scratch")
@@ -90,6 +93,7 @@ def quantize(
         executor,
         device,
     )
+    report.stages = {"source_keys": keys_seconds, **report.stages}
     return plan, report
 
 
