@@ -86,7 +86,8 @@ def _pythonpath() -> str:
     return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
-def run(cmd: list[str], env: dict[str, str]) -> float:
+def run(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
+    """(wall seconds, standard output) of ``cmd``; exits with its output if it fails."""
     t0 = time.perf_counter()
     proc = subprocess.run(
         cmd, env={**os.environ, "PYTHONPATH": _pythonpath(), **env}, capture_output=True, text=True
@@ -96,7 +97,7 @@ def run(cmd: list[str], env: dict[str, str]) -> float:
         raise SystemExit(
             f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
         )
-    return seconds
+    return seconds, proc.stdout
 
 
 def command(
@@ -108,7 +109,18 @@ def command(
         src = bf16_gguf(out.parent, model)
         im = ["--imatrix", str(imatrix)] if imat else []
         return [a.llama_quantize, *im, str(src), str(out), LLAMA_TYPES[preset], str(a.threads)], {}
-    cmd = [sys.executable, "-m", "forge", "quantize", str(model), "-o", str(out), "--recipe", preset]
+    cmd = [
+        sys.executable,
+        "-m",
+        "forge",
+        "quantize",
+        str(model),
+        "-o",
+        str(out),
+        "--recipe",
+        preset,
+        "--json",
+    ]
     cmd += ["--imatrix", str(imatrix)] if imat else []
     cmd += ["--device", a.device] if runner == "forge-cuda" else []
     return cmd, {"FORGE_THREADS": str(a.threads)}
@@ -177,14 +189,18 @@ def main() -> None:
         for runner in a.runners:
             out = a.work / f"out-{runner}-{preset}.gguf"
             cmd, env = command(runner, preset, flag == "imat", model, imatrix, out, a)
-            seconds = run(cmd, env)
+            seconds, stdout = run(cmd, env)
+            # forge's own account of its time by stage (its --json report)
+            stages = json.loads(stdout)["stages"] if runner.startswith("forge") else {}
             results[f"{runner}/{spec}"] = {
                 "s": seconds,
                 "bytes": out.stat().st_size,
                 "tensors": tensor_hashes(out),
+                "stages": stages,
             }
             out.unlink()
-            print(f"{runner:<11} {spec:<14} {seconds:8.1f} s", flush=True)
+            detail = ", ".join(f"{k} {v:.1f}" for k, v in stages.items())
+            print(f"{runner:<11} {spec:<14} {seconds:8.1f} s  {detail}", flush=True)
             store.write_text(json.dumps(results))
     table(results, a.presets)
 
