@@ -8,7 +8,8 @@ device copy, encode, copy back, all timed) and by the CPU codecs (``QuantType.en
 FORGE_THREADS): the default path (numba kernels where a type has one) on the first ``--cpu-rows``
 rows (default: all), and the numpy encoders (FORGE_NO_NUMBA=1) on the first ``--numpy-rows`` rows
 (default 512; 0 skips). MB/s are MB (1e6 bytes) of float32 input per wall-clock second; the device
-figure is the best of ``--repeat`` runs after a warm-up (CUDA context, codebook upload). Each CPU
+figure is the best of ``--repeat`` runs after a warm-up (CUDA context, codebook upload); ``encoder`` is the
+device encoder alone on the matrix already on the device (no checks, no copies). Each CPU
 path's bytes are compared with the device's on the rows it encoded. ``+imat`` cases use a random
 importance vector.
 """
@@ -56,6 +57,27 @@ def _time_cpu(qt: type, xs: np.ndarray, w: np.ndarray | None, numpy_only: bool) 
             os.environ["FORGE_NO_NUMBA"] = saved
 
 
+def _encoder_rate(qt: object, x: np.ndarray, w: np.ndarray | None, device: str, repeat: int) -> float:
+    """MB/s of the device encoder alone: the whole matrix already on the device, no checks, no copies back."""
+    import torch
+
+    from forge import ggml_types
+
+    encode = ggml_types.implementation("gpu_encode", qt.ggml_type)
+    xs = torch.from_numpy(x).to(device)
+    ws = None if w is None else torch.from_numpy(w).to(device)
+    with torch.inference_mode():
+        encode(xs[:16], ws)
+        best = float("inf")
+        for _ in range(repeat):
+            _sync(device)
+            t0 = time.perf_counter()
+            encode(xs, ws)
+            _sync(device)
+            best = min(best, time.perf_counter() - t0)
+    return x.nbytes / 1e6 / best
+
+
 def run_case(
     case: str,
     x: np.ndarray,
@@ -93,6 +115,7 @@ def run_case(
         "device_s": times,
         "device_mb_s": x.nbytes / 1e6 / min(times),
         "device_peak_mib": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None,
+        "encoder_mb_s": _encoder_rate(qt, x, w, device, repeat),
     }
     paths = [("numba" if kernels_enabled() else "numpy", cpu_rows, False)]
     if numpy_rows and paths[0][0] != "numpy":
@@ -151,14 +174,17 @@ def main() -> None:
         f"{report['device_name']} (torch {report['torch']}), matrix {args.rows}x{args.cols}, "
         f"{report['cpu_cores']} cores, load {load:.2f}"
     )
-    print(f"{'type':<9}{'imatrix':<9}{'device MB/s':>12}   CPU paths (MB/s on rows, same bytes)")
+    print(
+        f"{'type':<9}{'imatrix':<9}{'device MB/s':>12}{'encoder':>10}   CPU paths (MB/s on rows, same bytes)"
+    )
     for c in report["cases"]:  # type: ignore[union-attr]
         cpu = "; ".join(
             f"{p} {c[p]['mb_s']:.1f} on {c[p]['rows']} rows, {c[p]['same_bytes']}"  # type: ignore[index]
             for p in ("numba", "numpy")
             if p in c
         )
-        print(f"{c['type']:<9}{'yes' if c['imatrix'] else 'no':<9}{c['device_mb_s']:>12.1f}   {cpu}")
+        print(f"{c['type']:<9}{'yes' if c['imatrix'] else 'no':<9}{c['device_mb_s']:>12.1f}"
+              f"{c['encoder_mb_s']:>10.1f}   {cpu}")  # fmt: skip
 
 
 if __name__ == "__main__":
