@@ -713,18 +713,23 @@ def routed_ffn_encoded(
     """``routed_ffn`` with the experts kept encoded (see ``EncodedExperts``; ``ids`` index its first axis);
     same returns."""
     act, out = torch.empty(len(ids), experts.n_ff), torch.empty(1, h.shape[-1])
-    _routed_ffn_encoded(
-        _vec(x),
-        *experts.buffers,
-        experts.meta,
-        _vec(h),
-        _ids(ids),
-        _vec(weights.float()),
-        act.numpy(),
-        out.numpy()[0],
-        experts.acts,
-    )
+    routed_ffn_into(_vec(x), _ids(ids), _vec(weights.float()), experts, _vec(h), act.numpy(), out.numpy()[0])
     return out, act
+
+
+def routed_ffn_into(
+    x: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray,
+    experts: EncodedExperts,
+    h: np.ndarray,
+    act: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """``routed_ffn_encoded`` on numpy arrays, no tensors made: x, h, out (n_embd,) float32; ids (k,) int64;
+    weights (k,) float32; act (k, n_ff) float32 receives the SwiGLU outputs, out h + the experts' weighted
+    sum (a decode step's worker calls it per layer: the tensor wrapping cost tens of microseconds)."""
+    _routed_ffn_encoded(x, *experts.buffers, experts.meta, h, ids, weights, act, out, experts.acts)
 
 
 def routed_ffn_batch(

@@ -300,6 +300,8 @@ class HybridLayer:
         self.executor, self.layer, self.pool = executor, layer, pool
         self.host = source  # the layer's experts in host memory (the mapped file)
         self.host_backend = cpu_backend if source.has_records() else torch_backend
+        # a decode step's worker calls the kernel on these directly (None: through the backend)
+        self.encoded = source.encoded_records() if self.host_backend is cpu_backend else None
         self.pooled = _over(source, pool.tensors())
         self.fast_backend = cuda_backend if self.pooled.device_parts() is not None else torch_backend
         lay = executor.layers[layer]
@@ -795,6 +797,7 @@ class HybridExperts:
         cpu_kernels.use_threads(self.step_threads)
         posted, done, mail, result = ex.posted.numpy(), ex.done.numpy(), ex.mail.numpy(), ex.result.numpy()
         k, s = ex.k, self._stats
+        zeros = np.zeros(ex.n_embd, np.float32)
         with torch.inference_mode():
             for i, layer in enumerate(ex.layers):
                 t0 = time.monotonic()
@@ -806,12 +809,15 @@ class HybridExperts:
                 miss = np.flatnonzero(self.slot_of[layer.base + ids] < 0)
                 if miss.size:
                     t0 = time.perf_counter()
-                    y = layer.host_backend.routed_ffn(
-                        torch.from_numpy(mail[i : i + 1, 2 * k :]), torch.from_numpy(ids[miss])[None],
-                        torch.from_numpy(mail[i : i + 1, k : 2 * k][:, miss]), layer.host, _NO_TAPS,
-                        torch.zeros(1, ex.n_embd),
-                    )  # fmt: skip
-                    result[i] = y.numpy()[0]
+                    x, w = mail[i, 2 * k :], mail[i, k : 2 * k][miss]
+                    if layer.encoded is not None:
+                        act = np.empty((miss.size, layer.encoded.n_ff), np.float32)
+                        cpu_kernels.routed_ffn_into(x, ids[miss], w, layer.encoded, zeros, act, result[i])
+                    else:
+                        result[i] = layer.host_backend.routed_ffn(
+                            torch.from_numpy(x)[None], torch.from_numpy(ids[miss])[None],
+                            torch.from_numpy(w)[None], layer.host, _NO_TAPS, torch.zeros(1, ex.n_embd),
+                        ).numpy()[0]  # fmt: skip
                     s.cpu_seconds += time.perf_counter() - t0
                     s.cpu_pairs += miss.size
                     s.cpu_computes += miss.size

@@ -366,9 +366,10 @@ class ExpertSource:
             return self.cache_layer is not None
         if self.resident:
             return self.fused is not None and self.fused.device.type == "cpu"
-        return self._encoded_records() is not None
+        return self.encoded_records() is not None
 
-    def _encoded_records(self) -> cpu_kernels.EncodedExperts | None:
+    def encoded_records(self) -> cpu_kernels.EncodedExperts | None:
+        """A per-use layer's experts as the kernels' encoded rows (over the mapped file), else None."""
         if self._encoded is None and self.kind == "per-use":
             self._encoded = encoded_experts(self.gate_up, self.gate, self.up, self.down)
         return self._encoded
@@ -403,7 +404,7 @@ class ExpertSource:
                 self._rows = (self.fused.contiguous().numpy(), self.down.decoded().contiguous().numpy())
             yield self._rows, ids
             return
-        encoded = self._encoded_records()
+        encoded = self.encoded_records()
         assert encoded is not None
         yield encoded, ids
 
