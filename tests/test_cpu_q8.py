@@ -205,13 +205,13 @@ def test_hybrid_cpu_side_takes_8_bit_activations(tmp_path: Path, monkeypatch: py
     synthesize(path, TINY, "q4_k")
 
     seen: list[bool] = []
-    step = cpu_kernels.routed_ffn_encoded
+    step = cpu_kernels.routed_ffn_into
 
-    def spy(x, ids, weights, experts, h):  # noqa: ANN001, ANN202
+    def spy(x, ids, weights, experts, h, act, out):  # noqa: ANN001, ANN202
         seen.append(experts.acts == Q8_ACTS)
-        return step(x, ids, weights, experts, h)
+        return step(x, ids, weights, experts, h, act, out)
 
-    monkeypatch.setattr(cpu_kernels, "routed_ffn_encoded", spy)
+    monkeypatch.setattr(cpu_kernels, "routed_ffn_into", spy)
 
     def decode(q8: str) -> tuple[torch.Tensor, int]:
         monkeypatch.setenv("FORGE_Q8_ACTIVATIONS", q8)
