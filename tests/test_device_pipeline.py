@@ -39,7 +39,7 @@ def test_reading_and_writing_overlap_the_encoding(monkeypatch: pytest.MonkeyPatc
     b_encoding = threading.Event()
     monkeypatch.setattr(jobs_mod, "open_source", lambda ref: _Source(log))
 
-    def run_job(job: EncodeJob, values: np.ndarray) -> EncodeResult:
+    def run_job(job: EncodeJob, values: np.ndarray, read_seconds: float) -> EncodeResult:
         log.append(f"encode {job.name}")
         if job.name == "a":
             assert b_read.wait(WAIT_S) or "read b" in log, "job b was not read while job a encoded"
@@ -70,7 +70,7 @@ def test_a_failed_encode_stops_the_pipeline(monkeypatch: pytest.MonkeyPatch) -> 
     log: list[str] = []
     monkeypatch.setattr(jobs_mod, "open_source", lambda ref: _Source(log))
 
-    def run_job(job: EncodeJob, values: np.ndarray) -> EncodeResult:
+    def run_job(job: EncodeJob, values: np.ndarray, read_seconds: float) -> EncodeResult:
         if job.name == "b":
             raise ForgeError("b is broken")
         return EncodeResult(np.zeros(1, np.uint8), 0.0, 0.0)
@@ -91,7 +91,7 @@ def test_worker_processes_leave_device_jobs_to_this_process(monkeypatch: pytest.
     log: list[str] = []
     monkeypatch.setattr(jobs_mod, "open_source", lambda ref: _Source(log))
     monkeypatch.setattr(
-        jobs_mod, "run_job", lambda job, values: EncodeResult(np.zeros(1, np.uint8), 0.0, 0.0)
+        jobs_mod, "run_job", lambda job, values, read_s: EncodeResult(np.zeros(1, np.uint8), 0.0, 0.0)
     )
     ex = ProcessExecutor(2)
     try:
