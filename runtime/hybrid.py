@@ -76,6 +76,8 @@ class HybridStats:
     cpu_computes: int = 0  # experts of a layer call computed on the CPU
     bytes_read: int = 0  # record bytes the CPU side read (host memory, or the file through the mapping)
     bytes_uploaded: int = 0  # batch copies and admissions to the fast device
+    prefetched: int = 0  # layers copied whole ahead of their batch, during the layer before
+    prefetches_unused: int = 0  # of those, layers whose batch then did not go whole
     admissions: int = 0
     evictions: int = 0
     cpu_seconds: float = 0.0  # the worker's time on the CPU side
@@ -421,6 +423,11 @@ class HybridExperts:
         biggest = max(lay.record_bytes for lay in self.layers.values())
         self.staging = Staging(max(STAGING_BYTES, biggest)) if self.device.type == "cuda" else None
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="hybrid-copy")
+        # a batch that copies a layer whole starts the next layer's whole copy on its own stream (the next is
+        # then likely copied whole too): the copies run back to back instead of between the layers' work
+        self.next_layer = dict(zip(order, [self.hybrid_layers[i] for i in order[1:]], strict=False))
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._prefetched: dict[int, tuple[list[torch.Tensor], Any]] = {}
         # the CPU side's kernel threads: one core left to the thread that launches the GPU's work
         self.cpu_threads = max(1, torch.get_num_threads() - (self.device.type == "cuda"))
         self.step_threads = torch.get_num_threads()  # a decode step's CPU share: the worker, all cores
@@ -680,6 +687,9 @@ class HybridExperts:
             # the whole layer goes over anyway: every pair is computed there, in one grouped product
             if whole:
                 upload[:], hit = True, np.zeros_like(hit)
+        if not whole and self._prefetched:
+            self._stats.prefetches_unused += len(self._prefetched)
+            self._prefetched.clear()
         on_cpu = ~hit & ~upload
         observers = taps.observers
 
@@ -865,7 +875,8 @@ class HybridExperts:
         experts, index = np.unique(ids[sel], return_inverse=True)
         e_t = torch.from_numpy(experts)
         if whole:
-            copied = [_to_device(getattr(layer.host, c.role).raw, dev) for c in layer.pool.components]
+            copied = self._whole_copies(layer, dev)
+            self._prefetch(self.next_layer.get(layer.layer))
             index, slot_of = ids[sel], experts  # the copies are indexed by expert id
         else:
             copied, slot_of = _upload(layer, e_t, dev), np.arange(len(experts))
@@ -882,6 +893,39 @@ class HybridExperts:
         where[experts] = slot_of
         return y, rec, BatchCopies({role: t.raw for role, t in parts.items()}, where)
 
+    def _whole_copies(self, layer: HybridLayer, dev: torch.device) -> list[torch.Tensor]:
+        """The layer's experts whole on ``dev``, a tensor per pool component: the copy the last layer started
+        (the compute stream waits for it), else one now."""
+        got = self._prefetched.pop(layer.layer, None)
+        self._stats.prefetches_unused += len(self._prefetched)  # copies for other layers: not needed now
+        self._prefetched.clear()
+        if got is None:
+            return [_to_device(getattr(layer.host, c.role).raw, dev) for c in layer.pool.components]
+        copies, done = got
+        stream = torch.cuda.current_stream(dev)
+        stream.wait_event(done)
+        for t in copies:
+            t.record_stream(stream)  # used here, allocated on the copy stream
+        return copies
+
+    def _prefetch(self, layer: HybridLayer | None) -> None:
+        """Start copying ``layer``'s experts whole on the copy stream: only from the page-locked file (a
+        pageable copy would hold the host) and while the device has room for it twice over."""
+        if layer is None or not layer.whole or self.copy_stream is None or self.pinned is None:
+            return
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        if torch.cuda.mem_get_info(self.device)[0] + cached < 2 * layer.n_expert * layer.record_bytes:
+            return
+        with torch.cuda.stream(self.copy_stream):
+            copies = [
+                getattr(layer.host, c.role).raw.to(self.device, non_blocking=True)
+                for c in layer.pool.components
+            ]
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        self._prefetched[layer.layer] = (copies, done)
+        self._stats.prefetched += 1
+
     def close(self) -> None:
         """Wait for the last decode step and the copies, stop the threads, unlock the file's pages (also when
         the last step failed: its error is raised after)."""
@@ -890,6 +934,7 @@ class HybridExperts:
         finally:
             self.worker.shutdown()
             self.copier.shutdown()
+            self._prefetched.clear()
             if self.pinned is not None:
                 torch.cuda.synchronize(self.device)  # no copy may still read the pages
                 self.pinned.release()

@@ -394,7 +394,8 @@ def test_cli_fails_closed(example_q8: Path, args: list[str], message: str) -> No
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda(example_q8: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU: the pool on the cuda kernels, misses on the CPU backend, prefill copies and admissions on
-    the side stream; logits against the resident CPU path, expert-major == canonical, imatrix counts."""
+    the side stream, whole layers copied a layer ahead; logits against the resident CPU path, expert-major ==
+    canonical, imatrix counts."""
     want = _logits(load_model(example_q8))
     whole = Rates(1.0, 1.0, 0.0, float("inf"))
     for rates, pin in (
@@ -414,6 +415,11 @@ def test_on_cuda(example_q8: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
         _close(got, want)
         s = h.stats
         assert s.gpu_pairs + s.upload_pairs + s.cpu_pairs == _pairs(m, PREFILL + DECODE)
+        # whole layers from the page-locked file: each next layer's copy started during the one before
+        if rates is whole and pin == "1":
+            assert s.prefetched > s.prefetches_unused
+        elif rates is not None:
+            assert s.prefetched == 0
         ref_acc = ImatrixAccumulator()
         _logits(load_model(example_q8, observers=[ref_acc]))
         for name in ref_acc._counts:
