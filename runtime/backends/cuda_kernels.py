@@ -1088,12 +1088,7 @@ def _group_by_expert(
         BLOCK=1024,
         BB=32,
     )
-    return (
-        table[3 * n_tiles :],
-        table[:n_tiles],
-        table[n_tiles : 2 * n_tiles],
-        table[2 * n_tiles : 3 * n_tiles],
-    )
+    return _table_views(table, n_tiles)
 
 
 def _group_by_expert_ops(
@@ -1108,15 +1103,20 @@ def _group_by_expert_ops(
     tiles = (counts + bm - 1) // bm
     tile_end = torch.cumsum(tiles, 0)
     b = torch.arange(n_tiles, device=dev)
-    te = torch.searchsorted(
-        tile_end, b, right=True
-    )  # the tiles' experts: how many experts end at or before b
+    # the tiles' experts: how many experts' tiles end at or before tile b
+    te = torch.searchsorted(tile_end, b, right=True)
     expert = te.clamp(max=e_count - 1)
     row0 = (b - (tile_end[expert] - tiles[expert])) * bm
     rows = torch.where(te >= e_count, 0, (counts[expert] - row0).clamp(0, bm))
     start = torch.cumsum(counts, 0)[expert] - counts[expert] + row0
     order = torch.sort(ids, stable=True).indices
-    table = torch.cat([expert, start, rows, order]).to(torch.int32)
+    return _table_views(torch.cat([expert, start, rows, order]).to(torch.int32), n_tiles)
+
+
+def _table_views(
+    table: torch.Tensor, n_tiles: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, tile expert, tile start, tile rows) of a grouping table: three rows of n_tiles, then the order."""
     return (
         table[3 * n_tiles :],
         table[:n_tiles],
