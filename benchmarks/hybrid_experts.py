@@ -1,7 +1,7 @@
 """Hybrid routed experts (``--gpu-expert-cache``) against resident GPU, SSD streaming and llama.cpp's modes.
 
     python benchmarks/hybrid_experts.py FILE.gguf [--caches-gib 1,4,8] [--stream-gib 4]
-        [--routing trace,uniform] [--trace-model DIR|GGUF] [--text FILE] [--trace-tokens 2048]
+        [--routing trace,uniform,file] [--trace-model DIR|GGUF] [--text FILE] [--trace-tokens 2048]
         [--pp 512] [--tg 64] [--reps 2] [--warmup 64] [--warmup-prefills 2] [--threads N] [--profile PROFILE.json]
         [--llama-bench PATH] [--cold] [--host-cache-gib G] [--rows resident,hybrid,streaming,llama]
         [--layers N] [--json OUT] [--cprofile DIR]
@@ -28,7 +28,8 @@ to the file's geometry: file layer l replays trace layer l mod L, and each of a 
 becomes k / k_t distinct experts drawn from the block of E / E_t experts that e stands for (a per-layer
 permutation scatters the blocks), so the popularity of experts and its drift along the text are the trained
 router's. A synthesized file's own routers are random: they choose with no locality to learn
-(before 2026-12-02 they sent nearly every token to the same experts).
+(before 2026-12-02 they sent nearly every token to the same experts). ``file``: those routers, as llama.cpp
+routes (llama.cpp copies only the experts a batch activates, so its prefill depends on how many that is).
 
 ``FORGE_Q8_ACTIVATIONS=1`` gives the hybrid rows' CPU side 8-bit activations (``--q8-activations``).
 
@@ -145,7 +146,14 @@ class TableRouter:
         return x, self(x)
 
 
-def route_by(model: Any, routing: Routing) -> None:
+def _routing(table: list[np.ndarray] | None) -> Routing | None:
+    return None if table is None else Routing(table)
+
+
+def route_by(model: Any, routing: Routing | None) -> None:
+    """The model's routers replaced by ``routing``'s table (None: the file's own routers kept)."""
+    if routing is None:
+        return
     for pos, layer in enumerate(model.routed_layers()):
         r = model.blocks[layer].moe.router
         r.proj = TableRouter(routing, pos, r.n_expert, r.proj.weight)
@@ -260,7 +268,7 @@ def row_resident(path: Path, device: str, args: argparse.Namespace) -> dict:
 
 
 def row_hybrid(
-    path: Path, gib: float, routing: Routing, args: argparse.Namespace, host_gib: float = 0
+    path: Path, gib: float, routing: Routing | None, args: argparse.Namespace, host_gib: float = 0
 ) -> dict:
     """``host_gib``: the CPU side's experts streamed from the file through a host expert cache of that size,
     every range read dropped from the page cache again (each miss a disk read)."""
@@ -296,7 +304,9 @@ def row_hybrid(
         _free(model)
 
 
-def row_streaming(path: Path, device: str, gib: float, routing: Routing, args: argparse.Namespace) -> dict:
+def row_streaming(
+    path: Path, device: str, gib: float, routing: Routing | None, args: argparse.Namespace
+) -> dict:
     w0 = load_weights(path, verify_experts=False)
     g = geometry(w0)
     capacity = min(max(g.floor, int(gib * GIB) // g.slot_bytes), g.experts)
@@ -312,7 +322,7 @@ def row_streaming(path: Path, device: str, gib: float, routing: Routing, args: a
         _free(model)
 
 
-def row_cpu(path: Path, routing: Routing, args: argparse.Namespace) -> dict:
+def row_cpu(path: Path, routing: Routing | None, args: argparse.Namespace) -> dict:
     """Every routed expert computed by the CPU kernels from the mapped file (the whole model on the CPU)."""
     w = load_weights(path, "cpu", 0, verify_experts=False)
     model = build_model(w)
@@ -358,13 +368,15 @@ def warm_page_cache(path: Path, chunk: int = 64 << 20) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def routing_tables(args: argparse.Namespace, path: Path, n: int) -> dict[str, list[np.ndarray]]:
+def routing_tables(args: argparse.Namespace, path: Path, n: int) -> dict[str, list[np.ndarray] | None]:
     w = load_weights(path, verify_experts=False)
     lays = w.expert_layers()
     experts, k = next(iter(lays.values())).experts, int(w.hparam("expert_used_count"))
     tables = {}
     for kind in args.routing:
-        if kind == "uniform":
+        if kind == "file":
+            tables[kind] = None
+        elif kind == "uniform":
             tables[kind] = uniform_table(len(lays), n, experts, k)
         else:
             model = args.trace_model
@@ -432,8 +444,8 @@ def main() -> None:
     if not want or want - {"resident", "hybrid", "streaming", "llama"}:
         raise SystemExit("--rows: resident, hybrid, streaming and/or llama")
     args.routing = [r.strip() for r in args.routing.split(",") if r.strip()]
-    if not args.routing or any(r not in ("trace", "uniform") for r in args.routing):
-        raise SystemExit("--routing: trace and/or uniform")
+    if not args.routing or any(r not in ("trace", "uniform", "file") for r in args.routing):
+        raise SystemExit("--routing: any of trace, uniform, file")
     caches = [float(c) for c in args.caches_gib.split(",") if c.strip()]
     if args.profile is not None and not args.profile.is_file():
         raise SystemExit(f"{args.profile}: no such file")
@@ -464,17 +476,19 @@ def main() -> None:
             rows.append({"mode": "resident GPU", "routing": "file", "note": f"skipped: the file does not fit in {free / GIB:.0f} GiB free"})  # fmt: skip
         for kind, table in tables.items():
             for gib in caches if "hybrid" in want else ():
-                rows.append(guarded(f"hybrid {gib:g} GiB", kind, row_hybrid, path, gib, Routing(table), args))
+                rows.append(
+                    guarded(f"hybrid {gib:g} GiB", kind, row_hybrid, path, gib, _routing(table), args)
+                )
             if "streaming" in want:
                 rows.append(guarded(f"SSD streaming {args.stream_gib:g} GiB", kind, row_streaming, path, "cuda",
-                                    args.stream_gib, Routing(table), args))  # fmt: skip
+                                    args.stream_gib, _routing(table), args))  # fmt: skip
             if args.host_cache_gib:
                 cached = next(
                     (r for r in rows if r["mode"] == "hybrid 4 GiB" and r["routing"] == kind and "tg" in r),
                     None,
                 )
                 r = guarded(f"hybrid 4 GiB, host {args.host_cache_gib:g} GiB", kind, row_hybrid, path, 4.0,
-                            Routing(table), args, args.host_cache_gib)  # fmt: skip
+                            _routing(table), args, args.host_cache_gib)  # fmt: skip
                 if "tg" in r:
                     ceiling = machine.setdefault("disk_read_gb_s", round(read_ceiling(path) / 1e9, 2)) * 1e9
                     expect = r["tg_bytes_read_per_token"] / ceiling + (1 / cached["tg"] if cached else 0.0)
@@ -489,10 +503,10 @@ def main() -> None:
         )
         for kind, table in tables.items():
             if "resident" in want:
-                rows.append(guarded("CPU, mapped file", kind, row_cpu, path, Routing(table), args))
+                rows.append(guarded("CPU, mapped file", kind, row_cpu, path, _routing(table), args))
             if "streaming" in want:
                 rows.append(guarded(f"SSD streaming {args.stream_gib:g} GiB", kind, row_streaming, path, "cpu",
-                                    args.stream_gib, Routing(table), args))  # fmt: skip
+                                    args.stream_gib, _routing(table), args))  # fmt: skip
     if args.llama_bench is not None and "llama" in want:
         modes = [("llama.cpp -ot exps=CPU", ("-ot", "exps=CPU")), ("llama.cpp all on GPU", ())] if cuda else [("llama.cpp CPU", ())]  # fmt: skip
         for label, extra in modes:
