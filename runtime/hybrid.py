@@ -687,9 +687,8 @@ class HybridExperts:
             # the whole layer goes over anyway: every pair is computed there, in one grouped product
             if whole:
                 upload[:], hit = True, np.zeros_like(hit)
-        if not whole and self._prefetched:
-            self._stats.prefetches_unused += len(self._prefetched)
-            self._prefetched.clear()
+        if not whole:
+            self._claim_prefetched(None)
         on_cpu = ~hit & ~upload
         observers = taps.observers
 
@@ -893,14 +892,20 @@ class HybridExperts:
         where[experts] = slot_of
         return y, rec, BatchCopies({role: t.raw for role, t in parts.items()}, where)
 
+    def _claim_prefetched(self, layer: HybridLayer | None) -> tuple[list[torch.Tensor], Any] | None:
+        """The copy started ahead for ``layer`` (None: for no layer), if any; copies for other layers are not
+        needed any more and are dropped (counted unused)."""
+        got = self._prefetched.pop(layer.layer, None) if layer is not None else None
+        self._stats.prefetches_unused += len(self._prefetched)
+        self._prefetched.clear()
+        return got
+
     def _whole_copies(self, layer: HybridLayer, dev: torch.device) -> list[torch.Tensor]:
         """The layer's experts whole on ``dev``, a tensor per pool component: the copy the last layer started
         (the compute stream waits for it), else one now."""
-        got = self._prefetched.pop(layer.layer, None)
-        self._stats.prefetches_unused += len(self._prefetched)  # copies for other layers: not needed now
-        self._prefetched.clear()
+        got = self._claim_prefetched(layer)
         if got is None:
-            return [_to_device(getattr(layer.host, c.role).raw, dev) for c in layer.pool.components]
+            return _copy_whole(layer, dev)
         copies, done = got
         stream = torch.cuda.current_stream(dev)
         stream.wait_event(done)
@@ -917,10 +922,7 @@ class HybridExperts:
         if torch.cuda.mem_get_info(self.device)[0] + cached < 2 * layer.n_expert * layer.record_bytes:
             return
         with torch.cuda.stream(self.copy_stream):
-            copies = [
-                getattr(layer.host, c.role).raw.to(self.device, non_blocking=True)
-                for c in layer.pool.components
-            ]
+            copies = _copy_whole(layer, self.device)
             done = torch.cuda.Event()
             done.record(self.copy_stream)
         self._prefetched[layer.layer] = (copies, done)
@@ -961,6 +963,11 @@ def host_records(layer: HybridLayer, experts: torch.Tensor, out: list[torch.Tens
             block = rows[:, part.slot_offset : part.slot_offset + part.expert_bytes]
             dst[a : a + len(rows)] = block.reshape(len(rows), *dst.shape[1:])
     return out
+
+
+def _copy_whole(layer: HybridLayer, device: torch.device) -> list[torch.Tensor]:
+    """``layer``'s experts whole on ``device`` (one copy per pool component, on the current stream)."""
+    return [_to_device(getattr(layer.host, c.role).raw, device) for c in layer.pool.components]
 
 
 def _to_device(raw: torch.Tensor, device: torch.device) -> torch.Tensor:
