@@ -27,6 +27,7 @@ from runtime.backends import cuda_kernels as ck
 from runtime.dequant import dequantize
 from runtime.synth import fp16_fields, random_blocks
 from tests.test_expert_grouping import assert_tiles_cover
+from tests.test_expert_grouping import routing as _ids
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and ck.triton is not None
 
@@ -130,13 +131,6 @@ def _moe_reference(x: torch.Tensor, raw: torch.Tensor, qtype: Q, ids: torch.Tens
             r, a = reference(xt[None], raw[int(ids[t, s])], qtype)
             out[t, s], mag[t, s] = r[0], a[0]
     return out, mag
-
-
-def _ids(n_tok: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, experts, (n_tok, top_k), generator=g)
-    ids[0, :] = ids[0, 0]  # repeated expert ids within a token
-    return ids.to(torch.int32)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
