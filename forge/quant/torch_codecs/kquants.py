@@ -96,9 +96,8 @@ def _pack_nibbles_64(levels: torch.Tensor) -> torch.Tensor:
 def encode_q4_k(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
     """On a GPU: one fused kernel (``kquants_triton``) once it has shown the same bytes as these operations in
     this process, for chunks of tame magnitudes (``kquants_triton.tame``)."""
-    if rows.is_cuda and kquants_triton.usable("q4_k", rows.device) and kquants_triton.tame(rows, importance):
-        return kquants_triton.encode_q45_k_fused(rows, "q4_k", importance)
-    return encode_q4_k_ops(rows, importance)
+    fused = kquants_triton.encode_fused("q4_k", rows, importance)
+    return fused if fused is not None else encode_q4_k_ops(rows, importance)
 
 
 def encode_q4_k_ops(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
@@ -109,9 +108,8 @@ def encode_q4_k_ops(rows: torch.Tensor, importance: torch.Tensor | None) -> torc
 @device_encoder(T.Q5_K, bytes_per_elem=64)
 def encode_q5_k(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
     """As ``encode_q4_k``."""
-    if rows.is_cuda and kquants_triton.usable("q5_k", rows.device) and kquants_triton.tame(rows, importance):
-        return kquants_triton.encode_q45_k_fused(rows, "q5_k", importance)
-    return encode_q5_k_ops(rows, importance)
+    fused = kquants_triton.encode_fused("q5_k", rows, importance)
+    return fused if fused is not None else encode_q5_k_ops(rows, importance)
 
 
 def encode_q5_k_ops(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
@@ -166,9 +164,8 @@ def _pack_2bit_128(levels: torch.Tensor) -> torch.Tensor:
 def encode_q6_k(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
     """On a GPU: one fused kernel (``kquants_triton``) once it has shown the same bytes as these operations
     in this process."""
-    if rows.is_cuda and kquants_triton.usable("q6_k", rows.device) and kquants_triton.tame(rows, importance):
-        return kquants_triton.encode_q6_k_fused(rows, importance)
-    return encode_q6_k_ops(rows, importance)
+    fused = kquants_triton.encode_fused("q6_k", rows, importance)
+    return fused if fused is not None else encode_q6_k_ops(rows, importance)
 
 
 def encode_q6_k_ops(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:

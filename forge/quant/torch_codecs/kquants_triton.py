@@ -398,43 +398,49 @@ if triton is not None:
             tl.store(out[:, None] + 128 + 32 * h + lane, hi.to(tl.uint8), mask=live[:, None])
 
 
+def encode_fused(qtype: str, rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor | None:
+    """``qtype``'s bytes from its fused kernel, or None where the kernel may not serve: rows not on CUDA, its
+    self-check failed in this process (``usable``), or a chunk of magnitudes it does not take (``tame``)."""
+    if not (rows.is_cuda and usable(qtype, rows.device) and tame(rows, importance)):
+        return None
+    if qtype == "q6_k":
+        return encode_q6_k_fused(rows, importance)
+    return encode_q45_k_fused(rows, qtype, importance)
+
+
 def encode_q45_k_fused(
     rows: torch.Tensor, qtype: str, importance: torch.Tensor | None = None
 ) -> torch.Tensor:
     """float32 rows (R, n_per_row) on CUDA, importance None, (n_per_row,) or one per row (R, n_per_row) ->
     ``qtype`` (q4_k, q5_k) bytes (R, n_per_row / 256 * block) uint8."""
-    n_rows, n_per_row = rows.shape
-    n_sb = n_rows * n_per_row // QK
-    x = rows.contiguous()
-    out = torch.empty((n_sb, BLOCK_BYTES[qtype]), dtype=torch.uint8, device=rows.device)
-    scratch = torch.empty((n_sb, QK), dtype=torch.uint8, device=rows.device)
     imat = importance is not None
     nmax = 15 if qtype == "q4_k" else 31
     nsteps = 37 if imat else (21 if qtype == "q4_k" else 16)
-    imp = x if importance is None else importance.to(torch.float32).contiguous()
-    stride = n_per_row if imp.dim() == 2 else 0
-    if n_sb:
-        grid = (triton.cdiv(n_sb, BS),)
-        _q45k_kernel[grid](x, imp, stride, n_per_row, out, scratch, n_sb, _steps(rows.device, qtype, imat),
-                           NMAX=nmax, NSTEPS=nsteps, BYTES=BLOCK_BYTES[qtype], HAS_IMP=imat, BS_=BS,
-                           enable_fp_fusion=False)  # fmt: skip
-    return out.reshape(n_rows, -1)
+    return _launch(_q45k_kernel, rows, qtype, importance, _steps(rows.device, qtype, imat),
+                   NMAX=nmax, NSTEPS=nsteps, BYTES=BLOCK_BYTES[qtype])  # fmt: skip
 
 
 def encode_q6_k_fused(rows: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
     """float32 rows (R, n_per_row) on CUDA, importance None, (n_per_row,) or one per row (R, n_per_row) ->
     Q6_K bytes (R, n_per_row / 256 * 210) uint8."""
+    return _launch(_q6k_kernel, rows, "q6_k", importance, _steps(rows.device, "q6_k"))
+
+
+def _launch(kernel, rows: torch.Tensor, qtype: str, importance: torch.Tensor | None, steps: torch.Tensor,
+            **constants: int) -> torch.Tensor:  # noqa: ANN001  # fmt: skip
+    """One program per ``BS`` super-blocks of ``rows``: the output and level scratch made, the importance
+    given as one vector (stride 0) or one per row; the search's constants ``steps``."""
     n_rows, n_per_row = rows.shape
     n_sb = n_rows * n_per_row // QK
     x = rows.contiguous()
-    out = torch.empty((n_sb, BLOCK_BYTES["q6_k"]), dtype=torch.uint8, device=rows.device)
+    out = torch.empty((n_sb, BLOCK_BYTES[qtype]), dtype=torch.uint8, device=rows.device)
     scratch = torch.empty((n_sb, QK), dtype=torch.uint8, device=rows.device)
     imp = x if importance is None else importance.to(torch.float32).contiguous()
     stride = n_per_row if imp.dim() == 2 else 0
     if n_sb:
-        grid = (triton.cdiv(n_sb, BS),)
-        _q6k_kernel[grid](x, imp, stride, n_per_row, out, scratch, n_sb, _steps(rows.device, "q6_k"),
-                          HAS_IMP=importance is not None, BS_=BS, enable_fp_fusion=False)  # fmt: skip
+        kernel[(triton.cdiv(n_sb, BS),)](x, imp, stride, n_per_row, out, scratch, n_sb, steps,
+                                         HAS_IMP=importance is not None, BS_=BS, enable_fp_fusion=False,
+                                         **constants)  # fmt: skip
     return out.reshape(n_rows, -1)
 
 
@@ -513,4 +519,4 @@ def self_check(qtype: str, device: str) -> bool:
     return same
 
 
-__all__ = ["TAME", "encode_q45_k_fused", "encode_q6_k_fused", "self_check", "tame", "usable"]
+__all__ = ["TAME", "encode_fused", "encode_q45_k_fused", "encode_q6_k_fused", "self_check", "tame", "usable"]
