@@ -449,6 +449,37 @@ def test_fused_k_quants_on_cuda() -> None:
         assert np.array_equal(encode_on_device(qtype.upper(), rows, w, "cuda"), want), (qtype, w is None)
 
 
+@pytest.mark.slow  # half a minute in the interpreter
+def test_iq2_neighbour_kernel_in_the_triton_interpreter() -> None:
+    """The IQ2 best-neighbour kernel, run by Triton's interpreter, picks what the torch search picks (random
+    off-grid codes, ties, an infinite and a NaN term: its self-check). Needs triton."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    script = "from forge.quant.torch_codecs import iq2_triton; print(iq2_triton.self_check('cpu'))"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "True"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+def test_iq2_neighbour_kernel_on_cuda() -> None:
+    """On a GPU the IQ2 best-neighbour kernel passes its self-check (so the IQ2_XXS encoder uses it), and the
+    encoder then gives the CPU codec's bytes."""
+    from forge.quant.torch_codecs import iq2_triton
+
+    assert iq2_triton.self_check("cuda")
+    rng = np.random.default_rng(5)
+    rows = (rng.standard_normal((64, 1024)) * rng.uniform(0.01, 3, (64, 1))).astype(np.float32)
+    imp = rng.random(1024).astype(np.float32)
+    assert np.array_equal(
+        encode_on_device("IQ2_XXS", rows, imp, "cuda"), get_type("iq2_xxs").encode(rows, imp)
+    )
+
+
 def test_tame_chunks_for_the_fused_kernels() -> None:
     """Chunks with a nonzero magnitude outside 1e-10..1e10 (rows or importance) go to the torch operations,
     which reproduce the CPU's subnormals and NaN bits; zeros are tame."""

@@ -12,6 +12,8 @@ registers itself in the type table (``forge.ggml_types``, kind ``gpu_encode``) w
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -123,19 +125,72 @@ def encode_on_device(
         chunk_elems = _default_chunk(encode, dev)
     step = max(1, chunk_elems // n_per_row)
     imp = None if importance is None else torch.from_numpy(importance).to(dev)
+    group_rows = n_rows // len(importance) if per_matrix else 0
     with torch.inference_mode():
-        for s in range(0, n_rows, step):
-            chunk = torch.from_numpy(rows[s : s + step]).to(dev, non_blocking=True)
-            if bits:
-                chunk = (chunk.to(torch.int32) << 16).view(torch.float32)
-            if not bool(torch.isfinite(chunk).all()):
-                raise ForgeError(NON_FINITE)
-            w = imp
-            if per_matrix:  # each row's own group's vector
-                group = torch.arange(s, s + chunk.shape[0], device=dev) // (n_rows // len(importance))
-                w = imp.index_select(0, group)
-            out[s : s + step] = encode(chunk, w).cpu().numpy()
+        _encode_chunks(encode, rows, out, step, dev, imp, group_rows, bits)
     return out
+
+
+class _Staging(threading.local):
+    """Per thread, two pinned host buffers for chunks going in and two for their codes coming out, kept
+    between calls (pinning 0.4 GB costs about 0.2 s) and grown as needed."""
+
+    def __init__(self) -> None:
+        self.buffers: list = [None] * 4
+
+    def get(self, i: int, nbytes: int):  # noqa: ANN201
+        import torch
+
+        buf = self.buffers[i]
+        if buf is None or buf.numel() < nbytes:
+            buf = self.buffers[i] = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        return buf[:nbytes]
+
+
+_STAGING = _Staging()
+
+
+def _encode_chunks(encode, rows, out, step, dev, imp, group_rows, bits) -> None:  # noqa: ANN001
+    """Encode ``rows`` into ``out`` in chunks of ``step`` rows. On CUDA the chunks pass through pinned
+    buffers, asynchronously, two at a time: chunk k's rows are copied in while the device encodes chunk k-1,
+    whose codes are copied out once its event says they are there. Copying pageable memory synchronously,
+    chunk by chunk, had taken twice the kernels' time (Q4_K on an H200)."""
+    import torch
+
+    cuda = dev.type == "cuda"
+    pending: deque = deque()  # (event, first row, codes) of the chunks in flight, oldest first
+
+    def drain() -> None:
+        done, s, codes = pending.popleft()
+        if done is not None:
+            done.synchronize()
+        out[s : s + len(codes)] = codes.numpy()
+
+    for k, s in enumerate(range(0, rows.shape[0], step)):
+        if len(pending) == 2:  # the oldest chunk's buffers (this slot's) are free once its codes are out
+            drain()
+        host = rows[s : s + step]
+        chunk = torch.from_numpy(host)
+        if cuda:
+            staged = _STAGING.get(k % 2, host.nbytes).view(chunk.dtype).view(chunk.shape)
+            staged.copy_(chunk)
+            chunk = staged.to(dev, non_blocking=True)
+        if bits:
+            chunk = (chunk.to(torch.int32) << 16).view(torch.float32)
+        if not bool(torch.isfinite(chunk).all()):  # before encoding: no garbage indices on the device
+            raise ForgeError(NON_FINITE)
+        w = imp
+        if group_rows:  # each row's own group's vector
+            w = imp.index_select(0, torch.arange(s, s + chunk.shape[0], device=dev) // group_rows)
+        codes, done = encode(chunk, w), None
+        if cuda:
+            host_codes = _STAGING.get(2 + k % 2, codes.numel()).view(codes.shape)
+            host_codes.copy_(codes, non_blocking=True)
+            codes, done = host_codes, torch.cuda.Event()
+            done.record()
+        pending.append((done, s, codes))
+    while pending:
+        drain()
 
 
 __all__ = ["CHUNK_ELEMS", "check_device", "device_encoder", "encode_on_device", "supported_on_device"]

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as T
 
 from forge.quant.iq2_grid import CODE_WEIGHTS, codebook
 from forge.quant.torch_codecs import device_encoder, ops
+from forge.quant.torch_codecs.iq2_triton import best_neighbour_fused
 
 QK_K = 256
 SUB = 32  # IQ2_XXS sub-block
@@ -106,7 +107,9 @@ def snap(
         s = scale[m_idx]
         # terms[q, i, l] = waux * (s*mag_l - x)^2, in iq2.snap's operation order
         terms = torch.stack([wg * (s * mag - xg) * (s * mag - xg) for mag in _LEVEL_MAGS], dim=-1)
-        point[g_idx, m_idx] = best_neighbour(cb, codes[g_idx, m_idx], terms.permute(1, 0, 2).contiguous())
+        codes, terms = codes[g_idx, m_idx], terms.permute(1, 0, 2).contiguous()
+        fused = best_neighbour_fused(cb, codes, terms)
+        point[g_idx, m_idx] = best_neighbour(cb, codes, terms) if fused is None else fused
     return point
 
 
