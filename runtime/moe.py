@@ -177,8 +177,17 @@ class ScoredTopK(Router):
             raise ForgeError(f"layer {layer}: expert gating function {gating} is not supported")
         self.score, self.bias, self.normalize, self.scale = SCORE_FUNCTIONS[gating], bias, normalize, scale
 
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """The experts' scores; under a prune mask computed on the surviving experts' logits alone, as a
+        physically pruned file computes them (a vectorized sigmoid rounds an element by where it falls in the
+        row: in a row of 16 and one of 10 an expert may get scores one ulp apart), the others 0."""
+        if self.kept is None:
+            return self.score(logits)
+        part = self.score(logits.index_select(1, self.kept))
+        return part.new_zeros(logits.shape).index_copy_(1, self.kept, part)
+
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = self.score(logits)
+        scores = self.scores(logits)
         chosen = scores if self.bias is None else scores + self.bias
         if self.kept is not None:  # pruned experts: never chosen, whatever their bias
             chosen = chosen.masked_fill(logits == MASKED_SCORE, float("-inf"))
@@ -209,7 +218,7 @@ class GroupedScoredTopK(ScoredTopK):
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.n_group == 1:
             return super().select(logits)
-        scores = self.score(logits)
+        scores = self.scores(logits)
         chosen = scores if self.bias is None else scores + self.bias
         if self.kept is not None:
             chosen = chosen.masked_fill(logits == MASKED_SCORE, float("-inf"))
