@@ -449,26 +449,28 @@ def test_fused_k_quants_on_cuda() -> None:
         assert np.array_equal(encode_on_device(qtype.upper(), rows, w, "cuda"), want), (qtype, w is None)
 
 
-@pytest.mark.slow  # half a minute in the interpreter
-def test_iq2_neighbour_kernel_in_the_triton_interpreter() -> None:
-    """The IQ2 best-neighbour kernel, run by Triton's interpreter, picks what the torch search picks (random
-    off-grid codes, ties, an infinite and a NaN term: its self-check). Needs triton."""
+@pytest.mark.slow  # two minutes in the interpreter
+def test_iq2_kernels_in_the_triton_interpreter() -> None:
+    """The IQ2_XXS search kernels (make_qp_quants, snap + fit), run by Triton's interpreter (numpy float32: no
+    contraction, correctly rounded division), give the torch operations' bytes (one program's columns: random
+    rows at several scales, zero and flat sub-blocks, an outlier; one importance vector and one per row).
+    Needs triton."""
     import subprocess
     import sys
 
     pytest.importorskip("triton")
-    script = "from forge.quant.torch_codecs import iq2_triton; print(iq2_triton.self_check('cpu'))"
+    script = "from forge.quant.torch_codecs import iq2_triton; print(iq2_triton.agrees('cpu', 256))"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == "True"
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
-def test_iq2_neighbour_kernel_on_cuda() -> None:
-    """On a GPU the IQ2 best-neighbour kernel passes its self-check (so the IQ2_XXS encoder uses it), and the
-    encoder then gives the CPU codec's bytes."""
+def test_iq2_kernels_on_cuda() -> None:
+    """On a GPU the IQ2_XXS kernels pass their self-check (so the encoder uses them), and the encoder then gives
+    the CPU codec's bytes, with one importance vector and with one per expert."""
     from forge.quant.torch_codecs import iq2_triton
 
     assert iq2_triton.self_check("cuda")
@@ -478,6 +480,11 @@ def test_iq2_neighbour_kernel_on_cuda() -> None:
     assert np.array_equal(
         encode_on_device("IQ2_XXS", rows, imp, "cuda"), get_type("iq2_xxs").encode(rows, imp)
     )
+    per_expert = rng.random((4, 1024)).astype(np.float32)
+    want = np.concatenate(
+        [get_type("iq2_xxs").encode(r, w) for r, w in zip(np.split(rows, 4), per_expert, strict=True)]
+    )
+    assert np.array_equal(encode_on_device("IQ2_XXS", rows, per_expert, "cuda"), want)
 
 
 def test_tame_chunks_for_the_fused_kernels() -> None:

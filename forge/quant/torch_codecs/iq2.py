@@ -16,8 +16,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from forge.quant.iq2_grid import CODE_WEIGHTS, codebook
-from forge.quant.torch_codecs import device_encoder, ops
-from forge.quant.torch_codecs.iq2_triton import best_neighbour_fused
+from forge.quant.torch_codecs import device_encoder, iq2_triton, ops
+from forge.quant.torch_codecs.kquants_triton import tame
 
 QK_K = 256
 SUB = 32  # IQ2_XXS sub-block
@@ -107,9 +107,7 @@ def snap(
         s = scale[m_idx]
         # terms[q, i, l] = waux * (s*mag_l - x)^2, in iq2.snap's operation order
         terms = torch.stack([wg * (s * mag - xg) * (s * mag - xg) for mag in _LEVEL_MAGS], dim=-1)
-        codes, terms = codes[g_idx, m_idx], terms.permute(1, 0, 2).contiguous()
-        fused = best_neighbour_fused(cb, codes, terms)
-        point[g_idx, m_idx] = best_neighbour(cb, codes, terms) if fused is None else fused
+        point[g_idx, m_idx] = best_neighbour(cb, codes[g_idx, m_idx], terms.permute(1, 0, 2).contiguous())
     return point
 
 
@@ -187,22 +185,33 @@ def _signs(xb: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.
     return xval, signs
 
 
+def _snap_fit(
+    cb: DeviceCodebook, xval: torch.Tensor, waux: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+    inv_scale: torch.Tensor, fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One search step: the points at ``scale`` (snap) and their fit's two sums."""
+    if fused:
+        return iq2_triton.snap_fit(cb, xval, waux, weight, scale, inv_scale)
+    pt = snap(cb, xval, waux, scale, inv_scale)
+    return (pt, *fit(weight, xval, q_values(cb, pt)))
+
+
 def _search(
-    cb: DeviceCodebook, xval: torch.Tensor, weight: torch.Tensor
+    cb: DeviceCodebook, xval: torch.Tensor, weight: torch.Tensor, fused: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """iq2._search for IQ2_XXS on every sub-block: points (NG, M), scale (M,) and live (M,)."""
+    """iq2._search for IQ2_XXS on every sub-block: points (NG, M), scale (M,) and live (M,); ``fused``: the
+    steps by iq2_triton's kernels."""
     m = xval.shape[1]
     waux = ops.sqrt(weight)
     zero = ops.scalar(0.0, xval)
-    scale = make_qp_quants(4, xval, weight)
+    scale = iq2_triton.qp_scale(4, xval, weight) if fused else make_qp_quants(4, xval, weight)
     top = scale * 3.0
     live = top > 0  # XXS skips sub-blocks whose first fit is not positive
     best = torch.zeros(m, dtype=torch.float32, device=xval.device)
     point = torch.zeros((NG, m), dtype=torch.int64, device=xval.device)
     for is_ in range(-6, 7):
         inv = ops.div(float(np.float32(5) + np.float32(is_) * np.float32(0.1)), top)
-        pt = snap(cb, xval, waux, ops.div(1.0, inv), inv)
-        sqx, sq2 = fit(weight, xval, q_values(cb, pt))
+        pt, sqx, sq2 = _snap_fit(cb, xval, waux, weight, ops.div(1.0, inv), inv, fused)
         better = (sq2 > 0) & (sqx * sqx > best * sq2) & live
         scale = torch.where(better, ops.div(sqx, sq2), scale)
         best = torch.where(better, scale * sqx, best)
@@ -221,10 +230,14 @@ def _search(
 
 # peak device bytes per element measured on an H200: 234
 @device_encoder(T.IQ2_XXS, bytes_per_elem=320)
-def encode_iq2_xxs(rows: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
-    """rows float32 (R, n_per_row), importance (n_per_row,) -> uint8 (R, row_bytes)."""
+def encode_iq2_xxs(rows: torch.Tensor, importance: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
+    """rows float32 (R, n_per_row), importance (n_per_row,) or one per row -> uint8 (R, row_bytes).
+    ``fused``: the search steps by iq2_triton's kernels (default: where they serve: CUDA, checked in this
+    process, a chunk of tame magnitudes)."""
     n_rows = rows.shape[0]
     dev = rows.device
+    if fused is None:
+        fused = iq2_triton.usable(dev) and tame(rows, importance)
     cb = device_codebook(T.IQ2_XXS, str(dev))
     x_sb = ops.to_t(rows.reshape(-1, QK_K))  # (256, N)
     n = x_sb.shape[1]
@@ -240,7 +253,7 @@ def encode_iq2_xxs(rows: torch.Tensor, importance: torch.Tensor) -> torch.Tensor
     act = mx >= ops.GROUP_MAX_EPS
     # the search runs on every sub-block; those below GROUP_MAX_EPS (not act) are then reset, as
     # iq2.py never searches them
-    point, scale, live = _search(cb, xval, weight)
+    point, scale, live = _search(cb, xval, weight, fused)
     # a negative fitted scale cannot occur for |x|; ggml would flip it and the signs, so do we
     signs = torch.where(act & (scale < 0), ~signs & 127, signs)
     scale = torch.where(act, scale.abs(), ops.scalar(0.0, scale))
