@@ -18,7 +18,7 @@ from forge.convert import convert_checkpoint
 from runtime.evaluate import evaluate, perplexity_tokens
 from runtime.generate import generate
 from runtime.models import load_model
-from runtime.moe import MASKED_SCORE, GroupedScoredTopK
+from runtime.moe import MASKED_SCORE, GroupedScoredTopK, ScoredTopK
 from runtime.tokenizer import Tokenizer
 
 #: the shipped fixture's config, and one without q/k norms and biases, routed over 4 groups (2 used)
@@ -81,6 +81,23 @@ def test_pruned_experts_are_never_chosen_whatever_their_bias() -> None:
     logits[:, 3] = MASKED_SCORE
     ids, w = r.select(logits)
     assert not (ids == 3).any() and torch.allclose(w.sum(-1), torch.ones(16))
+
+
+def test_masked_scores_are_the_surviving_experts_own() -> None:
+    """Under a prune mask each surviving expert's score is the score function of the surviving logits alone,
+    bit for bit what a physically pruned router computes (a vectorized sigmoid rounds an element by its place
+    in the row: 16 and 10 experts gave one ulp apart on an AVX2 host)."""
+    for gating in (1, 2, 4):
+        r = ScoredTopK(_Proj(16), 0, 4, [], gating)
+        kept = torch.tensor([0, 2, 3, 5, 6, 8, 9, 11, 13, 15])
+        pruned = ScoredTopK(_Proj(10), 0, 4, [], gating)
+        r.kept = kept
+        part = torch.randn(37, 10, generator=torch.Generator().manual_seed(gating))
+        logits = torch.full((37, 16), MASKED_SCORE).index_copy_(1, kept, part)
+        assert torch.equal(r.scores(logits)[:, kept], pruned.scores(part)), gating
+        ids, w = r.select(logits)
+        ids_p, w_p = pruned.select(part)
+        assert torch.equal(ids, kept[ids_p]) and torch.equal(w, w_p), gating
 
 
 def test_layers_dense_routed_and_mtp(glm) -> None:
