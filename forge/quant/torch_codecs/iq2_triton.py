@@ -10,8 +10,8 @@ another. A lane walks a group's neighbour list scoring each point's 8 terms in c
 first least score; a NaN score makes it keep the first neighbour, as the torch search's NaN-propagating
 minimum does.
 
-Bit-exact needs what C does: divisions and square roots correctly rounded (``div_rn``), no multiply-add
-contraction (``enable_fp_fusion=False``). As for the K-quant kernels, chunks whose magnitudes could reach
+Bit-exact needs what C does: divisions correctly rounded (``div_rn``; the square roots of the weights stay
+with torch), no multiply-add contraction (``enable_fp_fusion=False``). As for the K-quant kernels, chunks whose magnitudes could reach
 subnormals (``kquants_triton.tame``) take the torch operations, and ``usable(device)`` compares the kernels
 with them once per process.
 """
@@ -123,6 +123,7 @@ if triton is not None:
 
     @triton.jit
     def _term(wa, x, s, mag):
+        """A coordinate's term of a neighbour's score: waux * (s * mag - x)^2, in iq2.snap's order."""
         d = s * mag - x
         return wa * d * d
 
