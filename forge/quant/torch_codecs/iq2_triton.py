@@ -128,36 +128,30 @@ if triton is not None:
         return wa * d * d
 
     @triton.jit
+    def _group_rows(ptr, base, M, m, live):
+        """The 8 values of a group (rows base..base+7) of every column."""
+        row = ptr + base * M + m
+        return (tl.load(row, mask=live, other=0.0), tl.load(row + M, mask=live, other=0.0),
+                tl.load(row + 2 * M, mask=live, other=0.0), tl.load(row + 3 * M, mask=live, other=0.0),
+                tl.load(row + 4 * M, mask=live, other=0.0), tl.load(row + 5 * M, mask=live, other=0.0),
+                tl.load(row + 6 * M, mask=live, other=0.0), tl.load(row + 7 * M, mask=live, other=0.0))  # fmt: skip
+
+    @triton.jit
+    def _level(inv, x):
+        """A coordinate's level at 1/inv: nearest_int((inv x - 1) / 2) in 0..2 (iq2.snap)."""
+        return tl.minimum(tl.maximum(_nearest_int(0.5 * (inv * x - 1.0)), 0), 2)
+
+    @triton.jit
     def _snap_group(x_ptr, wa_ptr, base, M, m, live, s, inv, poc_ptr, start_ptr, count_ptr, flat_ptr, mags_ptr,
                     LONGEST: tl.constexpr):  # fmt: skip
         """The point of one group of 8 (rows base..base+7) of every column (iq2.snap)."""
-        x0 = tl.load(x_ptr + (base + 0) * M + m, mask=live, other=0.0)
-        x1 = tl.load(x_ptr + (base + 1) * M + m, mask=live, other=0.0)
-        x2 = tl.load(x_ptr + (base + 2) * M + m, mask=live, other=0.0)
-        x3 = tl.load(x_ptr + (base + 3) * M + m, mask=live, other=0.0)
-        x4 = tl.load(x_ptr + (base + 4) * M + m, mask=live, other=0.0)
-        x5 = tl.load(x_ptr + (base + 5) * M + m, mask=live, other=0.0)
-        x6 = tl.load(x_ptr + (base + 6) * M + m, mask=live, other=0.0)
-        x7 = tl.load(x_ptr + (base + 7) * M + m, mask=live, other=0.0)
-        code = tl.minimum(tl.maximum(_nearest_int(0.5 * (inv * x0 - 1.0)), 0), 2)
-        code += 3 * tl.minimum(tl.maximum(_nearest_int(0.5 * (inv * x1 - 1.0)), 0), 2)
-        code += 9 * tl.minimum(tl.maximum(_nearest_int(0.5 * (inv * x2 - 1.0)), 0), 2)
-        code += 27 * tl.minimum(tl.maximum(_nearest_int(0.5 * (inv * x3 - 1.0)), 0), 2)
-        code += 81 * tl.minimum(tl.maximum(_nearest_int(0.5 * (inv * x4 - 1.0)), 0), 2)
-        code += 243 * tl.minimum(tl.maximum(_nearest_int(0.5 * (inv * x5 - 1.0)), 0), 2)
-        code += 729 * tl.minimum(tl.maximum(_nearest_int(0.5 * (inv * x6 - 1.0)), 0), 2)
-        code += 2187 * tl.minimum(tl.maximum(_nearest_int(0.5 * (inv * x7 - 1.0)), 0), 2)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _group_rows(x_ptr, base, M, m, live)
+        code = _level(inv, x0) + 3 * _level(inv, x1) + 9 * _level(inv, x2) + 27 * _level(inv, x3)
+        code += 81 * _level(inv, x4) + 243 * _level(inv, x5) + 729 * _level(inv, x6) + 2187 * _level(inv, x7)
         on_grid = tl.load(poc_ptr + code, mask=live, other=0)
         start = tl.load(start_ptr + code, mask=live, other=0)
         count = tl.where(on_grid < 0, tl.load(count_ptr + code, mask=live, other=0), 0)
-        w0 = tl.load(wa_ptr + (base + 0) * M + m, mask=live, other=0.0)
-        w1 = tl.load(wa_ptr + (base + 1) * M + m, mask=live, other=0.0)
-        w2 = tl.load(wa_ptr + (base + 2) * M + m, mask=live, other=0.0)
-        w3 = tl.load(wa_ptr + (base + 3) * M + m, mask=live, other=0.0)
-        w4 = tl.load(wa_ptr + (base + 4) * M + m, mask=live, other=0.0)
-        w5 = tl.load(wa_ptr + (base + 5) * M + m, mask=live, other=0.0)
-        w6 = tl.load(wa_ptr + (base + 6) * M + m, mask=live, other=0.0)
-        w7 = tl.load(wa_ptr + (base + 7) * M + m, mask=live, other=0.0)
+        w0, w1, w2, w3, w4, w5, w6, w7 = _group_rows(wa_ptr, base, M, m, live)
         best = tl.full(s.shape, float("inf"), tl.float32)
         pick = tl.zeros(s.shape, tl.int64)
         nan = tl.zeros(s.shape, tl.int1)
