@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 
 import numpy as np
@@ -320,3 +321,43 @@ def test_matches_libggml_on_random_data(name: str) -> None:
                 None if w is None else w.ctypes.data,
             )
             np.testing.assert_array_equal(qtype.encode(x, w), want)
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K", "IQ4_XS", "IQ2_XXS"])
+def test_encode_takes_bf16_bits_and_one_vector_per_matrix(
+    qtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What ``forge quantize`` hands a codec: a 3-D tensor's rows as bf16 bits with one importance vector per
+    matrix, in one call. The bytes are those of each matrix's float32 values encoded alone, and a NaN or an
+    infinity among the bits is refused."""
+    from forge.bulk import NON_FINITE, bf16_to_f32
+
+    monkeypatch.setenv("FORGE_THREADS", "3")
+    rng = np.random.default_rng(4)
+    values = (rng.standard_normal((12, 512)) * rng.uniform(1e-3, 10, (12, 1))).astype(np.float32)
+    bits = (values.view(np.uint32) >> 16).astype(np.uint16)
+    wide = bf16_to_f32(bits)
+    imp = rng.uniform(0.1, 2, (3, 512)).astype(np.float32)
+    qt = get_type(qtype)
+    want = np.concatenate([qt.encode(wide[4 * g : 4 * g + 4], imp[g]) for g in range(3)])
+    assert np.array_equal(qt.encode(bits, imp), want)
+    assert np.array_equal(qt.encode(wide, imp), want)
+    for bad in (np.nan, np.inf):
+        poisoned = bits.copy()
+        poisoned[9, 100] = (np.array([bad], np.float32).view(np.uint32) >> 16).astype(np.uint16)[0]
+        with pytest.raises(ForgeError, match=re.escape(NON_FINITE)):
+            qt.encode(poisoned, imp)
+
+
+def test_row_chunks_stay_inside_their_group() -> None:
+    """Chunks of ``task_elems`` values at most; each lies in one group of rows and is told which."""
+    rows = np.repeat(np.arange(10, dtype=np.float32), 4).reshape(10, 4)  # row i holds i
+    seen = []
+
+    def encode_chunk(chunk: np.ndarray, group: int) -> np.ndarray:
+        seen.append((int(chunk[0, 0]), len(chunk), group))
+        return chunk[:, :1].astype(np.uint8)
+
+    out = nx.map_row_chunks(rows, 1, encode_chunk, chunk_elems=4, groups=2, task_elems=12)
+    assert out[:, 0].tolist() == list(range(10))
+    assert sorted(seen) == [(0, 3, 0), (3, 2, 0), (5, 3, 1), (8, 2, 1)]

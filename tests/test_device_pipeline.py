@@ -22,7 +22,7 @@ class _Source:
     def __init__(self, log: list[str]):
         self.log = log
 
-    def device_values(self, name: str) -> np.ndarray:
+    def values_or_bits(self, name: str) -> np.ndarray:
         self.log.append(f"read {name}")
         return np.zeros((1, 1), np.float32)
 
@@ -47,15 +47,15 @@ def test_reading_and_writing_overlap_the_encoding(monkeypatch: pytest.MonkeyPatc
             b_encoding.set()
         return EncodeResult(np.frombuffer(job.name.encode(), np.uint8), 0.0, 0.0)
 
-    real_read = _Source.device_values
+    real_read = _Source.values_or_bits
 
-    def device_values(self: _Source, name: str) -> np.ndarray:
+    def values_or_bits(self: _Source, name: str) -> np.ndarray:
         out = real_read(self, name)
         if name == "b":
             b_read.set()
         return out
 
-    monkeypatch.setattr(_Source, "device_values", device_values)
+    monkeypatch.setattr(_Source, "values_or_bits", values_or_bits)
     monkeypatch.setattr(jobs_mod, "run_job", run_job)
     got = []
     for res in overlapped(_jobs("abcde")):
@@ -122,7 +122,7 @@ def test_every_type_of_the_preset_encodes_on_the_device(
 
 @pytest.mark.parametrize("kind", ["gguf", "hf"])
 def test_sources_hand_bf16_tensors_to_a_device_as_their_bits(kind: str, example_bf16) -> None:  # noqa: ANN001
-    """What the device pipeline reads (``device_values``): a bf16-stored tensor's bits, which widen to exactly
+    """What the device pipeline reads (``values_or_bits``): a bf16-stored tensor's bits, which widen to exactly
     ``float32``'s values; any other tensor as ``float32`` gives it."""
     from forge.bulk import bf16_to_f32
     from forge.quant.source import source_ref
@@ -131,7 +131,7 @@ def test_sources_hand_bf16_tensors_to_a_device_as_their_bits(kind: str, example_
     src = source_ref(example_bf16 if kind == "gguf" else EXAMPLE).open()
     as_bits = 0
     for t in src.tensors():
-        got, want = src.device_values(t.name), src.float32(t.name)
+        got, want = src.values_or_bits(t.name), src.float32(t.name)
         if got.dtype == np.uint16:
             as_bits += 1
             got = bf16_to_f32(got)

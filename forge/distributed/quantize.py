@@ -25,10 +25,12 @@ import numpy as np
 from forge.distributed.cluster import cluster_cpus, ray_session
 from forge.distributed.slices import Part, Shipped, fingerprint, read_part, ship_part, split_experts
 from forge.errors import ForgeError
-from forge.quant.jobs import CHUNK_ELEMENTS, EncodeJob, EncodeResult, Executor, open_source, run_job
+from forge.quant.jobs import EncodeJob, EncodeResult, Executor, open_source, run_job
 
 SOURCE_MODES = ("auto", "read", "ship")
 MAX_RETRIES = 3
+#: the most elements of one expert-range task on the cluster
+PART_ELEMENTS = 16 << 20
 #: test hook: while ``$FORGE_TEST_HOLD_DIR/hold`` exists, tasks announce themselves there and wait
 HOLD_ENV = "FORGE_TEST_HOLD_DIR"
 
@@ -88,7 +90,7 @@ class RayExecutor(Executor):
 
     ``source_mode``: ``auto`` (workers read when they see the files, else the driver ships),
     ``read`` or ``ship``; default ``$FORGE_RAY_SOURCE`` or ``auto``. ``part_elements``: the most
-    elements of one expert-range task (default: the encoder's chunk, 16 Mi).
+    elements of one expert-range task (default: 16 Mi).
     """
 
     def __init__(
@@ -97,7 +99,7 @@ class RayExecutor(Executor):
         *,
         max_retries: int = MAX_RETRIES,
         source_mode: str | None = None,
-        part_elements: int = CHUNK_ELEMENTS,
+        part_elements: int = PART_ELEMENTS,
         window: int | None = None,
         log: Callable[[str], None] | None = None,
     ):

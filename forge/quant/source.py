@@ -59,9 +59,10 @@ class QuantSource:
     def float32(self, name: str) -> np.ndarray:
         raise NotImplementedError
 
-    def device_values(self, name: str) -> np.ndarray:
+    def values_or_bits(self, name: str) -> np.ndarray:
         """``float32(name)``, or the same values as their bf16 bits (uint16, same shape) where the source
-        stores them in bf16: a device encoder widens them itself, from half the bytes."""
+        stores them in bf16: the encoder widens them itself, a chunk at a time (half the bytes to read, hold and copy
+        to a device)."""
         return self.float32(name)
 
     def stored(self, name: str) -> np.ndarray:
@@ -100,7 +101,7 @@ class HFQuantSource(QuantSource):
         t = self._by_name[name]
         return self._float32(t, t.produce())
 
-    def device_values(self, name: str) -> np.ndarray:
+    def values_or_bits(self, name: str) -> np.ndarray:
         t = self._by_name[name]
         src = t.produce()
         if src.dtype == "BF16":  # float32 would be these bits widened
@@ -178,7 +179,7 @@ class GGUFQuantSource(QuantSource):
         self._release(name)
         return values
 
-    def device_values(self, name: str) -> np.ndarray:
+    def values_or_bits(self, name: str) -> np.ndarray:
         if self.file.tensors[name].ggml_type != GGMLQuantizationType.BF16:
             return self.float32(name)
         bits = np.array(self.file.array(name))  # a copy: the mapped pages are dropped

@@ -95,20 +95,34 @@ class BlockCodec(QuantType):
     def encode(
         cls, rows: np.ndarray, importance: np.ndarray | None = None, out: np.ndarray | None = None
     ) -> np.ndarray:
-        from forge.quant.numerics import check_rows, map_row_chunks
+        """Also takes bf16 values as their bits (uint16 rows, widened a chunk at a time) and one importance
+        vector per group of consecutive rows (n_groups, n_per_row), a 3-D tensor's matrices."""
+        from forge.jit import enabled
+        from forge.quant.numerics import check_input, map_row_chunks
 
-        rows, importance = check_rows(cls.name(), rows, cls.block_size, importance)
+        rows, importance = check_input(cls.name(), rows, cls.block_size, importance)
         if not cls.uses_imatrix:
             importance = None
         elif importance is None and cls.requires_importance:
             raise ForgeError(f"{cls.name()} needs importance weights (an imatrix); none were given")
-        from forge.jit import enabled
-
         fn = cls._encode_chunk
-        # numpy codecs vectorize over a chunk's blocks and want big chunks; compiled kernels loop,
-        # so small chunks let the threads share even a small tensor
-        chunk = min(cls.chunk_elems, KERNEL_CHUNK_ELEMS) if enabled() else cls.chunk_elems
-        return map_row_chunks(rows, cls.row_bytes(rows.shape[1]), lambda c: fn(c, importance), chunk, out)
+        groups = 1 if importance is None or importance.ndim == 1 else len(importance)
+        if groups == 1 and importance is not None:
+            importance = importance.reshape(-1)
+        # numpy codecs vectorize over a chunk's blocks and want big chunks, as big as their memory allows;
+        # compiled kernels loop, so small chunks let the threads share even a small tensor
+        chunk, most = (
+            (min(cls.chunk_elems, KERNEL_CHUNK_ELEMS), None) if enabled() else (cls.chunk_elems,) * 2
+        )
+        return map_row_chunks(
+            rows,
+            cls.row_bytes(rows.shape[1]),
+            lambda c, g: fn(c, importance if groups == 1 else importance[g]),
+            chunk,
+            out,
+            groups,
+            most,
+        )
 
     @classmethod
     def decode(cls, data: np.ndarray, n_per_row: int) -> np.ndarray:

@@ -89,7 +89,7 @@ def encode_on_device(
     """
     import torch
 
-    from forge.quant.numerics import check_rows
+    from forge.quant.numerics import check_input
     from forge.quant.types import get_type
 
     qt = get_type(qtype)
@@ -100,21 +100,11 @@ def encode_on_device(
         raise ForgeError(f"{name} has no device encoder; device encoders exist for {have}")
     dev = _device(device)
     bits = rows.dtype == np.uint16
-    if bits and rows.ndim != 2:
-        raise ForgeError(f"{name}: expected a 2-D array of rows, got shape {rows.shape}")
-    # shape and importance checked here (bf16 bits: on an empty float32 stand-in), the values on the device
-    checked = np.empty((0, rows.shape[1]), np.float32) if bits else rows
-    per_matrix = importance is not None and np.ndim(importance) == 2
-    if per_matrix:
-        checked, _ = check_rows(name, checked, qt.block_size, finite=False)
-        if not len(importance) or rows.shape[0] % len(importance):
-            raise ForgeError(
-                f"{name}: {rows.shape[0]} rows do not split into {len(importance)} importance groups"
-            )
-        importance = np.stack([check_rows(name, checked[:0], qt.block_size, w)[1] for w in importance])
-    else:
-        checked, importance = check_rows(name, checked, qt.block_size, importance, finite=False)
-    rows = np.ascontiguousarray(rows).view(np.int16) if bits else checked
+    # shape and importance checked here, the values on the device
+    rows, importance = check_input(name, rows, qt.block_size, importance, finite=False)
+    per_matrix = importance is not None and importance.ndim == 2
+    if bits:
+        rows = rows.view(np.int16)
     if importance is None and getattr(qt, "requires_importance", False):
         raise ForgeError(f"{name} needs importance weights (an imatrix); none were given")
     n_rows, n_per_row = rows.shape
