@@ -61,7 +61,7 @@ def encode_rows(
     qt = get_type(qtype)
     if device != "cpu" and supported_on_device(qt.name()):
         return encode_on_device(qt.name(), rows, importance, device)  # checks the values on the device
-    if isinstance(qt, type) and issubclass(qt, BlockCodec):  # bf16 bits and per-matrix vectors as they are
+    if issubclass(qt, BlockCodec):  # bf16 bits and per-matrix vectors as they are
         return qt.encode(rows, importance)
     values = bf16_to_f32(rows) if rows.dtype == np.uint16 else rows
     if not all_finite(values):

@@ -460,9 +460,8 @@ def map_row_chunks(
     ``encode_chunk(rows_chunk, group) -> uint8 (r, row_bytes)``, ``group`` the chunk's group of consecutive
     rows (R/``groups`` rows each, e.g. one expert's matrix; a chunk never crosses groups). Chunks hold
     ``chunk_elems`` values at least and ``task_elems`` at most (default: a quarter of one thread's share, at
-    most 2**20);
-    every chunk of every group is queued at once, so no thread waits at a group's end (per-expert calls
-    had left a quarter of 16 threads idle).
+    most 2**20). Every chunk of every group is queued at once, so no thread waits at a group's end
+    (per-expert calls had left a quarter of 16 threads idle).
     """
     n_rows, n_per_row = rows.shape
     if out is None:
@@ -474,7 +473,10 @@ def map_row_chunks(
         task_elems = min(rows.size // (4 * threads), 1 << 20)
     step = max(1, max(chunk_elems, task_elems) // max(1, n_per_row))
     per_group = n_rows // groups
-    chunks = [(s, min(s + step, (g + 1) * per_group), g) for g in range(groups) for s in range(g * per_group, (g + 1) * per_group, step)]  # fmt: skip
+    ends = [(g * per_group, (g + 1) * per_group) for g in range(groups)]
+    chunks = [
+        (s, min(s + step, end), g) for g, (first, end) in enumerate(ends) for s in range(first, end, step)
+    ]
 
     def run(chunk: tuple[int, int, int]) -> None:
         s, e, g = chunk

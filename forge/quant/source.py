@@ -61,8 +61,8 @@ class QuantSource:
 
     def values_or_bits(self, name: str) -> np.ndarray:
         """``float32(name)``, or the same values as their bf16 bits (uint16, same shape) where the source
-        stores them in bf16: the encoder widens them itself, a chunk at a time (half the bytes to read, hold and copy
-        to a device)."""
+        stores them in bf16: the encoder widens them itself, a chunk at a time (half the bytes to read, hold
+        and copy to a device)."""
         return self.float32(name)
 
     def stored(self, name: str) -> np.ndarray:
