@@ -27,13 +27,15 @@ class _Source:
         return np.zeros((1, 1), np.float32)
 
 
-def _jobs(names: str) -> list[EncodeJob]:
-    return [EncodeJob(None, n, "Q8_0", None, (), "cuda") for n in names]  # type: ignore[arg-type]
+def _jobs(names: str, device: str = "cuda") -> list[EncodeJob]:
+    return [EncodeJob(None, n, "Q8_0", None, (), device) for n in names]  # type: ignore[arg-type]
 
 
-def test_reading_and_writing_overlap_the_encoding(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_reading_and_writing_overlap_the_encoding(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Job b is read while job a encodes, and a's result is consumed while b encodes: each stage waits
-    for the other to happen at the same time, so a sequential run would time out."""
+    for the other to happen at the same time, so a sequential run would time out. The same on the CPU
+    (``Executor``, one process)."""
     log: list[str] = []
     b_read = threading.Event()
     b_encoding = threading.Event()
@@ -58,7 +60,7 @@ def test_reading_and_writing_overlap_the_encoding(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(_Source, "values_or_bits", values_or_bits)
     monkeypatch.setattr(jobs_mod, "run_job", run_job)
     got = []
-    for res in overlapped(_jobs("abcde")):
+    for res in Executor().map(_jobs("abcde", device)):
         if not got:
             assert b_encoding.wait(WAIT_S), "job b did not encode while job a's result was written"
         got.append(res.data.tobytes().decode())
