@@ -10,7 +10,7 @@ import pytest
 
 from forge.errors import ForgeError
 from forge.quant import jobs as jobs_mod
-from forge.quant.jobs import EncodeJob, EncodeResult, Executor, ProcessExecutor, overlapped
+from forge.quant.jobs import EncodeJob, EncodeResult, Executor, ProcessExecutor
 from forge.quant.torch_codecs import supported_on_device
 from tests import oracle
 
