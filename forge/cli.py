@@ -341,6 +341,9 @@ _redelivered: list[int] = []
 
 def _interrupt(signum: int, frame: Any) -> None:
     if _redelivered:  # the first interrupt again, after a destructor swallowed it (``_unraisable``)
+        if _running(frame, _unraisable.__code__):  # raised in the hook itself, it would be swallowed too
+            _deliver_again(signum)
+            return
         _redelivered.clear()
         raise Interrupted(signum)
     if _interrupted:  # a second Ctrl-C: stop now
@@ -358,13 +361,25 @@ def _unraisable(unraisable: Any) -> None:
     another thread a moment later, so that it is handled once the destructor has returned (should it land in
     one again, this repeats)."""
     if isinstance(unraisable.exc_value, Interrupted):
-        signum = unraisable.exc_value.signum
-        _redelivered.append(signum)
-        again = threading.Timer(0.001, os.kill, (os.getpid(), signum))
-        again.daemon = True
-        again.start()
+        _redelivered.append(unraisable.exc_value.signum)
+        _deliver_again(unraisable.exc_value.signum)
         return
     sys.__unraisablehook__(unraisable)
+
+
+def _deliver_again(signum: int) -> None:
+    again = threading.Timer(0.001, os.kill, (os.getpid(), signum))
+    again.daemon = True
+    again.start()
+
+
+def _running(frame: Any, code: Any) -> bool:
+    """Whether ``code`` is on the stack that ``frame`` ends."""
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _hard_exit(code: int) -> None:
