@@ -458,10 +458,10 @@ def map_row_chunks(
     at a time.
 
     ``encode_chunk(rows_chunk, group) -> uint8 (r, row_bytes)``, ``group`` the chunk's group of consecutive
-    rows (R/``groups`` rows each, e.g. one expert's matrix; a chunk never crosses groups). Chunks hold
-    ``chunk_elems`` values at least and ``task_elems`` at most (default: a quarter of one thread's share, at
-    most 2**20). Every chunk of every group is queued at once, so no thread waits at a group's end
-    (per-expert calls had left a quarter of 16 threads idle).
+    rows (R/``groups`` rows each, e.g. one expert's matrix; a chunk never crosses groups). Chunks hold the
+    larger of ``chunk_elems`` and ``task_elems`` values (default: a quarter of one thread's share, at most
+    2**20). Every chunk of every group is queued at once, so no thread waits at a group's end (per-expert
+    calls had left a quarter of 16 threads idle).
     """
     n_rows, n_per_row = rows.shape
     if out is None:
@@ -486,6 +486,7 @@ def map_row_chunks(
         for c in chunks:
             run(c)
     else:
-        for f in [thread_pool().submit(run, c) for c in chunks]:
+        pool = thread_pool()
+        for f in [pool.submit(run, c) for c in chunks]:
             f.result()
     return out

@@ -106,9 +106,7 @@ class BlockCodec(QuantType):
         elif importance is None and cls.requires_importance:
             raise ForgeError(f"{cls.name()} needs importance weights (an imatrix); none were given")
         fn = cls._encode_chunk
-        groups = 1 if importance is None or importance.ndim == 1 else len(importance)
-        if groups == 1 and importance is not None:
-            importance = importance.reshape(-1)
+        per_group = None if importance is None else importance.reshape(-1, rows.shape[1])
         # numpy codecs vectorize over a chunk's blocks and want big chunks, as big as their memory allows;
         # compiled kernels loop, so small chunks let the threads share even a small tensor
         chunk, most = (
@@ -117,10 +115,10 @@ class BlockCodec(QuantType):
         return map_row_chunks(
             rows,
             cls.row_bytes(rows.shape[1]),
-            lambda c, g: fn(c, importance if groups == 1 else importance[g]),
+            lambda c, g: fn(c, None if per_group is None else per_group[g]),
             chunk,
             out,
-            groups,
+            1 if per_group is None else len(per_group),
             most,
         )
 
