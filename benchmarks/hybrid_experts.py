@@ -296,8 +296,15 @@ def row_hybrid(
               "admissions": s.admissions, "pinned_gb": round(h.pinned.nbytes / 1e9, 2) if h.pinned else 0,
               "pin_seconds": round(h.pinned.seconds, 2) if h.pinned else 0, "rates": vars(h.rates) if hasattr(h.rates, "__dict__") else str(h.rates),
               "stats": s.to_json()}  # fmt: skip
+        us = 1e6 / max(s.step_layers, 1)
+        r |= {"decode_hit_rate": round(s.step_hit_rate, 4),
+              "decode_layer_us": {"device": round(s.step_device_seconds * us, 1),
+                                  "cpu_kernel": round(s.step_cpu_seconds * us, 1),
+                                  "whole": round(1e6 / r["tg"] / layers, 1) if r.get("tg") else None}}  # fmt: skip
         r["note"] = (
-            f"pool {h.capacity} experts, GPU hits {s.hit_rate:.0%}, {s.bytes_uploaded / 1e6:,.0f} MB uploaded"
+            f"pool {h.capacity} experts, GPU hits {s.hit_rate:.0%} (decode {s.step_hit_rate:.0%}), "
+            f"{s.bytes_uploaded / 1e6:,.0f} MB uploaded; a decode layer {r['decode_layer_us']['whole']} us: "
+            f"device {r['decode_layer_us']['device']}, CPU kernel {r['decode_layer_us']['cpu_kernel']}"
         )
         return r
     finally:

@@ -211,8 +211,11 @@ def _routed_ffn_encoded(
     act: np.ndarray,
     out: np.ndarray,
     acts: int,
+    chunk_in: int,
+    chunk_out: int,
 ) -> None:
-    """``_routed_ffn`` over encoded experts (acts: the form K-quant rows take their inputs in).
+    """``_routed_ffn`` over encoded experts (acts: the form K-quant rows take their inputs in; chunk_in,
+    chunk_out: rows of a parallel work item in the gate/up and the down products, see ``expert_chunks``).
 
     gate, up, down: flat uint8 buffers; meta (3, 5): per part the offset, expert stride, row stride, row bytes
     and type of its rows (see ``EncodedExperts``). Each row's dot product is taken from its bytes (``dot_row``).
@@ -220,9 +223,9 @@ def _routed_ffn_encoded(
     k, n_ff = act.shape
     x_sums = prepare_input(x, acts)
     rows = k * n_ff
-    for c in prange((rows + _ROW_CHUNK - 1) // _ROW_CHUNK):
+    for c in prange((rows + chunk_in - 1) // chunk_in):
         row = np.empty(x.shape[0], np.float32)
-        for r in range(c * _ROW_CHUNK, min(rows, (c + 1) * _ROW_CHUNK)):
+        for r in range(c * chunk_in, min(rows, (c + 1) * chunk_in)):
             i = r // n_ff
             f = r - i * n_ff
             e = ids[i]
@@ -235,9 +238,9 @@ def _routed_ffn_encoded(
     for i in range(k):
         prepare_into(act[i], act_sums[i])
     n_out = out.shape[0]
-    for c in prange((n_out + _ROW_CHUNK - 1) // _ROW_CHUNK):
+    for c in prange((n_out + chunk_out - 1) // chunk_out):
         row = np.empty(n_ff, np.float32)
-        for d in range(c * _ROW_CHUNK, min(n_out, (c + 1) * _ROW_CHUNK)):
+        for d in range(c * chunk_out, min(n_out, (c + 1) * chunk_out)):
             s = np.float32(0)
             for i in range(k):
                 if d + 1 < n_out:
@@ -729,7 +732,23 @@ def routed_ffn_into(
     """``routed_ffn_encoded`` on numpy arrays, no tensors made: x, h, out (n_embd,) float32; ids (k,) int64;
     weights (k,) float32; act (k, n_ff) float32 receives the SwiGLU outputs, out h + the experts' weighted
     sum (a decode step's worker calls it per layer: the tensor wrapping cost tens of microseconds)."""
-    _routed_ffn_encoded(x, *experts.buffers, experts.meta, h, ids, weights, act, out, experts.acts)
+    chunk_in, chunk_out = expert_chunks(act.size, out.shape[0], get_num_threads())
+    _routed_ffn_encoded(
+        x, *experts.buffers, experts.meta, h, ids, weights, act, out, experts.acts, chunk_in, chunk_out
+    )
+
+
+#: a one-token expert call's work items per thread (``expert_chunks``)
+ITEMS_PER_THREAD = 4
+
+
+def expert_chunks(ff_rows: int, n_out: int, threads: int) -> tuple[int, int]:
+    """Rows of a parallel work item in a one-token expert call's gate/up product (``ff_rows``: experts x n_ff
+    rows) and down product (``n_out`` rows): about ``ITEMS_PER_THREAD`` items per thread, 4 to ``_ROW_CHUNK``
+    rows. A decode step's few experts are too few rows for every thread at ``_ROW_CHUNK`` (one expert's
+    512 gate/up rows were 8 items on 16 threads) and the threads take equal shares of the items."""
+    per = ITEMS_PER_THREAD * max(1, threads)
+    return tuple(max(4, min(_ROW_CHUNK, -(-n // per))) for n in (ff_rows, n_out))  # type: ignore[return-value]
 
 
 def routed_ffn_batch(

@@ -82,15 +82,31 @@ class HybridStats:
     evictions: int = 0
     cpu_seconds: float = 0.0  # the worker's time on the CPU side
     wait_seconds: float = 0.0  # the caller waiting for the CPU side after queueing the fast side
+    # decode steps alone (one token: a mailbox row per layer): layer calls, experts found in the pool, the
+    # worker's time waiting for the device's post of a layer after the step's first (the GPU's part between
+    # two layers' experts) and in the CPU kernel
+    step_layers: int = 0
+    step_hits: int = 0
+    k: int = 0  # experts per token
+    step_device_seconds: float = 0.0
+    step_cpu_seconds: float = 0.0
 
     @property
     def hit_rate(self) -> float:
         n = self.gpu_hits + self.upload_experts + self.cpu_computes
         return self.gpu_hits / n if n else 0.0
 
+    @property
+    def step_hit_rate(self) -> float:
+        """The share of the decode steps' routed experts found in the pool (a batch's copies count as misses
+        in ``hit_rate``: a prefill's whole-layer copies outweigh every decode step)."""
+        n = self.step_layers * self.k
+        return self.step_hits / n if n else 0.0
+
     def to_json(self) -> dict[str, float | int]:
         out: dict[str, float | int] = dict(asdict(self))
         out["hit_rate"] = round(self.hit_rate, 6)
+        out["step_hit_rate"] = round(self.step_hit_rate, 6)
         return out
 
 
@@ -809,11 +825,13 @@ class HybridExperts:
         zeros = np.zeros(ex.n_embd, np.float32)
         with torch.inference_mode():
             for i, layer in enumerate(ex.layers):
-                t0 = time.monotonic()
+                t0 = time.perf_counter()
                 while posted[i] == done[i]:  # the device's post not there yet
-                    if time.monotonic() - t0 > host_wait.CPU_TIMEOUT:
+                    if time.perf_counter() - t0 > host_wait.CPU_TIMEOUT:
                         return  # the step was abandoned (its capture failed, say)
                     os.sched_yield()
+                if i:
+                    s.step_device_seconds += time.perf_counter() - t0
                 ids = mail[i, :k].astype(np.int64)
                 miss = np.flatnonzero(self.slot_of[layer.base + ids] < 0)
                 if miss.size:
@@ -827,7 +845,9 @@ class HybridExperts:
                             torch.from_numpy(x)[None], torch.from_numpy(ids[miss])[None],
                             torch.from_numpy(w)[None], layer.host, _NO_TAPS, torch.zeros(1, ex.n_embd),
                         ).numpy()[0]  # fmt: skip
-                    s.cpu_seconds += time.perf_counter() - t0
+                    took = time.perf_counter() - t0
+                    s.cpu_seconds += took
+                    s.step_cpu_seconds += took
                     s.cpu_pairs += miss.size
                     s.cpu_computes += miss.size
                     s.bytes_read += miss.size * layer.record_bytes
@@ -845,6 +865,9 @@ class HybridExperts:
         n_miss = int(missed.sum())
         self._stats.gpu_hits += keys.size - n_miss
         self._stats.gpu_pairs += keys.size - n_miss
+        self._stats.step_hits += keys.size - n_miss
+        self._stats.step_layers += len(keys)
+        self._stats.k = k
         for i in np.flatnonzero(missed.any(1)).tolist():
             self._admit(ex.layers[i], ids[i][missed[i]], None, self.admit_per_call)
 
@@ -1163,9 +1186,19 @@ def format_stats(h: HybridExperts) -> str:
         f"uploaded for a batch ({s.upload_pairs} pairs), {s.cpu_computes} CPU computes ({s.cpu_pairs} pairs), "
         f"{s.bytes_read / 1e6:,.1f} MB read by the CPU, {s.bytes_uploaded / 1e6:,.1f} MB uploaded, "
         f"{s.admissions} admissions, {s.evictions} evictions, CPU side {s.cpu_seconds:.3f} s "
-        f"({s.wait_seconds:.3f} s waited); pool {h.capacity} experts ({h.nbytes / (1 << 20):,.0f} MiB on "
+        f"({s.wait_seconds:.3f} s waited); {_steps(s)}pool {h.capacity} experts ({h.nbytes / (1 << 20):,.0f} MiB on "
         f"{h.device}); measured: copy {r.upload_bps / 1e9:,.1f} GB/s, CPU {r.cpu_expert_s * 1e3:.3f} ms per "
         f"expert + {r.cpu_pair_s * 1e3:.3f} ms per pair; {_pinned(h.pinned)}"
+    )
+
+
+def _steps(s: HybridStats) -> str:
+    if not s.step_layers:
+        return ""
+    us = 1e6 / s.step_layers
+    return (
+        f"decode steps: {s.step_hit_rate:.1%} GPU hits, per layer {s.step_device_seconds * us:.0f} us on the "
+        f"device between layers, {s.step_cpu_seconds * us:.0f} us in the CPU kernel; "
     )
 
 

@@ -409,6 +409,29 @@ def test_routed_ffn_encoded_equals_decoded(types: tuple[str, str, str]) -> None:
         assert torch.equal(ck.routed_ffn_encoded(x, ids, w, halves, h)[0], out)
 
 
+def test_expert_chunks_spread_a_few_experts_over_every_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One expert's 512 gate/up rows on 16 threads: at least one work item per thread (at 64 rows an item, 8
+    of 16 threads had none); the bytes do not depend on how the rows are cut."""
+    from gguf import GGMLQuantizationType as Q
+
+    for threads in (1, 2, 16, 64):
+        for rows in (256, 512, 4096):
+            items = [-(-n // c) for n, c in zip((rows, 2048), ck.expert_chunks(rows, 2048, threads), strict=True)]
+            assert all(i >= min(threads, n // 4) for i, n in zip(items, (rows, 2048), strict=True)), (threads, rows)
+            assert all(4 <= c <= 64 for c in ck.expert_chunks(rows, 2048, threads))
+    n_expert, n_ff, n_embd = 4, 256, 256
+    gate = _encoded_rows(Q.Q4_K, n_expert * n_ff, n_embd, 51).reshape(n_expert, n_ff, -1)
+    down = _encoded_rows(Q.Q6_K, n_expert * n_embd, n_ff, 52).reshape(n_expert, n_embd, -1)
+    experts = ck.EncodedExperts(gate, Q.Q4_K, np.ascontiguousarray(gate[::-1]), Q.Q4_K, down, Q.Q6_K)
+    x, h = _rand(1, n_embd, seed=53), _rand(1, n_embd, seed=54)
+    ids, w = torch.tensor([2, 0, 3]), torch.tensor([0.5, 0.3, 0.2])
+    want = ck.routed_ffn_encoded(x, ids, w, experts, h)
+    for chunks in ((4, 4), (5, 64), (64, 7)):
+        monkeypatch.setattr(ck, "expert_chunks", lambda *_, c=chunks: c)
+        got = ck.routed_ffn_encoded(x, ids, w, experts, h)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), chunks
+
+
 @pytest.mark.parametrize("name", [t.name for t in ggml_types.types_with("cpu_rows")])
 def test_encoded_rows_product_equals_decoded_product(name: str) -> None:
     """Every row type's dot products straight from the bytes (vectorized over a block's lanes, the next row

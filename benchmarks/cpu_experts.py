@@ -1,0 +1,113 @@
+"""The CPU side of a hybrid decode step alone: one-token calls of the routed-expert kernel on encoded experts.
+
+    python benchmarks/cpu_experts.py [--type q4_k] [--experts 256] [--hidden 2048] [--ff 512]
+        [--counts 1,2,4,6,8] [--threads N,...] [--items 1,2,4,8] [--gap-us 150] [--calls 300] [--json OUT]
+
+A layer of random encoded experts (the Qwen3.6-35B-A3B geometry by default: 256 experts of 2048 x 512, Q4_K,
+453 MB, more than a host's last-level cache) and, as the hybrid executor's worker makes them, calls of
+``cpu_kernels.routed_ffn_into`` from a second thread for ``--counts`` missed experts (other experts each call,
+at random), each after ``--gap-us`` of spinning (the GPU's part of a layer, during which the kernel's threads
+wait). Per thread count, work items per thread (``cpu_kernels.ITEMS_PER_THREAD``; 0: items of 64 rows
+whatever the thread count, as before 2026-12-04) and expert count: the median
+and 10th percentile microseconds of a call and the median's GB/s of expert bytes read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime import cpu_kernels  # noqa: E402
+from runtime.synth import random_blocks  # noqa: E402
+
+
+def random_experts(qtype: GGMLQuantizationType, experts: int, hidden: int, ff: int) -> cpu_kernels.EncodedExperts:
+    rng = np.random.default_rng(0)
+    block, size = GGML_QUANT_SIZES[qtype]
+
+    def part(rows: int, cols: int) -> np.ndarray:
+        n = experts * rows * cols // block
+        return random_blocks(qtype, n, rng, 1e-4, 1e-3, signed=True).reshape(experts, rows, cols // block * size)
+
+    t = int(qtype)
+    return cpu_kernels.EncodedExperts(part(ff, hidden), t, part(ff, hidden), t, part(hidden, ff), t)
+
+
+def spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def measure(enc: cpu_kernels.EncodedExperts, n: int, threads: int, args: argparse.Namespace) -> list[float]:
+    """Seconds of each of ``args.calls`` calls for ``n`` experts, on the calling thread."""
+    cpu_kernels.use_threads(threads)
+    n_exp, hidden = args.experts, args.hidden
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal(hidden).astype(np.float32)
+    h, out = np.zeros(hidden, np.float32), np.empty(hidden, np.float32)
+    act, w = np.empty((n, enc.n_ff), np.float32), np.full(n, 1.0 / n, np.float32)
+    times = []
+    for i in range(args.calls + 10):
+        ids = rng.choice(n_exp, n, replace=False).astype(np.int64)
+        spin(args.gap_us * 1e-6)
+        t0 = time.perf_counter()
+        cpu_kernels.routed_ffn_into(x, ids, w, enc, h, act, out)
+        if i >= 10:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--type", default="q4_k")
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--ff", type=int, default=512)
+    ap.add_argument("--counts", default="1,2,4,6,8")
+    ap.add_argument("--threads", default="")
+    ap.add_argument("--items", default=str(cpu_kernels.ITEMS_PER_THREAD))
+    ap.add_argument("--gap-us", type=float, default=150.0)
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    qtype = GGMLQuantizationType[args.type.upper()]
+    enc = random_experts(qtype, args.experts, args.hidden, args.ff)
+    record = sum(int(enc.meta[p, 1]) for p in range(3))
+    cpu_kernels.start_threads()
+    threads = [int(t) for t in args.threads.split(",") if t] or [cpu_kernels.numba_config.NUMBA_NUM_THREADS]
+    chunks = cpu_kernels.expert_chunks
+
+    def fixed(*_: int) -> tuple[int, int]:  # --items 0: 64-row items, whatever the thread count
+        return 64, 64
+
+    worker = ThreadPoolExecutor(1)  # as the hybrid executor's worker: not the thread that started the pool
+    rows = []
+    print(f"{args.type} experts of {args.hidden} x {args.ff}: {record / 1e6:.2f} MB each; {enc.acts=}")
+    for t in threads:
+        for items in (int(i) for i in args.items.split(",")):
+            cpu_kernels.ITEMS_PER_THREAD = items
+            cpu_kernels.expert_chunks = fixed if items == 0 else chunks
+            for n in (int(c) for c in args.counts.split(",")):
+                s = np.array(worker.submit(measure, enc, n, t, args).result())
+                med, p10 = float(np.median(s)), float(np.percentile(s, 10))
+                row = {"threads": t, "items": items, "experts": n, "median_us": round(med * 1e6, 1),
+                       "p10_us": round(p10 * 1e6, 1), "gb_s": round(n * record / med / 1e9, 1)}  # fmt: skip
+                rows.append(row)
+                print(f"threads {t:3d} items/thread {items:2d} experts {n}: median {row['median_us']:7.1f} us, "
+                      f"p10 {row['p10_us']:7.1f} us, {row['gb_s']:5.1f} GB/s", flush=True)  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
