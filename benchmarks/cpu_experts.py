@@ -30,13 +30,17 @@ from runtime import cpu_kernels  # noqa: E402
 from runtime.synth import random_blocks  # noqa: E402
 
 
-def random_experts(qtype: GGMLQuantizationType, experts: int, hidden: int, ff: int) -> cpu_kernels.EncodedExperts:
+def random_experts(
+    qtype: GGMLQuantizationType, experts: int, hidden: int, ff: int
+) -> cpu_kernels.EncodedExperts:
     rng = np.random.default_rng(0)
     block, size = GGML_QUANT_SIZES[qtype]
 
     def part(rows: int, cols: int) -> np.ndarray:
         n = experts * rows * cols // block
-        return random_blocks(qtype, n, rng, 1e-4, 1e-3, signed=True).reshape(experts, rows, cols // block * size)
+        return random_blocks(qtype, n, rng, 1e-4, 1e-3, signed=True).reshape(
+            experts, rows, cols // block * size
+        )
 
     t = int(qtype)
     return cpu_kernels.EncodedExperts(part(ff, hidden), t, part(ff, hidden), t, part(hidden, ff), t)

@@ -416,8 +416,13 @@ def test_expert_chunks_spread_a_few_experts_over_every_thread(monkeypatch: pytes
 
     for threads in (1, 2, 16, 64):
         for rows in (256, 512, 4096):
-            items = [-(-n // c) for n, c in zip((rows, 2048), ck.expert_chunks(rows, 2048, threads), strict=True)]
-            assert all(i >= min(threads, n // 4) for i, n in zip(items, (rows, 2048), strict=True)), (threads, rows)
+            items = [
+                -(-n // c) for n, c in zip((rows, 2048), ck.expert_chunks(rows, 2048, threads), strict=True)
+            ]
+            assert all(i >= min(threads, n // 4) for i, n in zip(items, (rows, 2048), strict=True)), (
+                threads,
+                rows,
+            )
             assert all(4 <= c <= 64 for c in ck.expert_chunks(rows, 2048, threads))
     n_expert, n_ff, n_embd = 4, 256, 256
     gate = _encoded_rows(Q.Q4_K, n_expert * n_ff, n_embd, 51).reshape(n_expert, n_ff, -1)
