@@ -1,7 +1,8 @@
 """The CPU side of a hybrid decode step alone: one-token calls of the routed-expert kernel on encoded experts.
 
     python benchmarks/cpu_experts.py [--type q4_k] [--experts 256] [--hidden 2048] [--ff 512]
-        [--counts 1,2,4,6,8] [--threads N,...] [--items 1,2,4,8] [--gap-us 150] [--calls 300] [--json OUT]
+        [--counts 1,2,4,6,8] [--threads N,...] [--items 1,2,4,8] [--gap-us 150] [--calls 300]
+        [--mapped FILE] [--json OUT]
 
 A layer of random encoded experts (the Qwen3.6-35B-A3B geometry by default: 256 experts of 2048 x 512, Q4_K,
 453 MB, more than a host's last-level cache) and, as the hybrid executor's worker makes them, calls of
@@ -31,7 +32,7 @@ from runtime.synth import random_blocks  # noqa: E402
 
 
 def random_experts(
-    qtype: GGMLQuantizationType, experts: int, hidden: int, ff: int
+    qtype: GGMLQuantizationType, experts: int, hidden: int, ff: int, mapped: Path | None = None
 ) -> cpu_kernels.EncodedExperts:
     rng = np.random.default_rng(0)
     block, size = GGML_QUANT_SIZES[qtype]
@@ -43,7 +44,15 @@ def random_experts(
         )
 
     t = int(qtype)
-    return cpu_kernels.EncodedExperts(part(ff, hidden), t, part(ff, hidden), t, part(hidden, ff), t)
+    parts = [part(ff, hidden), part(ff, hidden), part(hidden, ff)]
+    if mapped is not None:  # the same bytes in a file's mapped pages, as a hybrid step reads a model file
+        with open(mapped, "wb") as f:
+            for a in parts:
+                f.write(a.tobytes())
+        m, at = np.memmap(mapped, np.uint8, "r"), 0
+        for i, a in enumerate(parts):
+            parts[i], at = m[at : at + a.size].reshape(a.shape), at + a.size
+    return cpu_kernels.EncodedExperts(parts[0], t, parts[1], t, parts[2], t)
 
 
 def spin(seconds: float) -> None:
@@ -82,10 +91,11 @@ def main() -> None:
     ap.add_argument("--items", default=str(cpu_kernels.ITEMS_PER_THREAD))
     ap.add_argument("--gap-us", type=float, default=150.0)
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--mapped", type=Path, help="write the experts to this file and read them mapped")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     qtype = GGMLQuantizationType[args.type.upper()]
-    enc = random_experts(qtype, args.experts, args.hidden, args.ff)
+    enc = random_experts(qtype, args.experts, args.hidden, args.ff, args.mapped)
     record = sum(int(enc.meta[p, 1]) for p in range(3))
     cpu_kernels.start_threads()
     threads = [int(t) for t in args.threads.split(",") if t] or [cpu_kernels.numba_config.NUMBA_NUM_THREADS]

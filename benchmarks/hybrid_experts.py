@@ -285,6 +285,7 @@ def row_hybrid(
     model = build_model(w)
     route_by(model, routing)
     h = hybrid.attach(model, int(gib * GIB), args.profile)
+    h.admit_per_call = args.admit_per_call
     try:
         r = timed(model, routing, "cuda", args, path, counter)
         s = h.stats
@@ -300,11 +301,13 @@ def row_hybrid(
         r |= {"decode_hit_rate": round(s.step_hit_rate, 4),
               "decode_layer_us": {"device": round(s.step_device_seconds * us, 1),
                                   "cpu_kernel": round(s.step_cpu_seconds * us, 1),
+                                  "host_between_steps": round(s.step_host_seconds * us, 1),
                                   "whole": round(1e6 / r["tg"] / layers, 1) if r.get("tg") else None}}  # fmt: skip
         r["note"] = (
             f"pool {h.capacity} experts, GPU hits {s.hit_rate:.0%} (decode {s.step_hit_rate:.0%}), "
             f"{s.bytes_uploaded / 1e6:,.0f} MB uploaded; a decode layer {r['decode_layer_us']['whole']} us: "
-            f"device {r['decode_layer_us']['device']}, CPU kernel {r['decode_layer_us']['cpu_kernel']}"
+            f"device {r['decode_layer_us']['device']}, CPU kernel {r['decode_layer_us']['cpu_kernel']}, host "
+            f"between steps {r['decode_layer_us']['host_between_steps']} ({s.step_admissions} admissions)"
         )
         return r
     finally:
@@ -436,6 +439,8 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--profile", type=Path, help="forge prune profile JSON seeding the GPU pools")
+    ap.add_argument("--admit-per-call", type=int, default=hybrid.ADMIT_PER_CALL,
+                    help="experts a decode step's layer may admit into the GPU pool")  # fmt: skip
     ap.add_argument("--llama-bench", type=Path)
     ap.add_argument(
         "--cold", action="store_true", help="drop the file from the page cache before each timed run"

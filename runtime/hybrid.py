@@ -56,7 +56,8 @@ from runtime.experts import Component, LayerExperts
 from runtime.observers import expert_output_observers
 from runtime.weights import ExpertTensor
 
-#: experts admitted into the pool per layer call at most (each is one record's copy on the side stream)
+#: experts admitted into the pool per one-token layer call at most (each is one record's copy on the side
+#: stream; 0: none, the pool then changes in prefill batches only)
 ADMIT_PER_CALL = 2
 #: pinned staging records per pool for admissions in flight; when all are busy an admission waits a call
 STAGING_RECORDS = 8
@@ -90,6 +91,8 @@ class HybridStats:
     k: int = 0  # experts per token
     step_device_seconds: float = 0.0
     step_cpu_seconds: float = 0.0
+    step_admissions: int = 0  # admissions decided from decode steps (``_account``)
+    step_host_seconds: float = 0.0  # the host's work between two steps' workers (accounts, admissions)
 
     @property
     def hit_rate(self) -> float:
@@ -746,7 +749,7 @@ class HybridExperts:
             for rec in [*fast_taps, cpu_taps]:
                 if rec is not None:
                     rec.replay(taps, dev)
-        if missed.size:
+        if missed.size and (n_tok > 1 or self.admit_per_call):
             self._admit(layer, missed, uploaded, self.admit_per_call if n_tok == 1 else 0)
         self._settle()
         self._publish()
@@ -797,9 +800,11 @@ class HybridExperts:
         table's changes to the device (queued before this step's lookups), and the CPU worker set to serve
         this step's layers. Returns ``x``."""
         self.finish_step()
+        t0 = time.perf_counter()
         self._settle()
         self._publish()
         self._step_job = self.worker.submit(self._serve_step, self.exchange)
+        self._stats.step_host_seconds += time.perf_counter() - t0
         return x
 
     def finish_step(self) -> None:
@@ -813,7 +818,10 @@ class HybridExperts:
         if fault[0]:
             fault[0] = 0
             raise ForgeError("hybrid experts: the CPU side did not answer a decode step in time")
+        t0, before = time.perf_counter(), self._stats.admissions
         self._account(ex)
+        self._stats.step_admissions += self._stats.admissions - before
+        self._stats.step_host_seconds += time.perf_counter() - t0
 
     def _serve_step(self, ex: Exchange) -> None:
         """The CPU worker's decode step: per routed layer in order, wait for its routing in the mailbox, compute
@@ -868,7 +876,7 @@ class HybridExperts:
         self._stats.step_hits += keys.size - n_miss
         self._stats.step_layers += len(keys)
         self._stats.k = k
-        for i in np.flatnonzero(missed.any(1)).tolist():
+        for i in np.flatnonzero(missed.any(1)).tolist() if self.admit_per_call else ():
             self._admit(ex.layers[i], ids[i][missed[i]], None, self.admit_per_call)
 
     def _cpu_side(
