@@ -2,7 +2,7 @@
 
     python benchmarks/cpu_experts.py [--type q4_k] [--experts 256] [--hidden 2048] [--ff 512]
         [--counts 1,2,4,6,8] [--threads N,...] [--items 1,2,4,8] [--gap-us 150] [--calls 300]
-        [--mapped FILE] [--json OUT]
+        [--mapped FILE | --gguf MODEL.gguf [--pin]] [--json OUT]
 
 A layer of random encoded experts (the Qwen3.6-35B-A3B geometry by default: 256 experts of 2048 x 512, Q4_K,
 453 MB, more than a host's last-level cache) and, as the hybrid executor's worker makes them, calls of
@@ -55,23 +55,49 @@ def random_experts(
     return cpu_kernels.EncodedExperts(parts[0], t, parts[1], t, parts[2], t)
 
 
+def file_experts(path: Path, pin: bool) -> tuple[object, list[cpu_kernels.EncodedExperts], object]:
+    """Every routed layer's experts of a model file as the hybrid executor's worker reads them (the mapped
+    file; ``pin``: page-locked as ``runtime.host_pin`` does for a hybrid run). Returns the model (which holds
+    the mapping), the layers' experts and the pinned ranges (None)."""
+    from runtime import host_pin
+    from runtime.models import build_model
+    from runtime.planner import available_memory
+    from runtime.weights import load_weights
+
+    model = build_model(load_weights(path, "cpu", 0, verify_experts=False))
+    layers = [
+        b.moe.source.encoded_records() for i, b in enumerate(model.blocks) if i in model.routed_layers()
+    ]
+    pinned = None
+    if pin:
+        import torch
+
+        bufs = [torch.from_numpy(np.asarray(b)) for e in layers for b in e.buffers]
+        pinned = host_pin.pin(bufs, available_memory()[0])
+        print(f"page-locked: {pinned.nbytes / 1e9:.1f} GB" if pinned else "not page-locked")
+    return model, layers, pinned
+
+
 def spin(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
 
 
-def measure(enc: cpu_kernels.EncodedExperts, n: int, threads: int, args: argparse.Namespace) -> list[float]:
-    """Seconds of each of ``args.calls`` calls for ``n`` experts, on the calling thread."""
+def measure(
+    layers: list[cpu_kernels.EncodedExperts], n: int, threads: int, args: argparse.Namespace
+) -> list[float]:
+    """Seconds of each of ``args.calls`` calls for ``n`` experts (of a random layer), on the calling thread."""
     cpu_kernels.use_threads(threads)
     n_exp, hidden = args.experts, args.hidden
     rng = np.random.default_rng(n)
     x = rng.standard_normal(hidden).astype(np.float32)
     h, out = np.zeros(hidden, np.float32), np.empty(hidden, np.float32)
-    act, w = np.empty((n, enc.n_ff), np.float32), np.full(n, 1.0 / n, np.float32)
+    act, w = np.empty((n, layers[0].n_ff), np.float32), np.full(n, 1.0 / n, np.float32)
     times = []
     for i in range(args.calls + 10):
         ids = rng.choice(n_exp, n, replace=False).astype(np.int64)
+        enc = layers[rng.integers(len(layers))]
         spin(args.gap_us * 1e-6)
         t0 = time.perf_counter()
         cpu_kernels.routed_ffn_into(x, ids, w, enc, h, act, out)
@@ -92,10 +118,22 @@ def main() -> None:
     ap.add_argument("--gap-us", type=float, default=150.0)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--mapped", type=Path, help="write the experts to this file and read them mapped")
+    ap.add_argument(
+        "--gguf", type=Path, help="a model file's routed experts instead (a random layer each call)"
+    )
+    ap.add_argument("--pin", action="store_true", help="with --gguf: page-lock them, as a hybrid run does")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     qtype = GGMLQuantizationType[args.type.upper()]
-    enc = random_experts(qtype, args.experts, args.hidden, args.ff, args.mapped)
+    keep = None
+    if args.gguf:
+        keep = file_experts(args.gguf, args.pin)
+        layers = keep[1]
+        args.experts = layers[0].buffers[0].size // int(layers[0].meta[0, 1])
+        args.hidden, args.type = int(layers[0].meta[2, 1] // layers[0].meta[2, 2]), f"{args.gguf.name}'s"
+    else:
+        layers = [random_experts(qtype, args.experts, args.hidden, args.ff, args.mapped)]
+    enc = layers[0]
     record = sum(int(enc.meta[p, 1]) for p in range(3))
     cpu_kernels.start_threads()
     threads = [int(t) for t in args.threads.split(",") if t] or [cpu_kernels.numba_config.NUMBA_NUM_THREADS]
@@ -106,13 +144,15 @@ def main() -> None:
 
     worker = ThreadPoolExecutor(1)  # as the hybrid executor's worker: not the thread that started the pool
     rows = []
-    print(f"{args.type} experts of {args.hidden} x {args.ff}: {record / 1e6:.2f} MB each; {enc.acts=}")
+    print(
+        f"{args.type} experts ({len(layers)} layers of {args.experts}): {record / 1e6:.2f} MB each; {enc.acts=}"
+    )
     for t in threads:
         for items in (int(i) for i in args.items.split(",")):
             cpu_kernels.ITEMS_PER_THREAD = items
             cpu_kernels.expert_chunks = fixed if items == 0 else chunks
             for n in (int(c) for c in args.counts.split(",")):
-                s = np.array(worker.submit(measure, enc, n, t, args).result())
+                s = np.array(worker.submit(measure, layers, n, t, args).result())
                 med, p10 = float(np.median(s)), float(np.percentile(s, 10))
                 row = {"threads": t, "items": items, "experts": n, "median_us": round(med * 1e6, 1),
                        "p10_us": round(p10 * 1e6, 1), "gb_s": round(n * record / med / 1e9, 1)}  # fmt: skip
