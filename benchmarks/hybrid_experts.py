@@ -440,7 +440,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--profile", type=Path, help="forge prune profile JSON seeding the GPU pools")
     ap.add_argument("--admit-per-call", type=int, default=hybrid.ADMIT_PER_CALL,
-                    help="experts a decode step's layer may admit into the GPU pool")  # fmt: skip
+                    help="experts a decode step's layer may admit into the GPU pool (0: all that qualify)")  # fmt: skip
     ap.add_argument("--llama-bench", type=Path)
     ap.add_argument(
         "--cold", action="store_true", help="drop the file from the page cache before each timed run"
