@@ -1,14 +1,14 @@
 """The CPU side of a hybrid decode step alone: one-token calls of the routed-expert kernel on encoded experts.
 
     python benchmarks/cpu_experts.py [--type q4_k] [--experts 256] [--hidden 2048] [--ff 512]
-        [--counts 1,2,4,6,8] [--threads N,...] [--items 1,2,4,8] [--prefetch 0,4096] [--gap-us 150] [--calls 300]
+        [--counts 1,2,4,6,8] [--threads N,...] [--items 1,2,4,8] [--gap-us 150] [--calls 300]
         [--mapped FILE | --gguf MODEL.gguf [--pin]] [--json OUT]
 
 A layer of random encoded experts (the Qwen3.6-35B-A3B geometry by default: 256 experts of 2048 x 512, Q4_K,
 453 MB, more than a host's last-level cache) and, as the hybrid executor's worker makes them, calls of
 ``cpu_kernels.routed_ffn_into`` from a second thread for ``--counts`` missed experts (other experts each call,
 at random), each after ``--gap-us`` of spinning (the GPU's part of a layer, during which the kernel's threads
-wait). Per thread count, bytes of rows loaded ahead (``cpu_kernels.PREFETCH_BYTES``), work items per thread (``cpu_kernels.ITEMS_PER_THREAD``; 0: items of 64 rows
+wait). Per thread count, work items per thread (``cpu_kernels.ITEMS_PER_THREAD``; 0: items of 64 rows
 whatever the thread count, as before 2026-12-04) and expert count: the median
 and 10th percentile microseconds of a call and the median's GB/s of expert bytes read.
 """
@@ -115,9 +115,6 @@ def main() -> None:
     ap.add_argument("--counts", default="1,2,4,6,8")
     ap.add_argument("--threads", default="")
     ap.add_argument("--items", default=str(cpu_kernels.ITEMS_PER_THREAD))
-    ap.add_argument(
-        "--prefetch", default=str(cpu_kernels.PREFETCH_BYTES), help="PREFETCH_BYTES values (0: a row)"
-    )
     ap.add_argument("--gap-us", type=float, default=150.0)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--mapped", type=Path, help="write the experts to this file and read them mapped")
@@ -150,18 +147,17 @@ def main() -> None:
     print(
         f"{args.type} experts ({len(layers)} layers of {args.experts}): {record / 1e6:.2f} MB each; {enc.acts=}"
     )
-    for t, ahead in ((t, int(a)) for t in threads for a in args.prefetch.split(",")):
-        cpu_kernels.PREFETCH_BYTES = ahead
+    for t in threads:
         for items in (int(i) for i in args.items.split(",")):
             cpu_kernels.ITEMS_PER_THREAD = items
             cpu_kernels.expert_chunks = fixed if items == 0 else chunks
             for n in (int(c) for c in args.counts.split(",")):
                 s = np.array(worker.submit(measure, layers, n, t, args).result())
                 med, p10 = float(np.median(s)), float(np.percentile(s, 10))
-                row = {"threads": t, "prefetch": ahead, "items": items, "experts": n, "median_us": round(med * 1e6, 1),
+                row = {"threads": t, "items": items, "experts": n, "median_us": round(med * 1e6, 1),
                        "p10_us": round(p10 * 1e6, 1), "gb_s": round(n * record / med / 1e9, 1)}  # fmt: skip
                 rows.append(row)
-                print(f"threads {t:3d} ahead {ahead:5d} B items/thread {items:2d} experts {n}: median {row['median_us']:7.1f} us, "
+                print(f"threads {t:3d} items/thread {items:2d} experts {n}: median {row['median_us']:7.1f} us, "
                       f"p10 {row['p10_us']:7.1f} us, {row['gb_s']:5.1f} GB/s", flush=True)  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -198,23 +198,6 @@ def _encoded_row(buf: np.ndarray, meta: np.ndarray, part: int, expert: int, row:
     return buf[start : start + meta[part, 3]]
 
 
-@njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
-def _prefetch_ff(
-    gate: np.ndarray, up: np.ndarray, meta: np.ndarray, ids: np.ndarray, n_ff: int, r: int
-) -> None:
-    """Start loading gate/up row r of a call's experts (rows numbered expert by expert)."""
-    i = r // n_ff
-    prefetch_row(_encoded_row(gate, meta, 0, ids[i], r - i * n_ff))
-    prefetch_row(_encoded_row(up, meta, 1, ids[i], r - i * n_ff))
-
-
-@njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
-def _prefetch_down(down: np.ndarray, meta: np.ndarray, ids: np.ndarray, d: int) -> None:
-    """Start loading down row d of each of a call's experts."""
-    for i in range(ids.shape[0]):
-        prefetch_row(_encoded_row(down, meta, 2, ids[i], d))
-
-
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
 def _routed_ffn_encoded(
     x: np.ndarray,
@@ -230,12 +213,9 @@ def _routed_ffn_encoded(
     acts: int,
     chunk_in: int,
     chunk_out: int,
-    ahead_in: int,
-    ahead_out: int,
 ) -> None:
     """``_routed_ffn`` over encoded experts (acts: the form K-quant rows take their inputs in; chunk_in,
-    chunk_out: rows of a parallel work item in the gate/up and the down products, ahead_in, ahead_out: how
-    many rows ahead each loads, see ``expert_chunks``).
+    chunk_out: rows of a parallel work item in the gate/up and the down products, see ``expert_chunks``).
 
     gate, up, down: flat uint8 buffers; meta (3, 5): per part the offset, expert stride, row stride, row bytes
     and type of its rows (see ``EncodedExperts``). Each row's dot product is taken from its bytes (``dot_row``).
@@ -245,15 +225,13 @@ def _routed_ffn_encoded(
     rows = k * n_ff
     for c in prange((rows + chunk_in - 1) // chunk_in):
         row = np.empty(x.shape[0], np.float32)
-        r0, r1 = c * chunk_in, min(rows, (c + 1) * chunk_in)
-        for r in range(r0 + 1, min(rows, r0 + ahead_in)):
-            _prefetch_ff(gate, up, meta, ids, n_ff, r)
-        for r in range(r0, r1):
+        for r in range(c * chunk_in, min(rows, (c + 1) * chunk_in)):
             i = r // n_ff
             f = r - i * n_ff
             e = ids[i]
-            if r + ahead_in < rows:
-                _prefetch_ff(gate, up, meta, ids, n_ff, r + ahead_in)
+            if f + 1 < n_ff:
+                prefetch_row(_encoded_row(gate, meta, 0, e, f + 1))
+                prefetch_row(_encoded_row(up, meta, 1, e, f + 1))
             g = dot_row(_encoded_row(gate, meta, 0, e, f), meta[0, 4], x, x_sums, row)
             act[i, f] = _silu(g) * dot_row(_encoded_row(up, meta, 1, e, f), meta[1, 4], x, x_sums, row)
     act_sums = np.empty((k, prepared_size(n_ff, acts)), np.float32)
@@ -262,14 +240,11 @@ def _routed_ffn_encoded(
     n_out = out.shape[0]
     for c in prange((n_out + chunk_out - 1) // chunk_out):
         row = np.empty(n_ff, np.float32)
-        d0, d1 = c * chunk_out, min(n_out, (c + 1) * chunk_out)
-        for d in range(d0 + 1, min(n_out, d0 + ahead_out)):
-            _prefetch_down(down, meta, ids, d)
-        for d in range(d0, d1):
-            if d + ahead_out < n_out:
-                _prefetch_down(down, meta, ids, d + ahead_out)
+        for d in range(c * chunk_out, min(n_out, (c + 1) * chunk_out)):
             s = np.float32(0)
             for i in range(k):
+                if d + 1 < n_out:
+                    prefetch_row(_encoded_row(down, meta, 2, ids[i], d + 1))
                 s += weights[i] * dot_row(
                     _encoded_row(down, meta, 2, ids[i], d), meta[2, 4], act[i], act_sums[i], row
                 )
@@ -758,17 +733,9 @@ def routed_ffn_into(
     weights (k,) float32; act (k, n_ff) float32 receives the SwiGLU outputs, out h + the experts' weighted
     sum (a decode step's worker calls it per layer: the tensor wrapping cost tens of microseconds)."""
     chunk_in, chunk_out = expert_chunks(act.size, out.shape[0], get_num_threads())
-    ahead_in, ahead_out = (max(1, PREFETCH_BYTES // int(experts.meta[p, 3])) for p in (0, 2))
     _routed_ffn_encoded(
-        x, *experts.buffers, experts.meta, h, ids, weights, act, out, experts.acts, chunk_in, chunk_out,
-        ahead_in, ahead_out,
-    )  # fmt: skip
-
-
-#: how far ahead (bytes of a part's rows) the one-token expert kernel loads its rows. One row ahead left it
-#: waiting on memory over a whole model file's experts (4 KB pages: the hardware prefetchers stop at each page's
-#: end, and a random expert's rows are seldom in cache): 217 us a call for one expert against 83 us over 453 MB
-PREFETCH_BYTES = 4096
+        x, *experts.buffers, experts.meta, h, ids, weights, act, out, experts.acts, chunk_in, chunk_out
+    )
 
 
 #: a one-token expert call's work items per thread (``expert_chunks``)
