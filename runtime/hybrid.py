@@ -1221,7 +1221,8 @@ def _steps(s: HybridStats) -> str:
     us = 1e6 / s.step_layers
     return (
         f"decode steps: {s.step_hit_rate:.1%} GPU hits, per layer {s.step_device_seconds * us:.0f} us on the "
-        f"device between layers, {s.step_cpu_seconds * us:.0f} us in the CPU kernel; "
+        f"device between layers, {s.step_cpu_seconds * us:.0f} us in the CPU kernel, "
+        f"{s.step_host_seconds * us:.0f} us on the host between steps ({s.step_admissions} admissions); "
     )
 
 

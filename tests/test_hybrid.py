@@ -90,8 +90,13 @@ def test_logits_match_resident(example_q8: Path, rates: str, share: int) -> None
     assert s.gpu_pairs + s.upload_pairs + s.cpu_pairs == _pairs(m, PREFILL + DECODE)
     assert (s.upload_pairs > 0) == (rates == "always") and s.cpu_pairs > 0 and s.gpu_pairs > 0
     assert s.bytes_read == s.cpu_computes * layers[0].record_bytes
+    # the decode steps alone: every routed layer of each step, hits among their pairs only
+    assert s.step_layers == DECODE * len(m.routed_layers()) and s.k == m.n_expert_used
+    assert 0 < s.step_hits <= s.gpu_hits and s.step_hit_rate == s.step_hits / _pairs(m, DECODE)
+    assert s.step_cpu_seconds > 0 and s.step_device_seconds >= 0 and s.step_host_seconds > 0
     line = model_stats(m)  # --stats
     assert f"{s.gpu_hits} GPU hits" in line and f"{s.cpu_computes} CPU computes" in line
+    assert f"decode steps: {s.step_hit_rate:.1%} GPU hits" in line
     assert (
         f"{s.bytes_read / 1e6:,.1f} MB read" in line and f"{s.bytes_uploaded / 1e6:,.1f} MB uploaded" in line
     )
