@@ -1,16 +1,21 @@
 """The CPU side of a hybrid decode step alone: one-token calls of the routed-expert kernel on encoded experts.
 
-    python benchmarks/cpu_experts.py [--type q4_k] [--experts 256] [--hidden 2048] [--ff 512]
+    python benchmarks/cpu_experts.py [--type q4_k] [--experts 256] [--hidden 2048] [--ff 512] [--layers 1]
         [--counts 1,2,4,6,8] [--threads N,...] [--items 1,2,4,8] [--gap-us 150] [--calls 300]
         [--mapped FILE | --gguf MODEL.gguf [--pin]] [--json OUT]
 
-A layer of random encoded experts (the Qwen3.6-35B-A3B geometry by default: 256 experts of 2048 x 512, Q4_K,
-453 MB, more than a host's last-level cache) and, as the hybrid executor's worker makes them, calls of
-``cpu_kernels.routed_ffn_into`` from a second thread for ``--counts`` missed experts (other experts each call,
-at random), each after ``--gap-us`` of spinning (the GPU's part of a layer, during which the kernel's threads
+``--layers`` layers of random encoded experts (the Qwen3.6-35B-A3B geometry by default: 256 experts of 2048 x
+512, Q4_K, 453 MB a layer, more than a host's last-level cache; ``--gguf``: a model file's) and, as the hybrid
+executor's worker makes them, calls of
+``cpu_kernels.routed_ffn_into`` from a second thread for ``--counts`` missed experts (of a random layer, other
+experts each call), each after ``--gap-us`` of spinning (the GPU's part of a layer, during which the kernel's threads
 wait). Per thread count, work items per thread (``cpu_kernels.ITEMS_PER_THREAD``; 0: items of 64 rows
 whatever the thread count, as before 2026-12-04) and expert count: the median
 and 10th percentile microseconds of a call and the median's GB/s of expert bytes read.
+
+On the H200 machine (2026-12-04) a call cost 83-97 / 183-199 / 330-357 us for 1 / 4 / 8 experts of one layer
+and 136-217 / 226-303 / 367-490 over a whole 40-layer file (``--gguf``), page-locked or not: ``--layers 40``
+(18 GB of anonymous memory on huge pages) against ``--gguf`` tells whether the file's 4 KB pages are the cost.
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ from runtime import cpu_kernels  # noqa: E402
 from runtime.synth import random_blocks  # noqa: E402
 
 
-def random_experts(
-    qtype: GGMLQuantizationType, experts: int, hidden: int, ff: int, mapped: Path | None = None
-) -> cpu_kernels.EncodedExperts:
+def random_layers(
+    qtype: GGMLQuantizationType, layers: int, experts: int, hidden: int, ff: int, mapped: Path | None = None
+) -> list[cpu_kernels.EncodedExperts]:
+    """``layers`` layers of random experts (the first layer's bytes copied to the others: separate memory, as
+    a model's layers are), in anonymous memory (numpy asks for huge pages) or (``mapped``) in a file's pages."""
     rng = np.random.default_rng(0)
     block, size = GGML_QUANT_SIZES[qtype]
 
@@ -44,15 +51,17 @@ def random_experts(
         )
 
     t = int(qtype)
-    parts = [part(ff, hidden), part(ff, hidden), part(hidden, ff)]
+    first = [part(ff, hidden), part(ff, hidden), part(hidden, ff)]
+    parts = [first] + [[a.copy() for a in first] for _ in range(layers - 1)]
     if mapped is not None:  # the same bytes in a file's mapped pages, as a hybrid step reads a model file
         with open(mapped, "wb") as f:
-            for a in parts:
+            for a in first * layers:
                 f.write(a.tobytes())
         m, at = np.memmap(mapped, np.uint8, "r"), 0
-        for i, a in enumerate(parts):
-            parts[i], at = m[at : at + a.size].reshape(a.shape), at + a.size
-    return cpu_kernels.EncodedExperts(parts[0], t, parts[1], t, parts[2], t)
+        for lay in parts:
+            for i, a in enumerate(lay):
+                lay[i], at = m[at : at + a.size].reshape(a.shape), at + a.size
+    return [cpu_kernels.EncodedExperts(g, t, u, t, d, t) for g, u, d in parts]
 
 
 def file_experts(path: Path, pin: bool) -> tuple[object, list[cpu_kernels.EncodedExperts], object]:
@@ -112,6 +121,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ff", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=1, help="layers of random experts (40: a 35B file's 18 GB)")
     ap.add_argument("--counts", default="1,2,4,6,8")
     ap.add_argument("--threads", default="")
     ap.add_argument("--items", default=str(cpu_kernels.ITEMS_PER_THREAD))
@@ -132,7 +142,7 @@ def main() -> None:
         args.experts = layers[0].buffers[0].size // int(layers[0].meta[0, 1])
         args.hidden, args.type = int(layers[0].meta[2, 1] // layers[0].meta[2, 2]), f"{args.gguf.name}'s"
     else:
-        layers = [random_experts(qtype, args.experts, args.hidden, args.ff, args.mapped)]
+        layers = random_layers(qtype, args.layers, args.experts, args.hidden, args.ff, args.mapped)
     enc = layers[0]
     record = sum(int(enc.meta[p, 1]) for p in range(3))
     cpu_kernels.start_threads()
