@@ -81,7 +81,7 @@ def file_experts(path: Path, pin: bool) -> tuple[object, list[cpu_kernels.Encode
     if pin:
         import torch
 
-        bufs = [torch.from_numpy(np.asarray(b)) for e in layers for b in e.buffers]
+        bufs = [torch.from_numpy(b) for e in layers for b in e.buffers]
         pinned = host_pin.pin(bufs, available_memory()[0])
         print(f"page-locked: {pinned.nbytes / 1e9:.1f} GB" if pinned else "not page-locked")
     return model, layers, pinned
@@ -135,12 +135,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     qtype = GGMLQuantizationType[args.type.upper()]
-    keep = None
     if args.gguf:
-        keep = file_experts(args.gguf, args.pin)
-        layers = keep[1]
-        args.experts = layers[0].buffers[0].size // int(layers[0].meta[0, 1])
-        args.hidden, args.type = int(layers[0].meta[2, 1] // layers[0].meta[2, 2]), f"{args.gguf.name}'s"
+        model, layers, _pinned = file_experts(args.gguf, args.pin)  # the model holds the mapping
+        args.experts, args.hidden, args.type = model.n_expert, model.n_embd, f"{args.gguf.name}'s"
     else:
         layers = random_layers(qtype, args.layers, args.experts, args.hidden, args.ff, args.mapped)
     enc = layers[0]

@@ -889,8 +889,7 @@ class HybridExperts:
         # layers with a missed expert that may take a slot (``_admit`` looked at each: ~10 us a layer, 40 a step)
         may = missed & ~self.held[keys]
         if self.admit_per_call:
-            floor = {id(p): self._floor(p) for p in self.pools.values()}
-            may &= self.policy.count[keys] > np.array([floor[id(lay.pool)] for lay in ex.layers])[:, None]
+            may &= self.policy.count[keys] > np.array([self._floor(lay.pool) for lay in ex.layers])[:, None]
         for i in np.flatnonzero(may.any(1)).tolist():
             self._admit(ex.layers[i], ids[i][missed[i]], None, self.admit_per_call)
 

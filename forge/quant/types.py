@@ -107,11 +107,10 @@ class BlockCodec(QuantType):
             raise ForgeError(f"{cls.name()} needs importance weights (an imatrix); none were given")
         fn = cls._encode_chunk
         per_group = None if importance is None else importance.reshape(-1, rows.shape[1])
-        # numpy codecs vectorize over a chunk's blocks and want big chunks, as big as their memory allows;
-        # compiled kernels loop, so small chunks let the threads share even a small tensor
-        chunk, most = (
-            (min(cls.chunk_elems, KERNEL_CHUNK_ELEMS), None) if enabled() else (cls.chunk_elems,) * 2
-        )
+        if enabled():  # compiled kernels loop: small chunks let the threads share even a small tensor
+            chunk, most = min(cls.chunk_elems, KERNEL_CHUNK_ELEMS), None
+        else:  # numpy codecs vectorize over a chunk's blocks: big chunks, as big as their memory allows
+            chunk = most = cls.chunk_elems
         return map_row_chunks(
             rows,
             cls.row_bytes(rows.shape[1]),
