@@ -575,12 +575,46 @@ class HybridExperts:
             done = self._copy_from_batch(pool, slots[copied], batch, keys[copied] - layer.base)
             for key, slot in zip(keys[copied].tolist(), slots[copied].tolist(), strict=True):
                 self._place(pool, key, slot, done)
-        for key, slot in zip(keys[~copied].tolist(), slots[~copied].tolist(), strict=True):
-            job = self._copy(layer, pool, slot, key - layer.base)
+        rest = keys[~copied]
+        self._copy_in(pool, [layer] * rest.size, rest, slots[~copied])
+
+    def _admit_step(self, pool: SlotPool, layers: list[HybridLayer], keys: np.ndarray) -> None:
+        """A decode step's admissions into ``pool``: ``keys`` (of ``layers``, hottest first) in one look at
+        the slots and one block of copies."""
+        slots = self._slots_for(pool, keys)
+        self._copy_in(pool, layers[: slots.size], keys[: slots.size], slots)
+
+    def _copy_in(
+        self, pool: SlotPool, layers: list[HybridLayer], keys: np.ndarray, slots: np.ndarray
+    ) -> None:
+        """Start copying ``keys`` (of ``layers``) from host memory into ``slots`` and place them: from the
+        page-locked file in one block on the side stream, after the kernels queued so far (which may read
+        the slots' old experts); else one at a time (``_copy``) while staging records are free."""
+        direct = [
+            i for i, lay in enumerate(layers) if pool.stream is not None and self.pinned is not None and lay.host.kind == "per-use"
+        ]  # fmt: skip
+        if direct:
+            queued = torch.cuda.Event()
+            queued.record()
+            with torch.cuda.stream(pool.stream):
+                pool.stream.wait_event(queued)
+                for i in direct:
+                    host, expert = layers[i].host, int(keys[i]) - layers[i].base
+                    for c in pool.components:
+                        pool.view(pool.parts, c.role, int(slots[i])).copy_(
+                            getattr(host, c.role).raw[expert], non_blocking=True
+                        )
+                done = torch.cuda.Event()
+                done.record(pool.stream)
+            for i in direct:
+                self._place(pool, int(keys[i]), int(slots[i]), done)
+        for i in sorted(set(range(len(layers))) - set(direct)):
+            job = self._copy(layers[i], pool, int(slots[i]), int(keys[i]) - layers[i].base)
             if job is False:
                 break  # no staging record free: a later call admits
-            self._place(pool, key, slot, job)
+            self._place(pool, int(keys[i]), int(slots[i]), job)
             self._stats.bytes_uploaded += pool.record_bytes
+        self._stats.bytes_uploaded += pool.record_bytes * len(direct)
 
     def _floor(self, pool: SlotPool) -> float:
         """The count a key must beat to take a slot of ``pool`` (-inf while a slot is free): the coldest slot's
@@ -662,16 +696,6 @@ class HybridExperts:
             return None
         queued = torch.cuda.Event()
         queued.record()  # the kernels queued so far may read the slot's old expert: the copy waits for them
-        if self.pinned is not None and layer.host.kind == "per-use":  # from the page-locked file itself
-            with torch.cuda.stream(pool.stream):
-                pool.stream.wait_event(queued)
-                for c in pool.components:
-                    pool.view(pool.parts, c.role, slot).copy_(
-                        getattr(layer.host, c.role).raw[expert], non_blocking=True
-                    )
-                done = torch.cuda.Event()
-                done.record(pool.stream)
-            return done
         free = [i for i, job in enumerate(pool.staging) if job is None or _finished(job)]
         if not free:
             return False
@@ -886,12 +910,28 @@ class HybridExperts:
         self._stats.step_hits += keys.size - n_miss
         self._stats.step_layers += len(keys)
         self._stats.k = k
-        # layers with a missed expert that may take a slot (``_admit`` looked at each: ~10 us a layer, 40 a step)
+        # missed experts that may take a slot: per layer the hottest ``admit_per_call`` (0: all), then per
+        # pool hottest first, in one look at its slots
+        count = self.policy.count[keys]
         may = missed & ~self.held[keys]
         if self.admit_per_call:
-            may &= self.policy.count[keys] > np.array([self._floor(lay.pool) for lay in ex.layers])[:, None]
-        for i in np.flatnonzero(may.any(1)).tolist():
-            self._admit(ex.layers[i], ids[i][missed[i]], None, self.admit_per_call)
+            may &= count > np.array([self._floor(lay.pool) for lay in ex.layers])[:, None]
+        rows = np.flatnonzero(may.any(1))
+        if not rows.size:
+            return
+        score = np.where(may[rows], count[rows], -np.inf)
+        order = np.argsort(-score, axis=1, kind="stable")[:, : self.admit_per_call or None]
+        score = np.take_along_axis(score, order, 1)
+        take = score > -np.inf
+        layer_of = np.broadcast_to(rows[:, None], order.shape)[take]
+        key_of, score = np.take_along_axis(keys[rows], order, 1)[take], score[take]
+        hottest = np.argsort(-score, kind="stable")
+        layer_of, key_of = layer_of[hottest], key_of[hottest]
+        pools = np.array([id(ex.layers[i].pool) for i in layer_of.tolist()])
+        for pool in {id(lay.pool): lay.pool for lay in ex.layers}.values():
+            mine = pools == id(pool)
+            if mine.any():
+                self._admit_step(pool, [ex.layers[i] for i in layer_of[mine].tolist()], key_of[mine])
 
     def _cpu_side(
         self,

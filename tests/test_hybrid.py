@@ -209,6 +209,38 @@ def test_misses_are_admitted_then_hit(example_q8: Path) -> None:
     assert h.stats.gpu_pairs - gpu_pairs == _pairs(m, PREFILL + DECODE)
 
 
+def test_decode_step_admits_in_one_look_at_the_pool(
+    example_q8: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step's admissions (the hottest miss of each layer) are decided together: one look at the pool's
+    slots a step, whatever the layers; the slots then hold their experts' records as the file stores them."""
+    from runtime.hybrid import host_records
+
+    m, h = _hybrid(example_q8)
+    looks = []
+    slots_for = h._slots_for
+
+    def counted(pool: object, keys: np.ndarray) -> np.ndarray:
+        looks.append(keys.size)
+        return slots_for(pool, keys)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(h, "_slots_for", counted)
+    state, steps, layers = m.new_state(64), 6, len(h.hybrid_layers)
+    ids = _ids(steps)
+    for i in range(steps):  # decode steps only: each routed layer has a miss to admit into a free slot
+        m.forward(ids[i : i + 1], state)
+    s = h.stats
+    assert layers > 1 and s.admissions == sum(looks) >= layers
+    assert 0 < len(looks) <= steps and max(looks) == layers * h.admit_per_call  # every layer's in one look
+    h._settle(wait=True)
+    for layer in h.hybrid_layers.values():
+        pooled = np.flatnonzero(h.slot_of[layer.base : layer.base + layer.n_expert] >= 0)
+        assert pooled.size
+        for c, rec in zip(layer.pool.components, host_records(layer, torch.from_numpy(pooled)), strict=True):
+            slots = torch.from_numpy(h.slot_of[layer.base + pooled])
+            assert torch.equal(layer.pool.view(layer.pool.parts, c.role, slots), rec), c.role
+
+
 def test_batch_copies_admitted_into_the_pool(example_q8: Path) -> None:
     """A prefill that copies every miss for the batch admits those copies into the pool in one copy per
     part: each pooled slot then holds its expert's record as the file stores it."""
