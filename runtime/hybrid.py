@@ -732,14 +732,10 @@ class HybridExperts:
         if n_tok > 1 and missed.size:
             pays = self.rates.upload_pays(layer.record_bytes, pairs)
             upload[~hit] = pays[inverse]
-            # a copy of the whole layer started during the last layer's work is taken whenever it is there
-            whole = layer.whole and (
-                layer.layer in self._prefetched
-                or self.rates.whole_pays(
-                    layer.record_bytes * layer.n_expert,
-                    int(pays.sum()) * layer.record_bytes,
-                    self.rates.cpu_seconds(pairs[~pays]),
-                )
+            whole = layer.whole and self.rates.whole_pays(
+                layer.record_bytes * layer.n_expert,
+                int(pays.sum()) * layer.record_bytes,
+                self.rates.cpu_seconds(pairs[~pays]),
             )
             # the whole layer goes over anyway: every pair is computed there, in one grouped product
             if whole:
@@ -968,8 +964,6 @@ class HybridExperts:
             index, slot_of = ids[sel], experts  # the copies are indexed by expert id
         else:
             copied, slot_of = _upload(layer, e_t, dev), np.arange(len(experts))
-            if 2 * experts.size > layer.n_expert:  # most of the layer went over: so will the next's, whole
-                self._prefetch(self.next_layer.get(layer.layer))
         parts = {c.role: ExpertTensor(t, c.qtype, c.cols) for c, t in zip(layer.pool.components, copied, strict=True)}  # fmt: skip
         source = _over(layer.host, parts)
         backend = cuda_backend if source.device_parts() is not None else torch_backend
