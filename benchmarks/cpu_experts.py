@@ -14,8 +14,13 @@ whatever the thread count, as before 2026-12-04) and expert count: the median
 and 10th percentile microseconds of a call and the median's GB/s of expert bytes read.
 
 On the H200 machine (2026-12-04) a call cost 83-97 / 183-199 / 330-357 us for 1 / 4 / 8 experts of one layer
-and 136-217 / 226-303 / 367-490 over a whole 40-layer file (``--gguf``), page-locked or not: ``--layers 40``
-(18 GB of anonymous memory on huge pages) against ``--gguf`` tells whether the file's 4 KB pages are the cost.
+and 107-217 / 166-303 / 253-490 over a whole 40-layer file (``--gguf``), page-locked or not, with as much
+spread between fresh machines of the same kind as between the sources. The file's 4 KB pages are not the
+cost: its experts copied onto 2 MB pages measured the same (107-179 / 166-280 / 253-388 us, session 23), and
+so did ``--layers 40`` (numpy's copies, on huge pages) on one machine (61-148 / 151-226 / 283-363 us). Experts
+that fit the last-level cache (``--experts 16``: 28 MB) still cost 73-76 / 164-170 / 279-309 us: the kernel
+is bound by its arithmetic (~30 us an expert on 16 threads) plus ~40 us a call (two parallel regions of ~9 us
+each, the input's and the SwiGLU outputs' 22-bit forms prepared on one thread, the dispatch).
 """
 
 from __future__ import annotations

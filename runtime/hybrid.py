@@ -66,6 +66,12 @@ STAGING_RECORDS = 8
 STAGING_BYTES = 64 << 20
 #: a missed expert replaces the coldest pooled one when its decayed pair count is higher by more than this
 ADMIT_MARGIN = 1.0
+#: the policy's counts halve every this many pairs per expert of the model (a 40-layer 256-expert model with 8
+#: experts a token: 1,024 decode tokens, or two 512-token prefills). ``benchmarks/hybrid_policy.py`` (the hybrid
+#: benchmark's trace routing, 2,427 slots of 10,240 experts): decode hits 52.3% at 8, 54.9% at 16, 55.0% at 32,
+#: 55.2% at 128 (nearly never halving), with 44% fewer admissions at 32 than at 8; 32 keeps most of the gain
+#: and still follows a shift in routing
+POLICY_WINDOW = 32
 
 
 @dataclass
@@ -424,7 +430,7 @@ class HybridExperts:
             zip(order, np.cumsum([0] + [self.layers[i].experts for i in order[:-1]]).tolist(), strict=True)
         )
         n_keys = sum(self.layers[i].experts for i in order)
-        self.policy = Frequency(n_keys, window or 8 * n_keys)
+        self.policy = Frequency(n_keys, window or POLICY_WINDOW * n_keys)
         # key -> its slot in its layer's pool (-1: not there), on the host and (``slot_table``) on the device,
         # where a decode step's pooled experts are looked up without the host; changed only between layer
         # calls, copied over before the next device work (``_publish``)

@@ -1,0 +1,123 @@
+"""The hybrid executor's pool policy replayed on the CPU: decode-step GPU hits per policy setting.
+
+    python benchmarks/hybrid_policy.py [--geometry qwen3.6-35b-a3b] [--slots 2427] [--windows 8,16,32,64]
+        [--margins 1] [--admit-per-call 1] [--routing trace|uniform] [--json OUT]
+
+Which experts a hybrid run's pool holds depends on the routing and the policy, not on the device or the
+experts' width, so this replays ``hybrid_experts.py``'s sequence (two warm-up prefills of 512 tokens, one more
+and 16 decode steps, then two prefills and twice 64 decode steps; routing ``trace`` or ``uniform``, as
+there) through the executor on the CPU, over a synthesized model with the geometry's layers, experts and
+experts per token but a narrow width (256). ``--slots``: the pool's experts (2,427 is what 4 GiB holds of the
+Qwen3.6-35B-A3B-geometry Q4_K file). Per setting (``Frequency``'s window in pairs per expert of the model,
+``ADMIT_MARGIN``, admissions per one-token layer call): the decode steps' hit rate and the admissions (each a
+record's copy to the GPU). About a minute a setting on two cores.
+
+On 2026-12-04 (trace routing, 2,427 slots, margin 1, one admission a layer per decode step): windows 8 / 16 /
+32 / 64 / 128 hit 52.3 / 54.9 / 55.0 / 55.1 / 55.2% of the decode pairs, with 22,713 / 15,790 / 12,642 / 11,072
+/ 10,438 admissions. Window 8 (the default until then) replays the H200 run of the same sequence: 52% decode
+hits and 621 decode-step admissions there, 52.3% and 621 here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hybrid_experts as hb  # noqa: E402
+
+from runtime import hybrid  # noqa: E402
+from runtime.models import build_model  # noqa: E402
+from runtime.synth import synthesize  # noqa: E402
+from runtime.weights import load_weights  # noqa: E402
+
+PP, WARMUP, TG = 512, 16, 64
+
+
+def replay(path: Path, table: list, slots: int, window: float, margin: float, admit: int) -> dict:
+    """The benchmark's sequence through a fresh executor; its decode-step figures."""
+    w = load_weights(path, "cpu", 0)
+    w.host_experts = True
+    model = build_model(w)
+    routing = hb.Routing(table)
+    hb.route_by(model, routing)
+    layers = w.expert_layers()
+    record = max(lay.record_bytes for lay in layers.values())
+    n_keys = sum(lay.experts for lay in layers.values())
+    old, hybrid.ADMIT_MARGIN = hybrid.ADMIT_MARGIN, margin
+    try:
+        h = model.hybrid = hybrid.HybridExperts(
+            model, slots * record, "cpu", rates=hybrid.Rates.never(), admit_per_call=admit,
+            window=int(window * n_keys),
+        )  # fmt: skip
+        toks = torch.randint(0, model.vocab_size, (PP + 1,), generator=torch.Generator().manual_seed(0))
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+
+            def prefill() -> object:
+                st = model.new_state(PP + TG + 1)
+                model.forward(toks[:PP], st, last_only=True)
+                routing.advance(PP)
+                return st
+
+            def decode(st: object, n: int) -> None:
+                for i in range(n):
+                    model.forward(toks[i : i + 1], st, last_only=True)
+                    routing.advance(1)
+
+            prefill(), prefill()  # the warm-up
+            decode(prefill(), WARMUP)
+            prefill(), prefill()  # the timed runs: two prefills, then twice decode steps on a fresh state
+            decode(model.new_state(TG + 1), TG)
+            decode(model.new_state(TG + 1), TG)
+        s = h.stats
+        h.close()
+    finally:
+        hybrid.ADMIT_MARGIN = old
+    return {"window": window, "margin": margin, "admit_per_call": admit, "decode_hit_rate": round(s.step_hit_rate, 4),
+            "admissions": s.admissions, "step_admissions": s.step_admissions,
+            "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--geometry", default="qwen3.6-35b-a3b")
+    ap.add_argument("--slots", type=int, default=2427)
+    ap.add_argument("--windows", default="8,16,32,64")
+    ap.add_argument("--margins", default=str(hybrid.ADMIT_MARGIN))
+    ap.add_argument("--admit-per-call", type=int, default=hybrid.ADMIT_PER_CALL)
+    ap.add_argument("--routing", choices=["trace", "uniform"], default="trace")
+    ap.add_argument("--trace-model", type=Path, default=hb.ROOT / "examples" / "tiny-qwen3moe")
+    ap.add_argument("--text", type=Path, default=hb.ROOT / "tests" / "fixtures" / "text" / "val.txt")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "narrow.gguf"
+        synthesize(path, args.geometry, "q4_k", None, 4096, 0, hidden=256, expert_ff=256, heads=4, kv_heads=2,
+                   head_dim=64)  # fmt: skip
+        args.routing, args.trace_tokens = [args.routing], 2048
+        table = next(iter(hb.routing_tables(args, path, 4096).values()))
+        print(f"{args.geometry} experts, width 256; {args.slots} slots; routing {args.routing[0]}")
+        for window in (float(v) for v in args.windows.split(",")):
+            for margin in (float(v) for v in args.margins.split(",")):
+                row = replay(path, table, args.slots, window, margin, args.admit_per_call)
+                rows.append(row)
+                print(f"window {window:g} margin {margin:g}: decode hits {row['decode_hit_rate']:.1%}, "
+                      f"{row['admissions']} admissions ({row['step_admissions']} in decode steps), "
+                      f"{row['seconds']} s", flush=True)  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
