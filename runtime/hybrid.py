@@ -596,9 +596,9 @@ class HybridExperts:
         """Start copying ``keys`` (of ``layers``) from host memory into ``slots`` and place them: from the
         page-locked file in one block on the side stream, after the kernels queued so far (which may read
         the slots' old experts); else one at a time (``_copy``) while staging records are free."""
-        direct = [
-            i for i, lay in enumerate(layers) if pool.stream is not None and self.pinned is not None and lay.host.kind == "per-use"
-        ]  # fmt: skip
+        locked = pool.stream is not None and self.pinned is not None
+        from_file = [locked and lay.host.kind == "per-use" for lay in layers]
+        direct = [i for i, f in enumerate(from_file) if f]
         if direct:
             queued = torch.cuda.Event()
             queued.record()
@@ -614,7 +614,7 @@ class HybridExperts:
                 done.record(pool.stream)
             for i in direct:
                 self._place(pool, int(keys[i]), int(slots[i]), done)
-        for i in sorted(set(range(len(layers))) - set(direct)):
+        for i in (i for i, f in enumerate(from_file) if not f):
             job = self._copy(layers[i], pool, int(slots[i]), int(keys[i]) - layers[i].base)
             if job is False:
                 break  # no staging record free: a later call admits
