@@ -17,7 +17,8 @@ On 2026-12-04 (trace routing, 2,427 slots, margin 1, one admission a layer per d
 / 10,438 admissions. Window 8 (the default until then) replays the H200 runs of the same sequence: 52% decode
 hits and 621 decode-step admissions there, 52.3% and 621 here (1 GiB: 16% and 232 there, 16.4% and 231 here;
 8 GiB: 82% and 606, 82.2% and 606). Window 32 against 8: 1 GiB (``--slots 606``) 19.1 against 16.4%, 8 GiB
-(``--slots 4854``) 84.0 against 82.2%, uniform routing 23.3 against 23.8%.
+(``--slots 4854``) 84.0 against 82.2%, uniform routing 23.3 against 23.8%. At window 32 neither margin 0.5 or 4
+nor two admissions a layer per decode step moved the 4 GiB pool's 55.0%.
 """
 
 from __future__ import annotations
