@@ -541,11 +541,15 @@ class HybridExperts:
         self.seeded, self._stats = self._stats.admissions, HybridStats()
 
     def _settle(self, wait: bool = False) -> None:
-        """Admissions whose copy has finished serve from now on (``wait``: all of them, waiting)."""
+        """Admissions whose copy has finished serve from now on (``wait``: all of them, waiting). Admissions
+        copied together share their copy's event, asked once (a prefill admits thousands at a time)."""
+        finished: dict[int, bool] = {}
         for pool in self.pools.values():
             still = []
             for slot, key, copied in pool.pending:
-                if _finished(copied, wait):
+                if id(copied) not in finished:
+                    finished[id(copied)] = _finished(copied, wait)
+                if finished[id(copied)]:
                     self.slot_of[key] = slot
                     self._changed = True
                 else:

@@ -241,6 +241,34 @@ def test_decode_step_admits_in_one_look_at_the_pool(
             assert torch.equal(layer.pool.view(layer.pool.parts, c.role, slots), rec), c.role
 
 
+def test_admissions_copied_together_are_settled_by_one_question(
+    example_q8: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's admissions share their copy: settling asks it once, not once an admission."""
+    import runtime.hybrid as hybrid
+
+    m, h = _hybrid(example_q8, rates=Rates.always())
+    asked = []
+    finished = hybrid._finished
+
+    def counted(copied: object, wait: bool = False) -> bool:
+        asked.append(copied)
+        return finished(copied, wait)
+
+    monkeypatch.setattr(hybrid, "_finished", counted)
+    pending = []
+    settle = h._settle
+
+    def settled(wait: bool = False) -> None:
+        pending.append(sum(len(pool.pending) for pool in h.pools.values()))
+        settle(wait)
+
+    monkeypatch.setattr(h, "_settle", settled)
+    m.forward(_ids()[:PREFILL], m.new_state(64))
+    assert h.stats.admissions > len(h.hybrid_layers) and sum(pending) > len(asked)
+    assert len(asked) <= len(pending)  # on the CPU every copy is done at once: one question a settle
+
+
 def test_batch_copies_admitted_into_the_pool(example_q8: Path) -> None:
     """A prefill that copies every miss for the batch admits those copies into the pool in one copy per
     part: each pooled slot then holds its expert's record as the file stores it."""
