@@ -40,7 +40,7 @@ import copy
 import itertools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -604,18 +604,16 @@ class HybridExperts:
         from_file = [locked and lay.host.kind == "per-use" for lay in layers]
         direct = [i for i, f in enumerate(from_file) if f]
         if direct:
-            queued = torch.cuda.Event()
-            queued.record()
-            with torch.cuda.stream(pool.stream):
-                pool.stream.wait_event(queued)
+
+            def copy() -> None:
                 for i in direct:
                     host, expert = layers[i].host, int(keys[i]) - layers[i].base
                     for c in pool.components:
                         pool.view(pool.parts, c.role, int(slots[i])).copy_(
                             getattr(host, c.role).raw[expert], non_blocking=True
                         )
-                done = torch.cuda.Event()
-                done.record(pool.stream)
+
+            done = _on_side_stream(pool, copy)
             for i in direct:
                 self._place(pool, int(keys[i]), int(slots[i]), done)
         for i in (i for i, f in enumerate(from_file) if not f):
@@ -681,19 +679,7 @@ class HybridExperts:
                 part, first, last = pool.where[c.role]
                 pool.parts[part][:, first:last].index_copy_(0, to, batch.parts[c.role].index_select(0, rows))
 
-        if pool.stream is None:
-            copy()
-            return None
-        queued = torch.cuda.Event()
-        queued.record()  # the kernels queued so far may read the slots' old experts
-        with torch.cuda.stream(pool.stream):
-            pool.stream.wait_event(queued)
-            copy()
-            for t in batch.parts.values():
-                t.record_stream(pool.stream)  # not reused before the copy is done
-            done = torch.cuda.Event()
-            done.record(pool.stream)
-        return done
+        return _on_side_stream(pool, copy, batch.parts.values())
 
     def _copy(self, layer: HybridLayer, pool: SlotPool, slot: int, expert: int) -> Any:
         """Start copying ``expert`` of ``layer`` from host memory into ``slot`` (the copier thread stages the
@@ -937,11 +923,11 @@ class HybridExperts:
         key_of, score = np.take_along_axis(keys[rows], order, 1)[take], score[take]
         hottest = np.argsort(-score, kind="stable")
         layer_of, key_of = layer_of[hottest], key_of[hottest]
-        pools = np.array([id(ex.layers[i].pool) for i in layer_of.tolist()])
-        for pool in {id(lay.pool): lay.pool for lay in ex.layers}.values():
-            mine = pools == id(pool)
+        layers = [ex.layers[i] for i in layer_of.tolist()]
+        for pool in self.pools.values():
+            mine = np.array([lay.pool is pool for lay in layers], bool)
             if mine.any():
-                self._admit_step(pool, [ex.layers[i] for i in layer_of[mine].tolist()], key_of[mine])
+                self._admit_step(pool, [lay for lay, m in zip(layers, mine, strict=True) if m], key_of[mine])
 
     def _cpu_side(
         self,
@@ -1135,6 +1121,24 @@ def _coldest(count: np.ndarray, n: int) -> np.ndarray:
     at = np.flatnonzero(count == cut)[: n - below.size]
     both = np.concatenate([below, at])
     return both[np.argsort(count[both], kind="stable")]
+
+
+def _on_side_stream(pool: SlotPool, copy: Callable[[], None], reads: Iterable[torch.Tensor] = ()) -> Any:
+    """Run ``copy`` on ``pool``'s side stream after the kernels queued so far (they may read the slots' old
+    experts), ``reads`` kept from reuse until it is done. Returns its event (None on a host pool: copied now)."""
+    if pool.stream is None:
+        copy()
+        return None
+    queued = torch.cuda.Event()
+    queued.record()
+    with torch.cuda.stream(pool.stream):
+        pool.stream.wait_event(queued)
+        copy()
+        for t in reads:
+            t.record_stream(pool.stream)
+        done = torch.cuda.Event()
+        done.record(pool.stream)
+    return done
 
 
 def _finished(copied: Any, wait: bool = False) -> bool:
