@@ -42,11 +42,12 @@ from runtime.models import build_model  # noqa: E402
 from runtime.synth import synthesize  # noqa: E402
 from runtime.weights import load_weights  # noqa: E402
 
-PP, WARMUP, TG = 512, 16, 64
+#: ``hybrid_experts.py``'s defaults, as the H200 runs used them
+SEQUENCE = argparse.Namespace(pp=512, tg=64, warmup=16, warmup_prefills=2, reps=2, cold=False, cprofile=None)
 
 
 def replay(path: Path, table: list, slots: int, window: float, margin: float, admit: int) -> dict:
-    """The benchmark's sequence through a fresh executor; its decode-step figures."""
+    """``hybrid_experts.timed``'s sequence through a fresh executor; its decode-step figures."""
     w = load_weights(path, "cpu", 0)
     w.host_experts = True
     model = build_model(w)
@@ -61,26 +62,8 @@ def replay(path: Path, table: list, slots: int, window: float, margin: float, ad
             model, slots * record, "cpu", rates=hybrid.Rates.never(), admit_per_call=admit,
             window=int(window * n_keys),
         )  # fmt: skip
-        toks = torch.randint(0, model.vocab_size, (PP + 1,), generator=torch.Generator().manual_seed(0))
         t0 = time.perf_counter()
-        with torch.inference_mode():
-
-            def prefill() -> object:
-                st = model.new_state(PP + TG + 1)
-                model.forward(toks[:PP], st, last_only=True)
-                routing.advance(PP)
-                return st
-
-            def decode(st: object, n: int) -> None:
-                for i in range(n):
-                    model.forward(toks[i : i + 1], st, last_only=True)
-                    routing.advance(1)
-
-            prefill(), prefill()  # the warm-up
-            decode(prefill(), WARMUP)
-            prefill(), prefill()  # the timed runs: two prefills, then twice decode steps on a fresh state
-            decode(model.new_state(TG + 1), TG)
-            decode(model.new_state(TG + 1), TG)
+        hb.timed(model, routing, "cpu", SEQUENCE, path)  # the benchmark's own sequence, its times unused
         s = h.stats
         h.close()
     finally:
