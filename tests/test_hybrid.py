@@ -214,8 +214,6 @@ def test_decode_step_admits_in_one_look_at_the_pool(
 ) -> None:
     """A decode step's admissions (the hottest miss of each layer) are decided together: one look at the pool's
     slots a step, whatever the layers; the slots then hold their experts' records as the file stores them."""
-    from runtime.hybrid import host_records
-
     m, h = _hybrid(example_q8)
     looks = []
     slots_for = h._slots_for
@@ -233,12 +231,7 @@ def test_decode_step_admits_in_one_look_at_the_pool(
     assert layers > 1 and s.admissions == sum(looks) >= layers
     assert 0 < len(looks) <= steps and max(looks) == layers * h.admit_per_call  # every layer's in one look
     h._settle(wait=True)
-    for layer in h.hybrid_layers.values():
-        pooled = np.flatnonzero(h.slot_of[layer.base : layer.base + layer.n_expert] >= 0)
-        assert pooled.size
-        for c, rec in zip(layer.pool.components, host_records(layer, torch.from_numpy(pooled)), strict=True):
-            slots = torch.from_numpy(h.slot_of[layer.base + pooled])
-            assert torch.equal(layer.pool.view(layer.pool.parts, c.role, slots), rec), c.role
+    _assert_pool_holds_the_file_records(h)
 
 
 def test_admissions_copied_together_are_settled_by_one_question(
@@ -272,13 +265,18 @@ def test_admissions_copied_together_are_settled_by_one_question(
 def test_batch_copies_admitted_into_the_pool(example_q8: Path) -> None:
     """A prefill that copies every miss for the batch admits those copies into the pool in one copy per
     part: each pooled slot then holds its expert's record as the file stores it."""
-    from runtime.hybrid import host_records
-
     probe = load_model(example_q8)
     m, h = _hybrid(example_q8, probe.n_expert * len(probe.routed_layers()) // 2, rates=Rates.always())
     state = m.new_state(64)
     m.forward(_ids()[:PREFILL], state)
     assert h.stats.upload_experts > 0 and h.stats.admissions > 0
+    _assert_pool_holds_the_file_records(h)
+
+
+def _assert_pool_holds_the_file_records(h: HybridExperts) -> None:
+    """Every layer has pooled experts, and each pooled slot holds its expert's record as the file stores it."""
+    from runtime.hybrid import host_records
+
     for layer in h.hybrid_layers.values():
         pooled = np.flatnonzero(h.slot_of[layer.base : layer.base + layer.n_expert] >= 0)
         assert pooled.size
