@@ -43,6 +43,7 @@ its row and the next row runs.
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import gc
 import json
@@ -166,9 +167,10 @@ def _sync(device: str) -> None:
 
 
 def timed(model: Any, routing: Routing | None, device: str, args: argparse.Namespace, path: Path,
-          bytes_read: Any = None) -> dict:  # fmt: skip
+          bytes_read: Any = None, before_tg: Any = None) -> dict:  # fmt: skip
     """Warm up (one prefill, ``--warmup`` decode steps), then the best pp and tg of ``--reps`` runs;
-    ``bytes_read``: a counter of file bytes read, reported per decoded token."""
+    ``bytes_read``: a counter of file bytes read, reported per decoded token; ``before_tg()`` is called
+    between the timed prefills and the timed decode runs."""
     gen = torch.Generator().manual_seed(0)
     toks = torch.randint(0, model.vocab_size, (max(args.pp, args.tg, args.warmup) + 1,), generator=gen).to(
         device
@@ -217,6 +219,8 @@ def timed(model: Any, routing: Routing | None, device: str, args: argparse.Names
     compiled0 = triton_launch.compiled_count()
     best_pp = profiled(args, "pp", lambda: best_rate(args.pp, prefill))
     read0 = bytes_read() if bytes_read else 0
+    if before_tg is not None:
+        before_tg()
     best_tg = profiled(args, "tg", lambda: best_rate(args.tg, decode))
     # kernel specializations first seen in the timed runs (each compiled there: seconds for a GEMM)
     out = {
@@ -287,8 +291,13 @@ def row_hybrid(
     h = hybrid.attach(model, int(gib * GIB), args.profile)
     h.admit_per_call = args.admit_per_call
     try:
-        r = timed(model, routing, "cuda", args, path, counter)
+        warm: list[hybrid.HybridStats] = []
+        r = timed(model, routing, "cuda", args, path, counter, lambda: warm.append(copy.copy(h.stats)))
         s = h.stats
+        # the decode breakdown of the timed steps alone: the warm-up's first steps capture the CUDA graphs
+        # (and may compile kernels), which counted as the device's part
+        t = {f: getattr(s, f) - getattr(warm[0], f) for f in ("step_layers", "step_hits", "step_device_seconds",
+             "step_cpu_seconds", "step_host_seconds", "step_admissions")}  # fmt: skip
         tokens = (args.warmup_prefills + 1) * args.pp + args.warmup + args.reps * (args.pp + args.tg)
         layers = len(model.routed_layers())
         r |= {"pool_experts": h.capacity, "hit_rate": round(s.hit_rate, 4),
@@ -297,17 +306,17 @@ def row_hybrid(
               "admissions": s.admissions, "pinned_gb": round(h.pinned.nbytes / 1e9, 2) if h.pinned else 0,
               "pin_seconds": round(h.pinned.seconds, 2) if h.pinned else 0, "rates": vars(h.rates) if hasattr(h.rates, "__dict__") else str(h.rates),
               "stats": s.to_json()}  # fmt: skip
-        us = 1e6 / max(s.step_layers, 1)
-        r |= {"decode_hit_rate": round(s.step_hit_rate, 4),
-              "decode_layer_us": {"device": round(s.step_device_seconds * us, 1),
-                                  "cpu_kernel": round(s.step_cpu_seconds * us, 1),
-                                  "host_between_steps": round(s.step_host_seconds * us, 1),
+        us = 1e6 / max(t["step_layers"], 1)
+        r |= {"decode_hit_rate": round(t["step_hits"] / max(t["step_layers"] * s.k, 1), 4),
+              "decode_layer_us": {"device": round(t["step_device_seconds"] * us, 1),
+                                  "cpu_kernel": round(t["step_cpu_seconds"] * us, 1),
+                                  "host_between_steps": round(t["step_host_seconds"] * us, 1),
                                   "whole": round(1e6 / r["tg"] / layers, 1) if r.get("tg") else None}}  # fmt: skip
         r["note"] = (
-            f"pool {h.capacity} experts, GPU hits {s.hit_rate:.0%} (decode {s.step_hit_rate:.0%}), "
+            f"pool {h.capacity} experts, GPU hits {s.hit_rate:.0%} (decode {r['decode_hit_rate']:.0%}), "
             f"{s.bytes_uploaded / 1e6:,.0f} MB uploaded; a decode layer {r['decode_layer_us']['whole']} us: "
             f"device {r['decode_layer_us']['device']}, CPU kernel {r['decode_layer_us']['cpu_kernel']}, host "
-            f"between steps {r['decode_layer_us']['host_between_steps']} ({s.step_admissions} admissions)"
+            f"between steps {r['decode_layer_us']['host_between_steps']} ({t['step_admissions']} admissions)"
         )
         return r
     finally:
@@ -463,6 +472,7 @@ def main() -> None:
         raise SystemExit(f"{args.profile}: no such file")
     torch.set_num_threads(args.threads)
     ensure_file(args.file, args.layers)
+    os.sync()  # a file just written: its pages' write-back would run during the first row's timing
     path = args.file
     cuda = torch.cuda.is_available()
     machine = {

@@ -1,11 +1,14 @@
 """What the CPU kernels' LLVM intrinsics (``runtime.cpu_q8``, ``runtime.cpu_vnni``) share: the host's
 instruction sets, and code generation helpers for a numba intrinsic: byte pointers into its array arguments,
-unaligned vector loads, constant vectors, and a K-quant block's six-bit scales and minimums unpacked."""
+unaligned vector loads, constant vectors, and a K-quant block's six-bit scales and minimums unpacked; and
+``claim``, the atomic counter from which a parallel region's threads take their work items."""
 
 from __future__ import annotations
 
 from llvmlite import binding as llvm
 from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 
@@ -58,3 +61,22 @@ class IRHelpers:
             return b.bitcast(b.insert_element(pair, hi, c(1)), ir.VectorType(I8, 8))
 
         return bytes8(b.and_(u0, m6), sc_hi), bytes8(b.and_(u1, m6), mn_hi)
+
+
+@intrinsic
+def claim(typingctx, counter, i):  # noqa: ANN001, ANN201
+    """claim(counter, i) -> int64: counter[i] (an int64 array) before one is added to it atomically. A
+    parallel region's threads take their work items from it in turn, so a thread that starts late or runs
+    slow (another process on its core, memory farther away) takes fewer: numba splits a ``prange`` into equal
+    shares fixed in advance, and the region lasted as long as its slowest share."""
+    if not (
+        isinstance(counter, types.Array) and counter.dtype == types.int64 and isinstance(i, types.Integer)
+    ):
+        return None
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        p = builder.gep(data, [builder.sext(args[1], I64) if args[1].type != I64 else args[1]])
+        return builder.atomic_rmw("add", p, ir.Constant(I64, 1), "monotonic")
+
+    return types.int64(counter, i), codegen

@@ -26,6 +26,7 @@ from numba import get_num_threads, njit, prange, set_num_threads, types
 from numba.extending import overload
 
 from forge.jit import enabled as numba_enabled
+from runtime.cpu_ir import claim
 from runtime.cpu_rows import (
     FLOAT_ACTS,
     activation_form,
@@ -198,6 +199,33 @@ def _encoded_row(buf: np.ndarray, meta: np.ndarray, part: int, expert: int, row:
     return buf[start : start + meta[part, 3]]
 
 
+@njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
+def _down_rows(
+    down: np.ndarray,
+    meta: np.ndarray,
+    h: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray,
+    act: np.ndarray,
+    act_sums: np.ndarray,
+    out: np.ndarray,
+    row: np.ndarray,
+    d0: int,
+    d1: int,
+) -> None:
+    """Rows d0 .. d1 - 1 of ``_routed_ffn_encoded``'s down product: out[d] = h[d] + the experts' weighted sum."""
+    n_out = out.shape[0]
+    for d in range(d0, d1):
+        s = np.float32(0)
+        for i in range(ids.shape[0]):
+            if d + 1 < n_out:
+                prefetch_row(_encoded_row(down, meta, 2, ids[i], d + 1))
+            s += weights[i] * dot_row(
+                _encoded_row(down, meta, 2, ids[i], d), meta[2, 4], act[i], act_sums[i], row
+            )
+        out[d] = h[d] + s
+
+
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
 def _routed_ffn_encoded(
     x: np.ndarray,
@@ -213,9 +241,11 @@ def _routed_ffn_encoded(
     acts: int,
     chunk_in: int,
     chunk_out: int,
+    threads: int,
 ) -> None:
     """``_routed_ffn`` over encoded experts (acts: the form K-quant rows take their inputs in; chunk_in,
-    chunk_out: rows of a parallel work item in the gate/up and the down products, see ``expert_chunks``).
+    chunk_out: rows of a parallel work item in the gate/up and the down products, see ``expert_chunks``;
+    threads: numba's thread count, each taking items until none is left).
 
     gate, up, down: flat uint8 buffers; meta (3, 5): per part the offset, expert stride, row stride, row bytes
     and type of its rows (see ``EncodedExperts``). Each row's dot product is taken from its bytes (``dot_row``).
@@ -223,32 +253,45 @@ def _routed_ffn_encoded(
     k, n_ff = act.shape
     x_sums = prepare_input(x, acts)
     rows = k * n_ff
-    for c in prange((rows + chunk_in - 1) // chunk_in):
+    taken = np.zeros(2, np.int64)  # the two products' work items handed out so far (``claim``)
+    items = (rows + chunk_in - 1) // chunk_in
+    for _ in prange(min(threads, items)):
         row = np.empty(x.shape[0], np.float32)
-        for r in range(c * chunk_in, min(rows, (c + 1) * chunk_in)):
-            i = r // n_ff
-            f = r - i * n_ff
-            e = ids[i]
-            if f + 1 < n_ff:
-                prefetch_row(_encoded_row(gate, meta, 0, e, f + 1))
-                prefetch_row(_encoded_row(up, meta, 1, e, f + 1))
-            g = dot_row(_encoded_row(gate, meta, 0, e, f), meta[0, 4], x, x_sums, row)
-            act[i, f] = _silu(g) * dot_row(_encoded_row(up, meta, 1, e, f), meta[1, 4], x, x_sums, row)
+        c = claim(taken, 0)
+        while c < items:
+            for r in range(c * chunk_in, min(rows, (c + 1) * chunk_in)):
+                i = r // n_ff
+                f = r - i * n_ff
+                e = ids[i]
+                if f + 1 < n_ff:
+                    prefetch_row(_encoded_row(gate, meta, 0, e, f + 1))
+                    prefetch_row(_encoded_row(up, meta, 1, e, f + 1))
+                g = dot_row(_encoded_row(gate, meta, 0, e, f), meta[0, 4], x, x_sums, row)
+                act[i, f] = _silu(g) * dot_row(_encoded_row(up, meta, 1, e, f), meta[1, 4], x, x_sums, row)
+            c = claim(taken, 0)
     act_sums = np.empty((k, prepared_size(n_ff, acts)), np.float32)
     for i in range(k):
         prepare_into(act[i], act_sums[i])
     n_out = out.shape[0]
-    for c in prange((n_out + chunk_out - 1) // chunk_out):
+    items = (n_out + chunk_out - 1) // chunk_out
+    for _ in prange(min(threads, items)):
         row = np.empty(n_ff, np.float32)
-        for d in range(c * chunk_out, min(n_out, (c + 1) * chunk_out)):
-            s = np.float32(0)
-            for i in range(k):
-                if d + 1 < n_out:
-                    prefetch_row(_encoded_row(down, meta, 2, ids[i], d + 1))
-                s += weights[i] * dot_row(
-                    _encoded_row(down, meta, 2, ids[i], d), meta[2, 4], act[i], act_sums[i], row
-                )
-            out[d] = h[d] + s
+        c = claim(taken, 1)
+        while c < items:
+            _down_rows(
+                down,
+                meta,
+                h,
+                ids,
+                weights,
+                act,
+                act_sums,
+                out,
+                row,
+                c * chunk_out,
+                min(n_out, (c + 1) * chunk_out),
+            )
+            c = claim(taken, 1)
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
@@ -540,48 +583,90 @@ def _routed_ffn_batch(
     limit: np.float32,
     act: np.ndarray,
     ys: np.ndarray,
+    threads: int,
 ) -> None:
     """The routed experts of a batch over encoded experts (see ``_routed_ffn_encoded``), rows grouped by expert.
 
     xs (R, n_embd): the routed (token, slot) rows; rows starts[g] : starts[g + 1] go to expert experts[g].
     act (R, n_ff) receives the SwiGLU outputs, ys (R, n_embd) the down outputs (unweighted). Work items:
-    (group, block of ``BATCH_ROWS`` output rows); a block's weight rows are decoded once (``decode_row``)
-    and multiplied with every row of its group.
+    (group, block of ``BATCH_ROWS`` output rows), taken in turn by ``threads`` threads (groups differ in size);
+    a block's weight rows are decoded once (``decode_row``) and multiplied with every row of its group.
     """
     n_groups, n_embd, n_ff = experts.shape[0], xs.shape[1], act.shape[1]
+    taken = np.zeros(2, np.int64)  # the two products' work items handed out so far (``claim``)
     blocks = (n_ff + BATCH_ROWS - 1) // BATCH_ROWS
-    for item in prange(n_groups * blocks):
-        g = item // blocks
-        e, r0, r1 = experts[g], starts[g], starts[g + 1]
-        f0 = (item - g * blocks) * BATCH_ROWS
-        n = min(BATCH_ROWS, n_ff - f0)
-        wg, wu = np.empty((BATCH_ROWS, n_embd), np.float32), np.empty((BATCH_ROWS, n_embd), np.float32)
-        _decode_rows(gate, meta, 0, e, f0, n, wg)
-        _decode_rows(up, meta, 1, e, f0, n, wu)
-        gs, us = np.empty((2, BATCH_ROWS), np.float32), np.empty((2, BATCH_ROWS), np.float32)
-        for r in range(r0, r1, 2):
-            if r + 1 < r1:
-                _rows_dot2(wg, n, xs[r], xs[r + 1], gs[0], gs[1])
-                _rows_dot2(wu, n, xs[r], xs[r + 1], us[0], us[1])
-            else:
-                _rows_dot(wg, n, xs[r], gs[0])
-                _rows_dot(wu, n, xs[r], us[0])
-            for t in range(min(2, r1 - r)):
-                for i in range(n):
-                    act[r + t, f0 + i] = _swiglu(gs[t, i], us[t, i], limit)
+    for _ in prange(min(threads, n_groups * blocks)):
+        item = claim(taken, 0)
+        while item < n_groups * blocks:
+            _gate_up_block(xs, gate, up, meta, experts, starts, limit, act, item, blocks)
+            item = claim(taken, 0)
     blocks = (n_embd + BATCH_ROWS - 1) // BATCH_ROWS
-    for item in prange(n_groups * blocks):
-        g = item // blocks
-        e, r0, r1 = experts[g], starts[g], starts[g + 1]
-        d0 = (item - g * blocks) * BATCH_ROWS
-        n = min(BATCH_ROWS, n_embd - d0)
-        wd = np.empty((BATCH_ROWS, n_ff), np.float32)
-        _decode_rows(down, meta, 2, e, d0, n, wd)
-        for r in range(r0, r1, 2):
-            if r + 1 < r1:
-                _rows_dot2(wd, n, act[r], act[r + 1], ys[r, d0 : d0 + n], ys[r + 1, d0 : d0 + n])
-            else:
-                _rows_dot(wd, n, act[r], ys[r, d0 : d0 + n])
+    for _ in prange(min(threads, n_groups * blocks)):
+        item = claim(taken, 1)
+        while item < n_groups * blocks:
+            _down_block(down, meta, experts, starts, act, ys, item, blocks)
+            item = claim(taken, 1)
+
+
+@njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
+def _gate_up_block(
+    xs: np.ndarray,
+    gate: np.ndarray,
+    up: np.ndarray,
+    meta: np.ndarray,
+    experts: np.ndarray,
+    starts: np.ndarray,
+    limit: np.float32,
+    act: np.ndarray,
+    item: int,
+    blocks: int,
+) -> None:
+    """``_routed_ffn_batch``'s gate/up work item ``item``: a block of ``BATCH_ROWS`` rows of one group's expert."""
+    n_embd, n_ff = xs.shape[1], act.shape[1]
+    g = item // blocks
+    e, r0, r1 = experts[g], starts[g], starts[g + 1]
+    f0 = (item - g * blocks) * BATCH_ROWS
+    n = min(BATCH_ROWS, n_ff - f0)
+    wg, wu = np.empty((BATCH_ROWS, n_embd), np.float32), np.empty((BATCH_ROWS, n_embd), np.float32)
+    _decode_rows(gate, meta, 0, e, f0, n, wg)
+    _decode_rows(up, meta, 1, e, f0, n, wu)
+    gs, us = np.empty((2, BATCH_ROWS), np.float32), np.empty((2, BATCH_ROWS), np.float32)
+    for r in range(r0, r1, 2):
+        if r + 1 < r1:
+            _rows_dot2(wg, n, xs[r], xs[r + 1], gs[0], gs[1])
+            _rows_dot2(wu, n, xs[r], xs[r + 1], us[0], us[1])
+        else:
+            _rows_dot(wg, n, xs[r], gs[0])
+            _rows_dot(wu, n, xs[r], us[0])
+        for t in range(min(2, r1 - r)):
+            for i in range(n):
+                act[r + t, f0 + i] = _swiglu(gs[t, i], us[t, i], limit)
+
+
+@njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
+def _down_block(
+    down: np.ndarray,
+    meta: np.ndarray,
+    experts: np.ndarray,
+    starts: np.ndarray,
+    act: np.ndarray,
+    ys: np.ndarray,
+    item: int,
+    blocks: int,
+) -> None:
+    """``_routed_ffn_batch``'s down work item ``item``: a block of ``BATCH_ROWS`` output rows of one group."""
+    n_embd, n_ff = ys.shape[1], act.shape[1]
+    g = item // blocks
+    e, r0, r1 = experts[g], starts[g], starts[g + 1]
+    d0 = (item - g * blocks) * BATCH_ROWS
+    n = min(BATCH_ROWS, n_embd - d0)
+    wd = np.empty((BATCH_ROWS, n_ff), np.float32)
+    _decode_rows(down, meta, 2, e, d0, n, wd)
+    for r in range(r0, r1, 2):
+        if r + 1 < r1:
+            _rows_dot2(wd, n, act[r], act[r + 1], ys[r, d0 : d0 + n], ys[r + 1, d0 : d0 + n])
+        else:
+            _rows_dot(wd, n, act[r], ys[r, d0 : d0 + n])
 
 
 class EncodedExperts:
@@ -732,9 +817,21 @@ def routed_ffn_into(
     """``routed_ffn_encoded`` on numpy arrays, no tensors made: x, h, out (n_embd,) float32; ids (k,) int64;
     weights (k,) float32; act (k, n_ff) float32 receives the SwiGLU outputs, out h + the experts' weighted
     sum (a decode step's worker calls it per layer: the tensor wrapping cost tens of microseconds)."""
-    chunk_in, chunk_out = expert_chunks(act.size, out.shape[0], get_num_threads())
+    threads = get_num_threads()
+    chunk_in, chunk_out = expert_chunks(act.size, out.shape[0], threads)
     _routed_ffn_encoded(
-        x, *experts.buffers, experts.meta, h, ids, weights, act, out, experts.acts, chunk_in, chunk_out
+        x,
+        *experts.buffers,
+        experts.meta,
+        h,
+        ids,
+        weights,
+        act,
+        out,
+        experts.acts,
+        chunk_in,
+        chunk_out,
+        threads,
     )
 
 
@@ -773,6 +870,7 @@ def routed_ffn_batch(
         np.float32(np.inf if limit is None else limit),
         act.numpy(),
         ys.numpy(),
+        get_num_threads(),
     )
 
 
