@@ -479,3 +479,32 @@ def test_rows_of_mixed_types_stacked_and_permuted() -> None:
     assert rows.n_out == 80
     _close(ck.gemv(x, rows), (x.double() @ w.T).float())
     _close(ck.product(batch, rows), (batch.double() @ w.T).float())
+
+
+def test_claimed_work_items_are_each_taken_once() -> None:
+    """``claim``: the threads of a parallel region take every work item once, however uneven the items (the
+    first ones cost far more: equal shares would leave them all to one thread); the count ends at the items
+    taken plus one failed claim per thread."""
+    from numba import get_num_threads, njit, prange
+
+    from runtime.cpu_ir import claim
+
+    @njit(parallel=True, nogil=True)
+    def take(items: int, threads: int, taken: np.ndarray, done: np.ndarray, who: np.ndarray) -> None:
+        for t in prange(threads):
+            c = claim(taken, 1)
+            while c < items:
+                s = 0.0
+                for j in range(20000 if c < 8 else 10):
+                    s += np.sqrt(j + 1.0)
+                done[c] += 1 if s > 0 else 2
+                who[c] = t
+                c = claim(taken, 1)
+
+    threads = get_num_threads()
+    for items in (0, 1, 7, 200):
+        taken, done, who = np.zeros(2, np.int64), np.zeros(items, np.int64), np.full(items, -1)
+        take(items, threads, taken, done, who)
+        assert (done == 1).all(), items
+        assert taken[0] == 0 and taken[1] == items + threads
+        assert (who >= 0).all() and (who < threads).all()
