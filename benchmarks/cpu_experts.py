@@ -20,7 +20,10 @@ cost: its experts copied onto 2 MB pages measured the same (107-179 / 166-280 / 
 so did ``--layers 40`` (numpy's copies, on huge pages) on one machine (61-148 / 151-226 / 283-363 us). Experts
 that fit the last-level cache (``--experts 16``: 28 MB) still cost 73-76 / 164-170 / 279-309 us: the kernel
 is bound by its arithmetic (~30 us an expert on 16 threads) plus ~40 us a call (two parallel regions of ~9 us
-each, the input's and the SwiGLU outputs' 22-bit forms prepared on one thread, the dispatch).
+each, the input's and the SwiGLU outputs' 22-bit forms prepared on one thread, the dispatch). On 2026-12-04
+(session 24, another machine of the kind, ``--gguf``) the threads' work items taken in turn (``cpu_ir.claim``)
+measured 208 / 339 / 473 us against 167 / 274 / 453 with equal shares: slower here, though faster inside the
+hybrid decode step at every count of missed experts (``README``, "Hybrid experts").
 """
 
 from __future__ import annotations
