@@ -306,21 +306,43 @@ def row_hybrid(
               "admissions": s.admissions, "pinned_gb": round(h.pinned.nbytes / 1e9, 2) if h.pinned else 0,
               "pin_seconds": round(h.pinned.seconds, 2) if h.pinned else 0, "rates": vars(h.rates) if hasattr(h.rates, "__dict__") else str(h.rates),
               "stats": s.to_json()}  # fmt: skip
+        by_misses = _cpu_by_misses(s, warm[0])
         us = 1e6 / max(t["step_layers"], 1)
         r |= {"decode_hit_rate": round(t["step_hits"] / max(t["step_layers"] * s.k, 1), 4),
               "decode_layer_us": {"device": round(t["step_device_seconds"] * us, 1),
                                   "cpu_kernel": round(t["step_cpu_seconds"] * us, 1),
                                   "host_between_steps": round(t["step_host_seconds"] * us, 1),
-                                  "whole": round(1e6 / r["tg"] / layers, 1) if r.get("tg") else None}}  # fmt: skip
+                                  "whole": round(1e6 / r["tg"] / layers, 1) if r.get("tg") else None},
+              "decode_cpu_kernel_us_by_misses": by_misses}  # fmt: skip
         r["note"] = (
             f"pool {h.capacity} experts, GPU hits {s.hit_rate:.0%} (decode {r['decode_hit_rate']:.0%}), "
             f"{s.bytes_uploaded / 1e6:,.0f} MB uploaded; a decode layer {r['decode_layer_us']['whole']} us: "
             f"device {r['decode_layer_us']['device']}, CPU kernel {r['decode_layer_us']['cpu_kernel']}, host "
             f"between steps {r['decode_layer_us']['host_between_steps']} ({t['step_admissions']} admissions)"
         )
+        if "fixed_us" in by_misses:
+            r["note"] += (
+                f"; a CPU call {by_misses['fixed_us']} us + {by_misses['per_expert_us']} us per missed expert"
+            )
         return r
     finally:
         _free(model)
+
+
+def _cpu_by_misses(s: hybrid.HybridStats, warm: hybrid.HybridStats) -> dict:
+    """The timed decode steps' CPU kernel calls by missed experts: per count m, the calls and their mean
+    microseconds, and a least-squares line through those means (weighted by calls): a call's fixed cost and
+    the cost of each missed expert."""
+    calls = np.array(s.step_cpu_calls, float)
+    secs = np.array(s.step_cpu_seconds_by_misses, float)
+    calls[: len(warm.step_cpu_calls)] -= warm.step_cpu_calls
+    secs[: len(warm.step_cpu_seconds_by_misses)] -= warm.step_cpu_seconds_by_misses
+    m = np.flatnonzero(calls > 0)
+    out: dict = {"calls": {int(i): int(calls[i]) for i in m}, "mean_us": {int(i): round(float(secs[i] / calls[i]) * 1e6, 1) for i in m}}  # fmt: skip
+    if m.size >= 2:
+        slope, fixed = np.polyfit(m, secs[m] / calls[m] * 1e6, 1, w=np.sqrt(calls[m]))
+        out |= {"fixed_us": round(float(fixed), 1), "per_expert_us": round(float(slope), 1)}
+    return out
 
 
 def row_streaming(

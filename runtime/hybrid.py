@@ -42,7 +42,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,10 @@ class HybridStats:
     step_cpu_seconds: float = 0.0
     step_admissions: int = 0  # admissions decided from decode steps (``_account``)
     step_host_seconds: float = 0.0  # the host's work between two steps' workers (accounts, admissions)
+    # the decode steps' CPU kernel calls by how many experts they computed (index m: m missed experts): how
+    # many and their seconds, which part of a call does not depend on m
+    step_cpu_calls: list[int] = field(default_factory=list)
+    step_cpu_seconds_by_misses: list[float] = field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
@@ -861,6 +865,8 @@ class HybridExperts:
         posted, done, mail, result = ex.posted.numpy(), ex.done.numpy(), ex.mail.numpy(), ex.result.numpy()
         k, s = ex.k, self._stats
         zeros = np.zeros(ex.n_embd, np.float32)
+        for per in (s.step_cpu_calls, s.step_cpu_seconds_by_misses):
+            per.extend([0] * (k + 1 - len(per)))
         with torch.inference_mode():
             for i, layer in enumerate(ex.layers):
                 t0 = time.perf_counter()
@@ -886,6 +892,8 @@ class HybridExperts:
                     took = time.perf_counter() - t0
                     s.cpu_seconds += took
                     s.step_cpu_seconds += took
+                    s.step_cpu_calls[miss.size] += 1
+                    s.step_cpu_seconds_by_misses[miss.size] += took
                     s.cpu_pairs += miss.size
                     s.cpu_computes += miss.size
                     s.bytes_read += miss.size * layer.record_bytes

@@ -1,0 +1,42 @@
+"""benchmarks/hybrid_experts.py's decode breakdown: the CPU kernel's calls by missed experts, the timed steps
+alone, and the line through them (a call's fixed cost, the cost of each missed expert)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from runtime.hybrid import HybridStats
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "hybrid_experts.py"
+
+
+def _script():  # noqa: ANN202
+    spec = importlib.util.spec_from_file_location("hybrid_experts", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_calls_by_misses_count_the_timed_steps_and_fit_a_line() -> None:
+    # warm-up: slow calls (a graph capture's) that must not count; timed: 110 us + 40 us a missed expert
+    warm = HybridStats(step_cpu_calls=[0, 2, 1], step_cpu_seconds_by_misses=[0.0, 0.01, 0.02])
+    calls, warm_calls, warm_secs = [0, 10, 30, 5, 1], [0, 2, 1, 0, 0], [0.0, 0.01, 0.02, 0.0, 0.0]
+    secs = [w + n * (110 + 40 * m) * 1e-6 for m, (w, n) in enumerate(zip(warm_secs, calls, strict=True))]
+    after = HybridStats(
+        step_cpu_calls=[c + w for c, w in zip(calls, warm_calls, strict=True)],
+        step_cpu_seconds_by_misses=secs,
+    )
+    got = _script()._cpu_by_misses(after, warm)
+    assert got["calls"] == {1: 10, 2: 30, 3: 5, 4: 1}
+    assert got["mean_us"] == {1: 150.0, 2: 190.0, 3: 230.0, 4: 270.0}
+    assert got["fixed_us"] == pytest.approx(110.0) and got["per_expert_us"] == pytest.approx(40.0)
+
+
+def test_one_miss_count_has_no_line() -> None:
+    after = HybridStats(step_cpu_calls=[0, 0, 4], step_cpu_seconds_by_misses=[0.0, 0.0, 4e-4])
+    got = _script()._cpu_by_misses(after, HybridStats())
+    assert got == {"calls": {2: 4}, "mean_us": {2: 100.0}}
