@@ -52,6 +52,7 @@ import sys
 import tempfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -428,7 +429,14 @@ def routing_tables(args: argparse.Namespace, path: Path, n: int) -> dict[str, li
                     gguf = Path(tmp) / f"{model.name}-bf16.gguf"
                     convert_checkpoint(model, gguf, "bf16")
                     model = gguf
-                tlays, trace = record(model, args.text.read_text(), args.trace_tokens)
+                # on a thread that then exits: the recording runs forge's CPU kernels, and a thread that ran
+                # numba's parallel regions keeps an OpenMP team, so the hybrid worker's team would be one too
+                # many for the cores: libgomp's threads then sleep between the worker's calls instead of
+                # spinning (an empty region 2.0 -> 16.9 us on a 2-core box)
+                with ThreadPoolExecutor(1) as once:
+                    tlays, trace = once.submit(
+                        record, model, args.text.read_text(), args.trace_tokens
+                    ).result()
             t_experts = next(iter(tlays.values())).experts
             tables[kind] = scaled_trace(trace, t_experts, len(lays), experts, k)
     return tables
