@@ -608,6 +608,15 @@ def _routed_ffn_batch(
             item = claim(taken, 1)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _item_block(item: int, blocks: int, experts: np.ndarray, starts: np.ndarray, rows: int) -> tuple:
+    """A batch work item's expert, its group's rows r0 .. r1 - 1, and the block's first weight row and row
+    count (``blocks`` blocks of ``BATCH_ROWS`` of a part's ``rows`` rows per group)."""
+    g = item // blocks
+    first = (item - g * blocks) * BATCH_ROWS
+    return experts[g], starts[g], starts[g + 1], first, min(BATCH_ROWS, rows - first)
+
+
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
 def _gate_up_block(
     xs: np.ndarray,
@@ -622,11 +631,8 @@ def _gate_up_block(
     blocks: int,
 ) -> None:
     """``_routed_ffn_batch``'s gate/up work item ``item``: a block of ``BATCH_ROWS`` rows of one group's expert."""
-    n_embd, n_ff = xs.shape[1], act.shape[1]
-    g = item // blocks
-    e, r0, r1 = experts[g], starts[g], starts[g + 1]
-    f0 = (item - g * blocks) * BATCH_ROWS
-    n = min(BATCH_ROWS, n_ff - f0)
+    n_embd = xs.shape[1]
+    e, r0, r1, f0, n = _item_block(item, blocks, experts, starts, act.shape[1])
     wg, wu = np.empty((BATCH_ROWS, n_embd), np.float32), np.empty((BATCH_ROWS, n_embd), np.float32)
     _decode_rows(gate, meta, 0, e, f0, n, wg)
     _decode_rows(up, meta, 1, e, f0, n, wu)
@@ -655,12 +661,8 @@ def _down_block(
     blocks: int,
 ) -> None:
     """``_routed_ffn_batch``'s down work item ``item``: a block of ``BATCH_ROWS`` output rows of one group."""
-    n_embd, n_ff = ys.shape[1], act.shape[1]
-    g = item // blocks
-    e, r0, r1 = experts[g], starts[g], starts[g + 1]
-    d0 = (item - g * blocks) * BATCH_ROWS
-    n = min(BATCH_ROWS, n_embd - d0)
-    wd = np.empty((BATCH_ROWS, n_ff), np.float32)
+    e, r0, r1, d0, n = _item_block(item, blocks, experts, starts, ys.shape[1])
+    wd = np.empty((BATCH_ROWS, act.shape[1]), np.float32)
     _decode_rows(down, meta, 2, e, d0, n, wd)
     for r in range(r0, r1, 2):
         if r + 1 < r1:

@@ -3,22 +3,10 @@ alone, and the line through them (a call's fixed cost, the cost of each missed e
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from runtime.hybrid import HybridStats
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "hybrid_experts.py"
-
-
-def _script():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location("hybrid_experts", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load
 
 
 def test_cpu_calls_by_misses_count_the_timed_steps_and_fit_a_line() -> None:
@@ -30,7 +18,7 @@ def test_cpu_calls_by_misses_count_the_timed_steps_and_fit_a_line() -> None:
         step_cpu_calls=[c + w for c, w in zip(calls, warm_calls, strict=True)],
         step_cpu_seconds_by_misses=secs,
     )
-    got = _script()._cpu_by_misses(after, warm)
+    got = load("hybrid_experts")._cpu_by_misses(after, warm)
     assert got["calls"] == {1: 10, 2: 30, 3: 5, 4: 1}
     assert got["mean_us"] == {1: 150.0, 2: 190.0, 3: 230.0, 4: 270.0}
     assert got["fixed_us"] == pytest.approx(110.0) and got["per_expert_us"] == pytest.approx(40.0)
@@ -38,5 +26,5 @@ def test_cpu_calls_by_misses_count_the_timed_steps_and_fit_a_line() -> None:
 
 def test_one_miss_count_has_no_line() -> None:
     after = HybridStats(step_cpu_calls=[0, 0, 4], step_cpu_seconds_by_misses=[0.0, 0.0, 4e-4])
-    got = _script()._cpu_by_misses(after, HybridStats())
+    got = load("hybrid_experts")._cpu_by_misses(after, HybridStats())
     assert got == {"calls": {2: 4}, "mean_us": {2: 100.0}}

@@ -3,7 +3,6 @@ recorded sample), and the side-by-side run end to end with a stand-in binary tha
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import stat
 import subprocess
@@ -11,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.benchmark_scripts import load
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "runtime_speed.py"
@@ -116,10 +117,7 @@ SAMPLE = """[
 
 @pytest.fixture(scope="module")
 def rs():  # noqa: ANN201
-    spec = importlib.util.spec_from_file_location("runtime_speed", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
+    return load("runtime_speed")
 
 
 def test_parses_llama_bench_json(rs) -> None:  # noqa: ANN001

@@ -3,21 +3,10 @@ start, against the kernels' total (a range's own span, gaps included, is not a p
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "prefill_precision.py"
-
-
-def _script():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location("prefill_precision", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load
 
 
 def _event(name: str, start: int, end: int, device: DeviceType = DeviceType.CUDA) -> FunctionEvent:
@@ -35,7 +24,7 @@ def test_kernels_are_counted_in_the_range_holding_them() -> None:
         _event("_gemm_kernel", 510, 560),
         _event("sdpa", 700, 740),  # outside every range: counted in the total only
     ]
-    table = _script().product_table(events).splitlines()
+    table = load("prefill_precision").product_table(events).splitlines()
     rows = {line[:60].strip(): line[60:].split() for line in table[1:]}
     assert rows["moe_linear 256x1024 Q4_K (512,)"] == ["3", "0.18", "66.7%"]  # 80 + 10 + 90 of 270 us
     assert rows["linear 2048 Q4_K (512,)"] == ["1", "0.05", "18.5%"]

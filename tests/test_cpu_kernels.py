@@ -482,9 +482,8 @@ def test_rows_of_mixed_types_stacked_and_permuted() -> None:
 
 
 def test_claimed_work_items_are_each_taken_once() -> None:
-    """``claim``: the threads of a parallel region take every work item once, however uneven the items (the
-    first ones cost far more: equal shares would leave them all to one thread); the count ends at the items
-    taken plus one failed claim per thread."""
+    """``claim``: the threads of a parallel region take every work item exactly once, with items of uneven cost
+    (the first eight far dearer); the counter ends at the items plus one failed claim per thread."""
     from numba import get_num_threads, njit, prange
 
     from runtime.cpu_ir import claim

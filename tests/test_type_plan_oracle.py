@@ -10,7 +10,6 @@ Three oracles, each optional: llama.cpp in process (``llama_cpp`` of llama-cpp-p
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -18,14 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.oracle import ROOT, SHIPPED, llama_quantize, manifest
+from tests.benchmark_scripts import load
+from tests.oracle import SHIPPED, llama_quantize, manifest
 
-_spec = importlib.util.spec_from_file_location(
-    "type_plan_oracle", ROOT / "benchmarks" / "type_plan_oracle.py"
-)
-tpo = importlib.util.module_from_spec(_spec)
-sys.modules["type_plan_oracle"] = tpo
-_spec.loader.exec_module(tpo)
+tpo = load("type_plan_oracle")
 
 RECORDED = SHIPPED / "type_plan_oracle.json"
 
