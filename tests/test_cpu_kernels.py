@@ -264,6 +264,57 @@ def test_prepare_decode_says_when_it_compiles(example_bf16, monkeypatch: pytest.
     assert len(said) == 1
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_prepare_decode_leaves_the_loading_thread_no_openmp_team(example_bf16) -> None:  # noqa: ANN001
+    """The kernels' warm-up runs on a thread of its own that exits. A thread that ran numba's parallel regions
+    keeps an OpenMP team; when another thread decodes (a server's worker), that team is one too many for the
+    cores and libgomp's threads then sleep between every region (an empty one: 2 -> 17 us on 2 cores). Here the
+    loading thread stays alive after ``prepare_decode``, as a server's does: no team's threads may remain."""
+    import subprocess
+    import sys
+
+    script = f"""
+import os, threading, time
+import numba
+import numpy as np
+from runtime.models import load_model, prepare_decode
+m = load_model({str(example_bf16)!r})
+tasks = lambda: len(os.listdir("/proc/self/task"))
+@numba.njit(parallel=True)
+def region(a):
+    for i in numba.prange(a.shape[0]):
+        a[i] += 1.0
+first = threading.Thread(target=region, args=(np.zeros(8),))  # the runtime's one thread for good, whoever asks
+first.start()
+first.join()
+counts, hold = [], threading.Event()
+def loader():
+    counts.append(tasks())
+    prepare_decode(m)
+    end = time.monotonic() + 5  # a finished thread's team leaves as its threads see the pool freed
+    while tasks() > counts[0] and time.monotonic() < end:
+        time.sleep(0.01)
+    counts.append(tasks())
+    hold.wait()
+t = threading.Thread(target=loader)
+t.start()
+while len(counts) < 2:
+    time.sleep(0.01)
+print(numba.threading_layer(), *counts)
+hold.set()
+t.join()
+"""
+    env = {**os.environ, "NUMBA_NUM_THREADS": "4"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    layer, before, after = done.stdout.split()
+    if layer != "omp":
+        pytest.skip(f"numba's {layer} threading layer keeps one pool for the process")
+    assert after == before
+
+
 def test_a_loaded_model_keeps_torchs_thread_count(example_bf16) -> None:  # noqa: ANN001
     """``torch.set_num_threads(1)`` (``--threads 1``) before loading holds through a prefill and a decode step,
     for torch and the kernels alike: numba's thread pool, started by a first kernel, reset the process's

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -73,7 +74,10 @@ def load_model(
 
 def prepare_decode(model: MoeCausalLM, log: Callable[[str], None] | None = None) -> None:
     """Load the compiled one-token kernels now (compiling them on a first run, said to ``log``), so that
-    no decode step, nor a printed tokens/s figure, pays for it."""
+    no decode step, nor a printed tokens/s figure, pays for it. They run on a thread of their own, which
+    then exits: a thread that ran numba's parallel kernels keeps an OpenMP team, and when another thread
+    decodes (``forge serve``'s worker), one team too many for the cores makes libgomp's threads sleep between
+    every parallel region (+80-100 us a kernel call measured on a 16-core host)."""
     if not (model.weights.cpu_kernels and model.fast_decode):
         return
     from runtime import cpu_kernels
@@ -82,7 +86,8 @@ def prepare_decode(model: MoeCausalLM, log: Callable[[str], None] | None = None)
         (log or (lambda s: sys.stderr.write(s + "\n")))(
             "compiling the CPU decode kernels (first run after an install, ~30 s; cached on disk)"
         )
-    cpu_kernels.warm_up()
+    with ThreadPoolExecutor(1, thread_name_prefix="forge-warm-up") as once:
+        once.submit(cpu_kernels.warm_up).result()
 
 
 def apply_prune_mask(model: object, mask: PruneMask) -> int:
