@@ -52,7 +52,6 @@ import sys
 import tempfile
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +66,7 @@ from routing_locality import FIXTURES, record  # noqa: E402
 from runtime_speed import run_llama_bench  # noqa: E402
 from streaming import drop_cache, read_ceiling  # noqa: E402
 
-from runtime import hybrid  # noqa: E402
+from runtime import cpu_kernels, hybrid  # noqa: E402
 from runtime.backends import triton_launch  # noqa: E402
 from runtime.experts import ExpertCache  # noqa: E402
 from runtime.layers import rms_norm_row  # noqa: E402
@@ -429,14 +428,11 @@ def routing_tables(args: argparse.Namespace, path: Path, n: int) -> dict[str, li
                     gguf = Path(tmp) / f"{model.name}-bf16.gguf"
                     convert_checkpoint(model, gguf, "bf16")
                     model = gguf
-                # on a thread that then exits: the recording runs forge's CPU kernels, and a thread that ran
-                # numba's parallel regions keeps an OpenMP team, so the hybrid worker's team would be one too
-                # many for the cores: libgomp's threads then sleep between the worker's calls instead of
-                # spinning (an empty region 2.0 -> 16.9 us on a 2-core box)
-                with ThreadPoolExecutor(1) as once:
-                    tlays, trace = once.submit(
-                        record, model, args.text.read_text(), args.trace_tokens
-                    ).result()
+                # the recording runs forge's CPU kernels: not on this thread, which would keep their OpenMP
+                # team and make the hybrid worker's sleep between calls
+                tlays, trace = cpu_kernels.on_own_thread(
+                    record, model, args.text.read_text(), args.trace_tokens
+                )
             t_experts = next(iter(tlays.values())).experts
             tables[kind] = scaled_trace(trace, t_experts, len(lays), experts, k)
     return tables

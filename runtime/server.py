@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forge.errors import ForgeError
 from forge.imatrix.live import LiveImatrix
+from runtime import cpu_kernels
 from runtime.generate import Sampling, generate
 from runtime.models import MoeCausalLM, load_model, prepare_decode
 from runtime.observers import Observer
@@ -525,6 +526,25 @@ def load_engine(
     """Load a GGUF file (or HF folder) for serving; with ``imatrix`` its prefill statistics are collected.
     ``gpu_cache_bytes``: hybrid experts (runtime.hybrid) with a GPU pool of that size, seeded from
     ``expert_profile``."""
+    # loaded on a thread of its own (``cpu_kernels.on_own_thread``): the worker that serves the requests runs
+    # the kernels, and this thread would keep an OpenMP team for good
+    return cpu_kernels.on_own_thread(
+        _load_engine, model, device, name, context, imatrix, expert_budget, max_queue, gpu_cache_bytes,
+        expert_profile,
+    )  # fmt: skip
+
+
+def _load_engine(
+    model: str | Path,
+    device: str,
+    name: str | None,
+    context: int | None,
+    imatrix: LiveImatrix | None,
+    expert_budget: int,
+    max_queue: int,
+    gpu_cache_bytes: int | None,
+    expert_profile: Path | None,
+) -> Engine:
     gate = PrefillGate(imatrix) if imatrix is not None else None
     if gpu_cache_bytes is not None:
         from runtime.planner import load_planned_model

@@ -558,3 +558,18 @@ def test_claimed_work_items_are_each_taken_once() -> None:
         assert (done == 1).all(), items
         assert taken[0] == 0 and taken[1] == items + threads
         assert (who >= 0).all() and (who < threads).all()
+
+
+def test_on_own_thread_returns_and_raises_as_a_call_does() -> None:
+    import threading
+
+    from forge.errors import ForgeError
+
+    assert ck.on_own_thread(lambda a, b: (a + b, threading.get_ident()), 2, 3)[0] == 5
+    assert ck.on_own_thread(threading.get_ident) != threading.get_ident()
+
+    def fail() -> None:
+        raise ForgeError("no such file")
+
+    with pytest.raises(ForgeError, match="no such file"):
+        ck.on_own_thread(fail)

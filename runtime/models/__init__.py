@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -86,8 +85,7 @@ def prepare_decode(model: MoeCausalLM, log: Callable[[str], None] | None = None)
         (log or (lambda s: sys.stderr.write(s + "\n")))(
             "compiling the CPU decode kernels (first run after an install, ~30 s; cached on disk)"
         )
-    with ThreadPoolExecutor(1, thread_name_prefix="forge-warm-up") as once:
-        once.submit(cpu_kernels.warm_up).result()
+    cpu_kernels.on_own_thread(cpu_kernels.warm_up)
 
 
 def apply_prune_mask(model: object, mask: PruneMask) -> int:
