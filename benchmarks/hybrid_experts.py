@@ -43,7 +43,6 @@ its row and the next row runs.
 from __future__ import annotations
 
 import argparse
-import copy
 import cProfile
 import gc
 import json
@@ -292,12 +291,11 @@ def row_hybrid(
     h.admit_per_call = args.admit_per_call
     try:
         warm: list[hybrid.HybridStats] = []
-        r = timed(model, routing, "cuda", args, path, counter, lambda: warm.append(copy.copy(h.stats)))
+        r = timed(model, routing, "cuda", args, path, counter, lambda: warm.append(h.stats.snapshot()))
         s = h.stats
         # the decode breakdown of the timed steps alone: the warm-up's first steps capture the CUDA graphs
         # (and may compile kernels), which counted as the device's part
-        t = {f: getattr(s, f) - getattr(warm[0], f) for f in ("step_layers", "step_hits", "step_device_seconds",
-             "step_cpu_seconds", "step_host_seconds", "step_admissions")}  # fmt: skip
+        t = s.since(warm[0])
         tokens = (args.warmup_prefills + 1) * args.pp + args.warmup + args.reps * (args.pp + args.tg)
         layers = len(model.routed_layers())
         r |= {"pool_experts": h.capacity, "hit_rate": round(s.hit_rate, 4),
@@ -306,19 +304,19 @@ def row_hybrid(
               "admissions": s.admissions, "pinned_gb": round(h.pinned.nbytes / 1e9, 2) if h.pinned else 0,
               "pin_seconds": round(h.pinned.seconds, 2) if h.pinned else 0, "rates": vars(h.rates) if hasattr(h.rates, "__dict__") else str(h.rates),
               "stats": s.to_json()}  # fmt: skip
-        by_misses = _cpu_by_misses(s, warm[0])
-        us = 1e6 / max(t["step_layers"], 1)
-        r |= {"decode_hit_rate": round(t["step_hits"] / max(t["step_layers"] * s.k, 1), 4),
-              "decode_layer_us": {"device": round(t["step_device_seconds"] * us, 1),
-                                  "cpu_kernel": round(t["step_cpu_seconds"] * us, 1),
-                                  "host_between_steps": round(t["step_host_seconds"] * us, 1),
+        by_misses = _cpu_by_misses(t)
+        us = 1e6 / max(t.step_layers, 1)
+        r |= {"decode_hit_rate": round(t.step_hit_rate, 4),
+              "decode_layer_us": {"device": round(t.step_device_seconds * us, 1),
+                                  "cpu_kernel": round(t.step_cpu_seconds * us, 1),
+                                  "host_between_steps": round(t.step_host_seconds * us, 1),
                                   "whole": round(1e6 / r["tg"] / layers, 1) if r.get("tg") else None},
               "decode_cpu_kernel_us_by_misses": by_misses}  # fmt: skip
         r["note"] = (
             f"pool {h.capacity} experts, GPU hits {s.hit_rate:.0%} (decode {r['decode_hit_rate']:.0%}), "
             f"{s.bytes_uploaded / 1e6:,.0f} MB uploaded; a decode layer {r['decode_layer_us']['whole']} us: "
             f"device {r['decode_layer_us']['device']}, CPU kernel {r['decode_layer_us']['cpu_kernel']}, host "
-            f"between steps {r['decode_layer_us']['host_between_steps']} ({t['step_admissions']} admissions)"
+            f"between steps {r['decode_layer_us']['host_between_steps']} ({t.step_admissions} admissions)"
         )
         if "fixed_us" in by_misses:
             r["note"] += (
@@ -329,14 +327,12 @@ def row_hybrid(
         _free(model)
 
 
-def _cpu_by_misses(s: hybrid.HybridStats, warm: hybrid.HybridStats) -> dict:
-    """The timed decode steps' CPU kernel calls by missed experts: per count m, the calls and their mean
-    microseconds, and a least-squares line through those means (weighted by calls): a call's fixed cost and
-    the cost of each missed expert."""
+def _cpu_by_misses(s: hybrid.HybridStats) -> dict:
+    """Decode steps' CPU kernel calls by missed experts (``s``: the timed steps' counts): per count m, the calls
+    and their mean microseconds, and a least-squares line through those means (weighted by calls): a call's
+    fixed cost and the cost of each missed expert."""
     calls = np.array(s.step_cpu_calls, float)
     secs = np.array(s.step_cpu_seconds_by_misses, float)
-    calls[: len(warm.step_cpu_calls)] -= warm.step_cpu_calls
-    secs[: len(warm.step_cpu_seconds_by_misses)] -= warm.step_cpu_seconds_by_misses
     m = np.flatnonzero(calls > 0)
     out: dict = {"calls": {int(i): int(calls[i]) for i in m}, "mean_us": {int(i): round(float(secs[i] / calls[i]) * 1e6, 1) for i in m}}  # fmt: skip
     if m.size >= 2:

@@ -42,7 +42,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +116,24 @@ class HybridStats:
         in ``hit_rate``: a prefill's whole-layer copies outweigh every decode step)."""
         n = self.step_layers * self.k
         return self.step_hits / n if n else 0.0
+
+    def snapshot(self) -> HybridStats:
+        """A copy that later counting leaves as it is (the per-count lists copied too)."""
+        return copy.deepcopy(self)
+
+    def since(self, earlier: HybridStats) -> HybridStats:
+        """What was counted after ``earlier`` (a ``snapshot`` of these stats): each count less its value then
+        (a list's entries one by one), ``k`` as now."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            now, then = getattr(self, f.name), getattr(earlier, f.name)
+            if f.name == "k":
+                out[f.name] = now
+            elif isinstance(now, list):
+                out[f.name] = [v - (then[i] if i < len(then) else 0) for i, v in enumerate(now)]
+            else:
+                out[f.name] = now - then
+        return HybridStats(**out)
 
     def to_json(self) -> dict[str, float | int]:
         out: dict[str, float | int] = dict(asdict(self))

@@ -18,7 +18,7 @@ def test_cpu_calls_by_misses_count_the_timed_steps_and_fit_a_line() -> None:
         step_cpu_calls=[c + w for c, w in zip(calls, warm_calls, strict=True)],
         step_cpu_seconds_by_misses=secs,
     )
-    got = load("hybrid_experts")._cpu_by_misses(after, warm)
+    got = load("hybrid_experts")._cpu_by_misses(after.since(warm))
     assert got["calls"] == {1: 10, 2: 30, 3: 5, 4: 1}
     assert got["mean_us"] == {1: 150.0, 2: 190.0, 3: 230.0, 4: 270.0}
     assert got["fixed_us"] == pytest.approx(110.0) and got["per_expert_us"] == pytest.approx(40.0)
@@ -26,5 +26,5 @@ def test_cpu_calls_by_misses_count_the_timed_steps_and_fit_a_line() -> None:
 
 def test_one_miss_count_has_no_line() -> None:
     after = HybridStats(step_cpu_calls=[0, 0, 4], step_cpu_seconds_by_misses=[0.0, 0.0, 4e-4])
-    got = load("hybrid_experts")._cpu_by_misses(after, HybridStats())
+    got = load("hybrid_experts")._cpu_by_misses(after.since(HybridStats()))
     assert got == {"calls": {2: 4}, "mean_us": {2: 100.0}}

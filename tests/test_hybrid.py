@@ -21,7 +21,7 @@ from forge.errors import ForgeError
 from forge.imatrix.accumulate import ImatrixAccumulator
 from forge.layout import convert
 from forge.profile_file import LayerProfile, Profile
-from runtime.hybrid import HybridExperts, Rates
+from runtime.hybrid import HybridExperts, HybridStats, Rates
 from runtime.models import build_model, load_model
 from runtime.observers import Observer
 from runtime.planner import RUNTIME_OVERHEAD, model_stats, plan
@@ -661,3 +661,18 @@ def test_a_step_the_cpu_side_never_answers_fails_closed(
     with pytest.raises(ForgeError, match="did not answer"):
         h.finish_step()
     h.close()
+
+
+def test_stats_since_a_snapshot_count_what_came_after() -> None:
+    """A benchmark's warm-up taken off its timed steps: the snapshot keeps its own lists (the worker adds to
+    the live ones in place), and ``since`` subtracts each count, a list's entry by entry, ``k`` as now."""
+    s = HybridStats(step_layers=3, k=8, step_cpu_calls=[0, 1], step_cpu_seconds_by_misses=[0.0, 0.5])
+    snap = s.snapshot()
+    s.step_layers += 2
+    s.step_cpu_calls[1] += 4
+    s.step_cpu_calls.append(2)
+    s.step_cpu_seconds_by_misses[1] += 1.0
+    assert snap.step_cpu_calls == [0, 1] and snap.step_cpu_seconds_by_misses == [0.0, 0.5]
+    d = s.since(snap)
+    assert d.step_layers == 2 and d.k == 8 and d.gpu_hits == 0
+    assert d.step_cpu_calls == [0, 4, 2] and d.step_cpu_seconds_by_misses == [0.0, 1.0]
