@@ -379,13 +379,16 @@ class Exchange:
     """A decode step's mailbox between the device and the CPU worker, a row per routed layer (page-locked on
     a GPU): ``mail`` the routing the device posts (ids, weights, input: (layers, 2k + n_embd)), ``result`` the
     CPU's sum of the missed pairs (layers, n_embd), ``posted`` / ``done`` the step number of each row's post
-    and answer, ``step`` the device's step counter, ``fault`` set by a wait that gave up."""
+    and answer, ``step`` the device's step counter, ``fault`` set by a wait that gave up; ``pools`` the rows'
+    slot pools and ``pool_of`` each row's (an index into them)."""
 
     def __init__(self, layers: list[HybridLayer], k: int, n_embd: int, device: torch.device) -> None:
         pin = device.type == "cuda"
         self.layers, self.k, self.n_embd = layers, k, n_embd
         self.index = {lay.layer: i for i, lay in enumerate(layers)}
         self.bases = np.array([lay.base for lay in layers], np.int64)
+        self.pools = list(dict.fromkeys(lay.pool for lay in layers))
+        self.pool_of = np.array([self.pools.index(lay.pool) for lay in layers], np.int64)
         n = len(layers)
         self.mail = torch.zeros(n, 2 * k + n_embd, pin_memory=pin)
         self.result = torch.zeros(n, n_embd, pin_memory=pin)
@@ -623,8 +626,10 @@ class HybridExperts:
         page-locked file in one block on the side stream, after the kernels queued so far (which may read
         the slots' old experts); else one at a time (``_copy``) while staging records are free."""
         locked = pool.stream is not None and self.pinned is not None
-        from_file = [locked and lay.host.kind == "per-use" for lay in layers]
-        direct = [i for i, f in enumerate(from_file) if f]
+        direct: list[int] = []
+        staged: list[int] = []
+        for i, lay in enumerate(layers):
+            (direct if locked and lay.host.kind == "per-use" else staged).append(i)
         if direct:
 
             def copy() -> None:
@@ -638,7 +643,7 @@ class HybridExperts:
             done = _on_side_stream(pool, copy)
             for i in direct:
                 self._place(pool, int(keys[i]), int(slots[i]), done)
-        for i in (i for i, f in enumerate(from_file) if not f):
+        for i in staged:
             job = self._copy(layers[i], pool, int(slots[i]), int(keys[i]) - layers[i].base)
             if job is False:
                 break  # no staging record free: a later call admits
@@ -937,7 +942,7 @@ class HybridExperts:
         count = self.policy.count[keys]
         may = missed & ~self.held[keys]
         if self.admit_per_call:
-            may &= count > np.array([self._floor(lay.pool) for lay in ex.layers])[:, None]
+            may &= count > np.array([self._floor(p) for p in ex.pools])[ex.pool_of][:, None]
         rows = np.flatnonzero(may.any(1))
         if not rows.size:
             return
@@ -949,11 +954,10 @@ class HybridExperts:
         key_of, score = np.take_along_axis(keys[rows], order, 1)[take], score[take]
         hottest = np.argsort(-score, kind="stable")
         layer_of, key_of = layer_of[hottest], key_of[hottest]
-        layers = [ex.layers[i] for i in layer_of.tolist()]
-        for pool in self.pools.values():
-            mine = np.array([lay.pool is pool for lay in layers], bool)
+        for j, pool in enumerate(ex.pools):
+            mine = ex.pool_of[layer_of] == j
             if mine.any():
-                self._admit_step(pool, [lay for lay, m in zip(layers, mine, strict=True) if m], key_of[mine])
+                self._admit_step(pool, [ex.layers[i] for i in layer_of[mine].tolist()], key_of[mine])
 
     def _cpu_side(
         self,
