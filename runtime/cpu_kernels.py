@@ -226,6 +226,33 @@ def _encoded_row(buf: np.ndarray, meta: np.ndarray, part: int, expert: int, row:
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
+def _gate_up_rows(
+    gate: np.ndarray,
+    up: np.ndarray,
+    meta: np.ndarray,
+    x: np.ndarray,
+    x_sums: np.ndarray,
+    ids: np.ndarray,
+    act: np.ndarray,
+    row: np.ndarray,
+    r0: int,
+    r1: int,
+) -> None:
+    """Rows r0 .. r1 - 1 of ``_routed_ffn_encoded``'s gate/up product, counted over the experts one after
+    another (row r: expert ids[r // n_ff], its row r % n_ff): act[i, f] = SiLU(gate . x) * (up . x)."""
+    n_ff = act.shape[1]
+    for r in range(r0, r1):
+        i = r // n_ff
+        f = r - i * n_ff
+        e = ids[i]
+        if f + 1 < n_ff:
+            prefetch_row(_encoded_row(gate, meta, 0, e, f + 1))
+            prefetch_row(_encoded_row(up, meta, 1, e, f + 1))
+        g = dot_row(_encoded_row(gate, meta, 0, e, f), meta[0, 4], x, x_sums, row)
+        act[i, f] = _silu(g) * dot_row(_encoded_row(up, meta, 1, e, f), meta[1, 4], x, x_sums, row)
+
+
+@njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
 def _down_rows(
     down: np.ndarray,
     meta: np.ndarray,
@@ -285,15 +312,8 @@ def _routed_ffn_encoded(
         row = np.empty(x.shape[0], np.float32)
         c = claim(taken, 0)
         while c < items:
-            for r in range(c * chunk_in, min(rows, (c + 1) * chunk_in)):
-                i = r // n_ff
-                f = r - i * n_ff
-                e = ids[i]
-                if f + 1 < n_ff:
-                    prefetch_row(_encoded_row(gate, meta, 0, e, f + 1))
-                    prefetch_row(_encoded_row(up, meta, 1, e, f + 1))
-                g = dot_row(_encoded_row(gate, meta, 0, e, f), meta[0, 4], x, x_sums, row)
-                act[i, f] = _silu(g) * dot_row(_encoded_row(up, meta, 1, e, f), meta[1, 4], x, x_sums, row)
+            r0, r1 = c * chunk_in, min(rows, (c + 1) * chunk_in)
+            _gate_up_rows(gate, up, meta, x, x_sums, ids, act, row, r0, r1)
             c = claim(taken, 0)
     act_sums = np.empty((k, prepared_size(n_ff, acts)), np.float32)
     for i in range(k):
@@ -304,19 +324,8 @@ def _routed_ffn_encoded(
         row = np.empty(n_ff, np.float32)
         c = claim(taken, 1)
         while c < items:
-            _down_rows(
-                down,
-                meta,
-                h,
-                ids,
-                weights,
-                act,
-                act_sums,
-                out,
-                row,
-                c * chunk_out,
-                min(n_out, (c + 1) * chunk_out),
-            )
+            d0, d1 = c * chunk_out, min(n_out, (c + 1) * chunk_out)
+            _down_rows(down, meta, h, ids, weights, act, act_sums, out, row, d0, d1)
             c = claim(taken, 1)
 
 
