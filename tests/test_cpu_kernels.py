@@ -279,22 +279,26 @@ import numba
 import numpy as np
 from runtime.models import load_model, prepare_decode
 m = load_model({str(example_bf16)!r})
-tasks = lambda: len(os.listdir("/proc/self/task"))
+def native() -> int:  # threads no Python code started: OpenMP teams' (and any other library's)
+    return len(os.listdir("/proc/self/task")) - threading.active_count()
+def settle() -> int:  # a finished thread's team leaves as its threads see the pool freed: wait until still
+    end, last, since = time.monotonic() + 5, native(), time.monotonic()
+    while time.monotonic() < end and time.monotonic() - since < 0.5:
+        time.sleep(0.01)
+        if native() != last:
+            last, since = native(), time.monotonic()
+    return last
 @numba.njit(parallel=True)
 def region(a):
     for i in numba.prange(a.shape[0]):
         a[i] += 1.0
-first = threading.Thread(target=region, args=(np.zeros(8),))  # the runtime's one thread for good, whoever asks
+first = threading.Thread(target=region, args=(np.zeros(8),))  # starts numba's pool; its team leaves with it
 first.start()
 first.join()
-counts, hold = [], threading.Event()
+counts, hold = [settle()], threading.Event()
 def loader():
-    counts.append(tasks())
     prepare_decode(m)
-    end = time.monotonic() + 5  # a finished thread's team leaves as its threads see the pool freed
-    while tasks() > counts[0] and time.monotonic() < end:
-        time.sleep(0.01)
-    counts.append(tasks())
+    counts.append(settle())
     hold.wait()
 t = threading.Thread(target=loader)
 t.start()
