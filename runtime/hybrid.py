@@ -370,9 +370,13 @@ class HybridLayer:
         taps: Any,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if x.shape[0] == 1 and not taps.observers and self.pool.n_slots:
-            return self.executor.decode_step(self, x, ids, weights, residual)
-        return self.executor.routed_ffn(self, x, ids, weights, taps, residual)
+        ex = self.executor
+        if self.base == 0:  # the first routed layer: a forward call of one token, or a batch's
+            ex.batch_call = x.shape[0] > 1
+        if x.shape[0] == 1 and not ex.batch_call and not taps.observers and self.pool.n_slots:
+            return ex.decode_step(self, x, ids, weights, residual)
+        # a batch's one row (its last layer computes the output row's FFN only) is no decode step's
+        return ex.routed_ffn(self, x, ids, weights, taps, residual)
 
 
 class Exchange:
@@ -483,6 +487,7 @@ class HybridExperts:
         self.cpu_threads = max(1, torch.get_num_threads() - (self.device.type == "cuda"))
         self.step_threads = torch.get_num_threads()  # a decode step's CPU share: the worker, all cores
         self.exchange: Exchange | None = None  # the decode steps' mailbox, made at the first step
+        self.batch_call = False  # the forward call under way routes a batch (set at its first routed layer)
         self._step_job: Future | None = None  # the worker serving the decode step under way
         self.pinned = self._pin() if cuda else None
         if profile is not None:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from deepseek4_fixture import FP4_VALUES, write_deepseek4
+from output_rows import check_last_only
 from safetensors.torch import load_file, save_file
 
 from forge.convert import convert_checkpoint
@@ -131,6 +132,10 @@ def test_state_is_carried_across_calls(gguf: Path) -> None:
             outs.append(m.forward(ids[start : start + n], st))
             start += n
         assert (torch.cat(outs) - full).abs().max() <= 1e-5 * full.abs().max(), sizes
+
+
+def test_a_prefill_for_its_last_logits_computes_the_last_layers_experts_for_one_row(gguf: Path) -> None:
+    check_last_only(load_model(gguf), _ids(40, 4))
 
 
 def test_prune_mask_covers_the_routed_layers_only(gguf: Path) -> None:

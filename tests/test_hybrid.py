@@ -16,6 +16,7 @@ import numpy as np
 import oracle
 import pytest
 import torch
+from output_rows import check_last_only
 
 from forge.errors import ForgeError
 from forge.imatrix.accumulate import ImatrixAccumulator
@@ -126,6 +127,19 @@ def test_batch_copies_the_layer_whole(example_q8: Path, tmp_path: Path) -> None:
     m, h = _hybrid(major, rates=whole)
     assert not any(layer.whole for layer in h.hybrid_layers.values())
     _close(_logits(m), want)
+
+
+def test_a_prefill_for_its_last_logits_then_decode_steps_as_resident(example_q8: Path) -> None:
+    """The prefill's last layer computes one row, through the batch path: no decode step's mailbox (whose
+    rows the device and the CPU worker take in turn, a step at a time) is opened for it."""
+    from runtime.generate import generate
+
+    m, h = _hybrid(example_q8)
+    check_last_only(m, _ids())
+    prompt = _ids(12, seed=3).tolist()
+    want = generate(load_model(example_q8), prompt, 6, stop_ids=set()).tokens
+    assert generate(m, prompt, 6, stop_ids=set()).tokens == want
+    assert h.stats.cpu_computes > 0
 
 
 def test_llamacpp_q4_k_m_logits(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from oracle import model_dir
+from output_rows import check_last_only
 
 from runtime.generate import generate
 from runtime.models import MoeCausalLM, load_model
@@ -201,3 +202,7 @@ def test_the_captured_form_of_the_step_matches_the_plain_step(path: Path, step_p
         st.pos += 1
     scale = plain.abs().max()
     assert float((torch.cat(out) - plain).abs().max() / scale) < 1e-5
+
+
+def test_a_prefill_for_its_last_logits_computes_the_last_layers_experts_for_one_row(path: Path) -> None:
+    check_last_only(load_model(path), _ids(24, seed=5))

@@ -13,6 +13,7 @@ import pytest
 import torch
 from glm_fixture import write_glm4moe, write_glm_dsa
 from oracle import SHIPPED, text
+from output_rows import check_last_only
 
 from forge.convert import convert_checkpoint
 from runtime.evaluate import evaluate, perplexity_tokens
@@ -106,6 +107,15 @@ def test_layers_dense_routed_and_mtp(glm) -> None:
     assert m.n_layer == 3  # blk.3, the MTP block, is in the file and not run
     assert m.routed_layers() == [1, 2]  # blk.0 is dense (leading_dense_block_count 1)
     assert m.blocks[0].ffn.dense is not None and m.blocks[1].ffn.shared is not None
+
+
+@pytest.mark.parametrize("variant", ["base", "dsa"])
+def test_a_prefill_for_its_last_logits_computes_the_last_layers_experts_for_one_row(
+    glm, variant: str
+) -> None:
+    check_last_only(
+        load_model(glm(variant)[1]), torch.randint(0, 200, (20,), generator=torch.Generator().manual_seed(1))
+    )
 
 
 def test_glm_dsa_default_indexer_types() -> None:

@@ -39,8 +39,10 @@ class PreNormBlock:
         self.attn_norm = weights.dense(p + "attn_norm.weight")
         self.ffn_norm = weights.dense(p + ffn_norm + ".weight")
 
-    def __call__(self, h: torch.Tensor, cache: Any, pos0: int) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, cache: Any, pos0: int, rows: slice | None = None) -> torch.Tensor:
         h = h + self.attn(rms_norm(h, self.attn_norm, self.eps), cache, pos0)
+        if rows is not None:
+            h = h[rows]
         return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
 
 
@@ -100,11 +102,18 @@ class MoeCausalLM:
         """A fresh cache (KV cache or recurrent state) for one layer."""
         raise NotImplementedError
 
-    def _block(self, layer: int, h: torch.Tensor, state: State) -> torch.Tensor:
+    def _block(self, layer: int, h: torch.Tensor, state: State, rows: slice | None = None) -> torch.Tensor:
+        """Block ``layer`` over h; ``rows``: the rows its FFN computes (all if None), after the attention has
+        filled the cache with every row's keys and values."""
         cache = state.layers[layer]
         if cache is None:
             cache = state.layers[layer] = self._layer_state(layer, h.device)
-        return self.blocks[layer](h, cache, state.pos)  # type: ignore[attr-defined]
+        return self.blocks[layer](h, cache, state.pos, rows)  # type: ignore[attr-defined]
+
+    def _output_rows(self, last_only: bool) -> slice | None:
+        """The rows the last block's FFN computes: with ``last_only``, the last one (as llama.cpp's output ids:
+        one token's experts instead of a batch's), unless observers collect that layer's statistics."""
+        return slice(-1, None) if last_only and not self.observers else None
 
     def _decode_step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
         """The one-token path: each block's ``step`` (fewer, fused ops; residuals folded into matmuls)."""
@@ -148,8 +157,9 @@ class MoeCausalLM:
         if t == 1 and self.fast_decode:
             return self._decode_step(tokens, state)
         h = self.weights.rows("token_embd.weight", tokens.to(self.weights.device))
+        rows = self._output_rows(last_only)
         for layer in range(self.n_layer):
-            h = self._block(layer, h, state)
+            h = self._block(layer, h, state, rows if layer == self.n_layer - 1 else None)
         state.pos += t
         if last_only:
             h = h[-1:]

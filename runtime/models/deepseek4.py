@@ -63,11 +63,19 @@ class Deepseek4Block:
         self.shared = SharedSwiGLU(weights, layer, obs, model.clamp_shexp[layer])
 
     def __call__(
-        self, streams: torch.Tensor, cache: Dsv4AttentionState, pos0: int, tokens: torch.Tensor
+        self,
+        streams: torch.Tensor,
+        cache: Dsv4AttentionState,
+        pos0: int,
+        tokens: torch.Tensor,
+        rows: slice | None = None,
     ) -> torch.Tensor:
+        """``rows``: the rows the FFN computes (all if None; see ``MoeCausalLM._block``)."""
         x, post, comb = self.attn_hc.collapse(streams)
         out = self.attn(rms_norm(x, self.attn_norm, self.eps), cache, pos0)
         streams = HyperConnection.expand(out, streams, post, comb)
+        if rows is not None:
+            streams, tokens = streams[rows], tokens[rows]
         x, post, comb = self.ffn_hc.collapse(streams)
         x = rms_norm(x, self.ffn_norm, self.eps)
         out = self.moe(x, tokens) + self.shared(x)
@@ -110,10 +118,13 @@ class Deepseek4Model(MoeCausalLM):
         tokens = tokens.to(self.weights.device)
         h = self.weights.rows("token_embd.weight", tokens)
         streams = h[:, None, :].expand(t, self.hc, h.shape[-1])
+        rows = self._output_rows(last_only)
         for layer, block in enumerate(self.blocks):
             if state.layers[layer] is None:
                 state.layers[layer] = self._layer_state(layer, h.device)
-            streams = block(streams, state.layers[layer], state.pos, tokens)
+            streams = block(
+                streams, state.layers[layer], state.pos, tokens, rows if layer == self.n_layer - 1 else None
+            )
         state.pos += t
         if last_only:
             streams = streams[-1:]

@@ -53,7 +53,9 @@ class Qwen35MoeBlock:
             SharedExpert(weights, layer, observers) if weights.has(p + "ffn_up_shexp.weight") else None
         )
 
-    def __call__(self, h: torch.Tensor, cache: KVCache | DeltaNetState, pos0: int) -> torch.Tensor:
+    def __call__(
+        self, h: torch.Tensor, cache: KVCache | DeltaNetState, pos0: int, rows: slice | None = None
+    ) -> torch.Tensor:
         x = rms_norm(h, self.attn_norm, self.eps)
         if isinstance(self.mixer, GatedDeltaNet):
             assert isinstance(cache, DeltaNetState)
@@ -61,6 +63,8 @@ class Qwen35MoeBlock:
         else:
             assert isinstance(cache, KVCache)
             h = h + self.mixer(x, cache, pos0)
+        if rows is not None:
+            h = h[rows]
         x = rms_norm(h, self.post_norm, self.eps)
         y = self.moe(x)
         if self.shared is not None:
