@@ -154,8 +154,18 @@ class Rates:
     cpu_pair_s: float
     whole_bps: float = 0.0
 
-    def upload_pays(self, record_bytes: int, pairs: np.ndarray) -> np.ndarray:
-        return record_bytes / self.upload_bps < self.cpu_expert_s + pairs * self.cpu_pair_s
+    def upload(self, record_bytes: int, pairs: np.ndarray) -> np.ndarray:
+        """Which of a batch's missed experts (``pairs`` pairs each) to copy to the fast device (True); the CPU
+        computes the others meanwhile. The CPU takes the experts cheapest for it, as many as keep the batch
+        shortest: its time (the sum of theirs) against the copies' of the rest, whichever ends later. An
+        expert of a few pairs on an idle CPU saves a whole record's copy."""
+        cost = self.cpu_expert_s + pairs * self.cpu_pair_s
+        order = np.argsort(cost, kind="stable")
+        on_cpu = np.concatenate([[0.0], np.cumsum(cost[order])])  # the CPU's time with the first j of them
+        copies = (pairs.size - np.arange(pairs.size + 1)) * (record_bytes / self.upload_bps)
+        upload = np.ones(pairs.size, bool)
+        upload[order[: int(np.argmin(np.maximum(on_cpu, copies)))]] = False
+        return upload
 
     def cpu_seconds(self, pairs: np.ndarray) -> float:
         """The CPU side's time for experts of ``pairs`` pairs each."""
@@ -758,7 +768,7 @@ class HybridExperts:
         missed, inverse, pairs = np.unique(ids_n[~hit], return_inverse=True, return_counts=True)
         whole = False
         if n_tok > 1 and missed.size:
-            pays = self.rates.upload_pays(layer.record_bytes, pairs)
+            pays = self.rates.upload(layer.record_bytes, pairs)
             upload[~hit] = pays[inverse]
             whole = layer.whole and self.rates.whole_pays(
                 layer.record_bytes * layer.n_expert,

@@ -677,6 +677,32 @@ def test_a_step_the_cpu_side_never_answers_fails_closed(
     h.close()
 
 
+def test_a_batch_splits_its_misses_between_copies_and_the_cpu_for_the_shortest_batch() -> None:
+    """The CPU takes the experts cheapest for it while the others are copied: the batch lasts as long as the
+    later of the two, which no other split shortens (checked against every split of small batches)."""
+    import itertools
+
+    rates = Rates(upload_bps=100.0, cpu_expert_s=0.5, cpu_pair_s=0.25)  # a 100-byte record: 1 s to copy
+
+    def batch_seconds(pairs: np.ndarray, upload: np.ndarray) -> float:
+        return max(rates.cpu_seconds(pairs[~upload]), float(upload.sum()))
+
+    # each expert alone is copied sooner than computed (1.5 s), yet an idle CPU takes three of eight
+    pairs = np.full(8, 4)
+    assert rates.upload(100, pairs).tolist() == [False] * 3 + [True] * 5
+    assert batch_seconds(pairs, rates.upload(100, pairs)) == 5.0  # copying all eight: 8 s
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        pairs = rng.integers(1, 12, rng.integers(1, 9))
+        got = batch_seconds(pairs, rates.upload(100, pairs))
+        best = min(
+            batch_seconds(pairs, np.array(split, bool))
+            for split in itertools.product([False, True], repeat=pairs.size)
+        )
+        assert got == pytest.approx(best)
+    assert not Rates.never().upload(100, pairs).any() and Rates.always().upload(100, pairs).all()
+
+
 def test_stats_since_a_snapshot_count_what_came_after() -> None:
     """A benchmark's warm-up taken off its timed steps: the snapshot keeps its own lists (the worker adds to
     the live ones in place), and ``since`` subtracts each count, a list's entry by entry, ``k`` as now."""
