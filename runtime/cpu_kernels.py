@@ -31,6 +31,8 @@ from forge.jit import enabled as numba_enabled
 from runtime.cpu_ir import claim
 from runtime.cpu_rows import (
     FLOAT_ACTS,
+    Q8_ACTS,
+    X22_ACTS,
     activation_form,
     decode_row,
     dot_row,
@@ -547,6 +549,12 @@ def _shared_ffn(
 
 # rows of one expert's matrix that one parallel work item of the batch kernel decodes (then multiplies)
 BATCH_ROWS = 16
+#: the batch kernel computes a group of fewer rows than this (per input form) from the encoded bytes, as a
+#: decode step does, instead of decoding its expert's rows. Measured on the 2-core box, prefill of a 4-layer
+#: Qwen3.6-35B-A3B-geometry Q4_K file (256 experts, top 8) with every expert encoded, limits 0 / 2 / 3 / 4:
+#: 8-bit inputs pp64 115 / 142 / 150 / 146 tok/s, pp256 250 / 256 / 260 / 255; float32 inputs pp64 128 / 132
+#: / 122 / 104, pp256 230 / 228 / 229 / 224. 22-bit (VNNI) inputs are taken as 8-bit (not measured).
+DIRECT_BELOW = {FLOAT_ACTS: 2, Q8_ACTS: 3, X22_ACTS: 3}
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
@@ -619,47 +627,81 @@ def _routed_ffn_batch(
     act: np.ndarray,
     ys: np.ndarray,
     threads: int,
+    direct_below: int,
+    acts: int,
 ) -> None:
     """The routed experts of a batch over encoded experts (see ``_routed_ffn_encoded``), rows grouped by expert.
 
     xs (R, n_embd): the routed (token, slot) rows; rows starts[g] : starts[g + 1] go to expert experts[g].
     act (R, n_ff) receives the SwiGLU outputs, ys (R, n_embd) the down outputs (unweighted). Work items:
-    (group, block of ``BATCH_ROWS`` output rows), taken in turn by ``threads`` threads (groups differ in size);
-    a block's weight rows are decoded once (``decode_row``) and multiplied with every row of its group.
+    (group, block of ``BATCH_ROWS`` output rows), taken in turn by ``threads`` threads (groups differ in size).
+    A block's weight rows are decoded once (``decode_row``) and multiplied with every row of its group; a
+    group of fewer than ``direct_below`` rows takes each product from the encoded bytes (``dot_row``, its
+    inputs prepared in form ``acts``), as a decode step does: decoding costs more than a few such products.
     """
     n_groups, n_embd, n_ff = experts.shape[0], xs.shape[1], act.shape[1]
-    taken = np.zeros(2, np.int64)  # the two products' work items handed out so far (``claim``)
+    taken = np.zeros(4, np.int64)  # the passes' work items handed out so far (``claim``)
+    few = starts[1:] - starts[:-1] < direct_below  # the groups computed from the encoded bytes
+    prepared = few.any()
+    xp = np.empty((xs.shape[0] if prepared else 0, prepared_size(n_embd, acts)), np.float32)
+    ap = np.empty((xs.shape[0] if prepared else 0, prepared_size(n_ff, acts)), np.float32)
+    if prepared:
+        for _ in prange(min(threads, n_groups)):
+            g = claim(taken, 0)
+            while g < n_groups:
+                _prepare_group(xs, xp, starts, few, g)
+                g = claim(taken, 0)
     blocks = (n_ff + BATCH_ROWS - 1) // BATCH_ROWS
     for _ in prange(min(threads, n_groups * blocks)):
-        item = claim(taken, 0)
-        while item < n_groups * blocks:
-            _gate_up_block(xs, gate, up, meta, experts, starts, limit, act, item, blocks)
-            item = claim(taken, 0)
-    blocks = (n_embd + BATCH_ROWS - 1) // BATCH_ROWS
-    for _ in prange(min(threads, n_groups * blocks)):
+        row = np.empty(n_embd, np.float32)
         item = claim(taken, 1)
         while item < n_groups * blocks:
-            _down_block(down, meta, experts, starts, act, ys, item, blocks)
+            _gate_up_block(xs, xp, row, gate, up, meta, experts, starts, few, limit, act, item, blocks)
             item = claim(taken, 1)
+    if prepared:
+        taken[0] = 0
+        for _ in prange(min(threads, n_groups)):
+            g = claim(taken, 0)
+            while g < n_groups:
+                _prepare_group(act, ap, starts, few, g)
+                g = claim(taken, 0)
+    blocks = (n_embd + BATCH_ROWS - 1) // BATCH_ROWS
+    for _ in prange(min(threads, n_groups * blocks)):
+        row = np.empty(n_ff, np.float32)
+        item = claim(taken, 2)
+        while item < n_groups * blocks:
+            _down_block(down, meta, experts, starts, few, act, ap, row, ys, item, blocks)
+            item = claim(taken, 2)
+
+
+@njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
+def _prepare_group(x: np.ndarray, xp: np.ndarray, starts: np.ndarray, few: np.ndarray, g: int) -> None:
+    """The rows of group g prepared for ``dot_row`` if it is one of the ``few`` (see ``_routed_ffn_batch``)."""
+    if few[g]:
+        for r in range(starts[g], starts[g + 1]):
+            prepare_into(x[r], xp[r])
 
 
 @njit(nogil=True, cache=True, inline="always")
 def _item_block(item: int, blocks: int, experts: np.ndarray, starts: np.ndarray, rows: int) -> tuple:
-    """A batch work item's expert, its group's rows r0 .. r1 - 1, and the block's first weight row and row
-    count (``blocks`` blocks of ``BATCH_ROWS`` of a part's ``rows`` rows per group)."""
+    """A batch work item's group, expert, the group's rows r0 .. r1 - 1, and the block's first weight row and
+    row count (``blocks`` blocks of ``BATCH_ROWS`` of a part's ``rows`` rows per group)."""
     g = item // blocks
     first = (item - g * blocks) * BATCH_ROWS
-    return experts[g], starts[g], starts[g + 1], first, min(BATCH_ROWS, rows - first)
+    return g, experts[g], starts[g], starts[g + 1], first, min(BATCH_ROWS, rows - first)
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
 def _gate_up_block(
     xs: np.ndarray,
+    xp: np.ndarray,
+    row: np.ndarray,
     gate: np.ndarray,
     up: np.ndarray,
     meta: np.ndarray,
     experts: np.ndarray,
     starts: np.ndarray,
+    few: np.ndarray,
     limit: np.float32,
     act: np.ndarray,
     item: int,
@@ -667,7 +709,14 @@ def _gate_up_block(
 ) -> None:
     """``_routed_ffn_batch``'s gate/up work item ``item``: a block of ``BATCH_ROWS`` rows of one group's expert."""
     n_embd = xs.shape[1]
-    e, r0, r1, f0, n = _item_block(item, blocks, experts, starts, act.shape[1])
+    g, e, r0, r1, f0, n = _item_block(item, blocks, experts, starts, act.shape[1])
+    if few[g]:
+        for f in range(f0, f0 + n):
+            gr, ur = _encoded_row(gate, meta, 0, e, f), _encoded_row(up, meta, 1, e, f)
+            for r in range(r0, r1):
+                gv = dot_row(gr, meta[0, 4], xs[r], xp[r], row)
+                act[r, f] = _swiglu(gv, dot_row(ur, meta[1, 4], xs[r], xp[r], row), limit)
+        return
     wg, wu = np.empty((BATCH_ROWS, n_embd), np.float32), np.empty((BATCH_ROWS, n_embd), np.float32)
     _decode_rows(gate, meta, 0, e, f0, n, wg)
     _decode_rows(up, meta, 1, e, f0, n, wu)
@@ -690,13 +739,22 @@ def _down_block(
     meta: np.ndarray,
     experts: np.ndarray,
     starts: np.ndarray,
+    few: np.ndarray,
     act: np.ndarray,
+    ap: np.ndarray,
+    row: np.ndarray,
     ys: np.ndarray,
     item: int,
     blocks: int,
 ) -> None:
     """``_routed_ffn_batch``'s down work item ``item``: a block of ``BATCH_ROWS`` output rows of one group."""
-    e, r0, r1, d0, n = _item_block(item, blocks, experts, starts, ys.shape[1])
+    g, e, r0, r1, d0, n = _item_block(item, blocks, experts, starts, ys.shape[1])
+    if few[g]:
+        for d in range(d0, d0 + n):
+            dr = _encoded_row(down, meta, 2, e, d)
+            for r in range(r0, r1):
+                ys[r, d] = dot_row(dr, meta[2, 4], act[r], ap[r], row)
+        return
     wd = np.empty((BATCH_ROWS, act.shape[1]), np.float32)
     _decode_rows(down, meta, 2, e, d0, n, wd)
     for r in range(r0, r1, 2):
@@ -893,11 +951,15 @@ def routed_ffn_batch(
     limit: float | None,
     act: torch.Tensor,
     ys: torch.Tensor,
+    direct_below: int | None = None,
 ) -> None:
     """A batch's routed rows over encoded experts, grouped by expert: rows ``starts[g] : starts[g + 1]`` of
     xs (R, n_embd) go to expert ``experts[g]`` (an index along the records' first axis); fills those rows of
     act (R, n_ff) with the SwiGLU outputs (clamped at ``limit`` if set) and of ys (R, n_embd) with the
-    experts' (unweighted) outputs. See ``_routed_ffn_batch``."""
+    experts' (unweighted) outputs. Groups of fewer than ``direct_below`` rows (default ``DIRECT_BELOW`` for
+    the records' input form) are computed from the encoded bytes. See ``_routed_ffn_batch``."""
+    if direct_below is None:
+        direct_below = DIRECT_BELOW[records.acts]
     _routed_ffn_batch(
         xs.numpy(),
         *records.buffers,
@@ -908,6 +970,8 @@ def routed_ffn_batch(
         act.numpy(),
         ys.numpy(),
         get_num_threads(),
+        direct_below,
+        records.acts,
     )
 
 

@@ -146,20 +146,29 @@ class HybridStats:
 class Rates:
     """What a batch's copy of a missed expert costs against computing it on the CPU: ``upload_bps`` bytes/s
     to the fast device (records gathered), ``cpu_expert_s`` + n x ``cpu_pair_s`` seconds for an expert's n
-    pairs on the CPU; ``whole_bps``: bytes/s of copying a layer's whole experts as the file holds them (one
-    copy per part, no gather: canonical files in host memory; 0: never)."""
+    pairs on the CPU, or n x ``cpu_direct_s`` for fewer than ``direct_below`` pairs (the batch kernel takes
+    those from the encoded bytes, ``cpu_kernels.DIRECT_BELOW``); ``whole_bps``: bytes/s of copying a layer's
+    whole experts as the file holds them (one copy per part, no gather: canonical files in host memory; 0:
+    never)."""
 
     upload_bps: float
     cpu_expert_s: float
     cpu_pair_s: float
     whole_bps: float = 0.0
+    cpu_direct_s: float = 0.0
+    direct_below: int = 0
+
+    def cpu_costs(self, pairs: np.ndarray) -> np.ndarray:
+        """The CPU's seconds for each of experts of ``pairs`` pairs."""
+        decoded = self.cpu_expert_s + pairs * self.cpu_pair_s
+        return np.where(pairs < self.direct_below, pairs * self.cpu_direct_s, decoded)
 
     def upload(self, record_bytes: int, pairs: np.ndarray) -> np.ndarray:
         """Which of a batch's missed experts (``pairs`` pairs each) to copy to the fast device (True); the CPU
         computes the others meanwhile. The CPU takes the experts cheapest for it, as many as keep the batch
         shortest: its time (the sum of theirs) against the copies' of the rest, whichever ends later. An
         expert of a few pairs on an idle CPU saves a whole record's copy."""
-        cost = self.cpu_expert_s + pairs * self.cpu_pair_s
+        cost = self.cpu_costs(pairs)
         order = np.argsort(cost, kind="stable")
         on_cpu = np.concatenate([[0.0], np.cumsum(cost[order])])  # the CPU's time with the first j of them
         copies = (pairs.size - np.arange(pairs.size + 1)) * (record_bytes / self.upload_bps)
@@ -169,7 +178,7 @@ class Rates:
 
     def cpu_seconds(self, pairs: np.ndarray) -> float:
         """The CPU side's time for experts of ``pairs`` pairs each."""
-        return float(np.sum(self.cpu_expert_s + pairs * self.cpu_pair_s))
+        return float(np.sum(self.cpu_costs(pairs)))
 
     def whole_pays(self, layer_bytes: int, gathered_bytes: int, cpu_seconds: float) -> bool:
         """Copying the layer's experts whole beats gathering ``gathered_bytes`` of them while the CPU
@@ -1275,17 +1284,22 @@ def measure_rates(executor: HybridExperts, layer: HybridLayer, repeat: int = 5) 
             layer.host_backend, layer.host, _NO_TAPS, x[:rows], torch.arange(rows), zeros, torch.ones(rows)
         )
 
-    def cpu_times() -> tuple[float, float]:
+    def cpu_times() -> tuple[float, float, float]:
         _partial(layer.host_backend, layer.host, _NO_TAPS, x[:1], zeros1 := torch.zeros(1, dtype=torch.int64),
                  zeros1, torch.ones(1))  # fmt: skip  # the one-token kernel: loaded now, not by the first step
         cpu_kernels.use_threads(executor.cpu_threads)  # as the CPU side runs
-        return best(cpu(2)), best(cpu(32))
+        return best(cpu(lo)), best(cpu(32)), best(cpu(1))
 
+    # groups of fewer pairs than ``few`` are computed from the encoded bytes (0: the torch path, none); the
+    # decoded groups' rate from ``lo`` and 32 pairs, a pair from the encoded bytes from one
+    few = cpu_kernels.DIRECT_BELOW[layer.encoded.acts] if layer.encoded is not None else 0
+    lo = max(2, 2 * few)
     # on the worker, as the CPU side runs: a second thread's kernel calls would start a second OpenMP team,
     # and with more of its threads than cores every team sleeps between calls (+80 us a call, measured)
-    t2, t32 = executor.worker.submit(cpu_times).result()
-    pair = max(t32 - t2, 0.0) / 30
-    return Rates(n * layer.record_bytes / max(copy_s, 1e-9), max(t2 - 2 * pair, 0.0), pair, whole_bps)
+    t_lo, t32, t1 = executor.worker.submit(cpu_times).result()
+    pair = max(t32 - t_lo, 0.0) / (32 - lo)
+    expert = max(t_lo - lo * pair, 0.0)
+    return Rates(n * layer.record_bytes / max(copy_s, 1e-9), expert, pair, whole_bps, t1, few)
 
 
 def attach(model: Any, cache_bytes: int, profile: Path | None = None, device: torch.device | str | None = None,
@@ -1309,7 +1323,8 @@ def format_stats(h: HybridExperts) -> str:
         f"{s.admissions} admissions, {s.evictions} evictions, CPU side {s.cpu_seconds:.3f} s "
         f"({s.wait_seconds:.3f} s waited); {_steps(s)}pool {h.capacity} experts ({h.nbytes / (1 << 20):,.0f} MiB on "
         f"{h.device}); measured: copy {r.upload_bps / 1e9:,.1f} GB/s, CPU {r.cpu_expert_s * 1e3:.3f} ms per "
-        f"expert + {r.cpu_pair_s * 1e3:.3f} ms per pair; {_pinned(h.pinned)}"
+        f"expert + {r.cpu_pair_s * 1e3:.3f} ms per pair ({r.cpu_direct_s * 1e3:.3f} ms per pair of experts of "
+        f"fewer than {r.direct_below}, from the encoded bytes); {_pinned(h.pinned)}"
     )
 
 

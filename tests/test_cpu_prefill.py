@@ -142,6 +142,30 @@ def test_batch_kernel_equals_the_torch_reference(name: str, n_tokens: int, k: in
     assert torch.equal(seen.sums["gate"], ref.sums["gate"])
 
 
+@pytest.mark.parametrize("name", TYPES)
+def test_groups_of_few_rows_from_the_encoded_bytes_equal_the_reference(name: str) -> None:
+    """The batch kernel's two ways of a group: from the encoded bytes (groups of fewer than ``direct_below``
+    rows: none, some, all) and from decoded rows, each against the float32 reference."""
+    source = _Source(name)
+    t = int(source.qtype)
+    records = ck.EncodedExperts(source.raw[0], t, source.raw[1], t, source.raw[2], t)
+    sizes, experts = [1, 2, 3, 5, 6], [3, 0, 7, 15, 9]
+    xs = _x(sum(sizes), seed=11)
+    starts = torch.tensor([0, *np.cumsum(sizes)])
+    want_act = torch.cat(
+        [
+            torch.nn.functional.silu(x @ source.dec[0][e].T) * (x @ source.dec[1][e].T)
+            for x, e in zip(xs.split(sizes), experts, strict=True)
+        ]
+    )
+    want = torch.cat([a @ source.dec[2][e].T for a, e in zip(want_act.split(sizes), experts, strict=True)])
+    for below in (0, 4, 100):
+        act, ys = torch.empty(len(xs), N_FF), torch.empty_like(xs)
+        ck.routed_ffn_batch(xs, torch.tensor(experts), starts, records, None, act, ys, below)
+        _close(act, want_act)
+        _close(ys, want)
+
+
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
 def test_skewed_routing_and_a_residual(name: str) -> None:
     source = _Source(name)

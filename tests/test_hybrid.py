@@ -684,22 +684,26 @@ def test_a_batch_splits_its_misses_between_copies_and_the_cpu_for_the_shortest_b
 
     rates = Rates(upload_bps=100.0, cpu_expert_s=0.5, cpu_pair_s=0.25)  # a 100-byte record: 1 s to copy
 
-    def batch_seconds(pairs: np.ndarray, upload: np.ndarray) -> float:
+    def batch_seconds(pairs: np.ndarray, upload: np.ndarray, rates: Rates = rates) -> float:
         return max(rates.cpu_seconds(pairs[~upload]), float(upload.sum()))
 
     # each expert alone is copied sooner than computed (1.5 s), yet an idle CPU takes three of eight
     pairs = np.full(8, 4)
     assert rates.upload(100, pairs).tolist() == [False] * 3 + [True] * 5
     assert batch_seconds(pairs, rates.upload(100, pairs)) == 5.0  # copying all eight: 8 s
+    # experts of fewer than 3 pairs taken from the encoded bytes: 0.2 s a pair
+    direct = Rates(upload_bps=100.0, cpu_expert_s=0.5, cpu_pair_s=0.25, cpu_direct_s=0.2, direct_below=3)
+    assert direct.cpu_costs(np.array([1, 2, 3])).tolist() == pytest.approx([0.2, 0.4, 1.25])
     rng = np.random.default_rng(0)
     for _ in range(200):
-        pairs = rng.integers(1, 12, rng.integers(1, 9))
-        got = batch_seconds(pairs, rates.upload(100, pairs))
-        best = min(
-            batch_seconds(pairs, np.array(split, bool))
-            for split in itertools.product([False, True], repeat=pairs.size)
-        )
-        assert got == pytest.approx(best)
+        for r in (rates, direct):
+            pairs = rng.integers(1, 12, rng.integers(1, 9))
+            got = batch_seconds(pairs, r.upload(100, pairs), r)
+            best = min(
+                batch_seconds(pairs, np.array(split, bool), r)
+                for split in itertools.product([False, True], repeat=pairs.size)
+            )
+            assert got == pytest.approx(best)
     assert not Rates.never().upload(100, pairs).any() and Rates.always().upload(100, pairs).all()
 
 
