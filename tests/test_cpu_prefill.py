@@ -178,6 +178,23 @@ def test_skewed_routing_and_a_residual(name: str) -> None:
     _close(got, want)
 
 
+def test_a_batch_of_one_row_runs_the_one_token_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill's last layer computes its output row alone: one row, no residual, on the kernel (the torch
+    path decoded its experts whole: on a 4-layer 35B-geometry file that ate most of the saving)."""
+    source = _Source("Q4_K")
+    ids, w = _routing(1, 8, seed=12)
+    x = _x(1, seed=13)
+    (got, seen), (want, ref) = _both(source, x, ids, w)
+    _close(got, want)
+    _close(seen.sums["down"], ref.sums["down"])
+
+    def no_torch(*a: object, **k: object) -> None:
+        raise AssertionError("one row went the torch path")
+
+    monkeypatch.setattr(torch_backend, "routed_ffn", no_torch)
+    assert torch.equal(cpu_backend.routed_ffn(x, ids, w, source, Taps(("g", "u", "d"), 0, [])), got)
+
+
 def test_clamped_swiglu_equals_the_reference() -> None:
     source = _Source("Q8_0")
     ids, w = _routing(7, 4, seed=6)

@@ -1,8 +1,8 @@
 """The cpu backend: the compiled (numba) kernels of ``runtime.cpu_kernels``.
 
-``routed_ffn``'s one-token step (the residual folded in) runs one kernel call over the records the
-expert source hands out: encoded rows (per use, mapped from the file; streamed, in the cache's slots)
-or the resident experts' float32 rows. A batch (prefill) over encoded rows runs the batch kernel on the
+``routed_ffn``'s one token (a decode step, the residual folded in; or a batch's one row) runs one kernel
+call over the records the expert source hands out: encoded rows (per use, mapped from the file; streamed,
+in the cache's slots) or the resident experts' float32 rows. A batch (prefill) over encoded rows runs the batch kernel on the
 routed (token, slot) rows grouped by expert, each weight row decoded once per batch; resident float32
 experts take the torch reference (one matmul per expert, on rows already decoded).
 """
@@ -31,13 +31,15 @@ def routed_ffn(
     taps: Taps,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """As ``torch_backend.routed_ffn``; the kernels serve one token with a residual (a decode step) and
-    batches of experts held encoded."""
+    """As ``torch_backend.routed_ffn``; the kernels serve one token (a decode step, or a batch's one row: a
+    prefill's last layer computes its output row only) and batches of experts held encoded."""
     if x.shape[0] > 1 and source.kind != "resident":
         out = _batch(x, ids, weights, source, taps)
         return out if residual is None else residual + out
-    if residual is None or x.shape[0] != 1:
+    if x.shape[0] != 1:
         return torch_backend.routed_ffn(x, ids, weights, source, taps, residual)
+    if residual is None:
+        residual = torch.zeros_like(x)
     ids, w = ids[0], weights[0]
     with source.records(ids) as (records, index):
         if isinstance(records, cpu_kernels.EncodedExperts):
