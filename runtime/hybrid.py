@@ -1278,20 +1278,24 @@ def measure_rates(executor: HybridExperts, layer: HybridLayer, repeat: int = 5) 
     n_embd = layer.host.down.rows
     x = torch.randn(32, n_embd, generator=torch.Generator().manual_seed(0)) * 0.1
 
-    def cpu(rows: int) -> Callable[[], object]:
-        zeros = torch.zeros(rows, dtype=torch.int64)
+    def cpu(rows: int, experts: int = 1) -> Callable[[], object]:
+        """``rows`` pairs of each of ``experts`` experts (one call)."""
+        ids = torch.arange(experts).repeat_interleave(rows)
+        n = rows * experts
         return lambda: _partial(
-            layer.host_backend, layer.host, _NO_TAPS, x[:rows], torch.arange(rows), zeros, torch.ones(rows)
+            layer.host_backend, layer.host, _NO_TAPS, x[:n], torch.arange(n), ids, torch.ones(n)
         )
 
     def cpu_times() -> tuple[float, float, float]:
         _partial(layer.host_backend, layer.host, _NO_TAPS, x[:1], zeros1 := torch.zeros(1, dtype=torch.int64),
                  zeros1, torch.ones(1))  # fmt: skip  # the one-token kernel: loaded now, not by the first step
         cpu_kernels.use_threads(executor.cpu_threads)  # as the CPU side runs
-        return best(cpu(lo)), best(cpu(32)), best(cpu(1))
+        return best(cpu(lo)), best(cpu(32)), best(cpu(1, ones)) / ones
 
     # groups of fewer pairs than ``few`` are computed from the encoded bytes (0: the torch path, none); the
-    # decoded groups' rate from ``lo`` and 32 pairs, a pair from the encoded bytes from one
+    # decoded groups' rate from ``lo`` and 32 pairs of one expert, one pair's from the encoded bytes from
+    # ``ones`` experts of one pair each in one call (as a batch's CPU side holds many)
+    ones = max(1, min(8, layer.n_expert))
     few = cpu_kernels.DIRECT_BELOW[layer.encoded.acts] if layer.encoded is not None else 0
     lo = max(2, 2 * few)
     # on the worker, as the CPU side runs: a second thread's kernel calls would start a second OpenMP team,

@@ -707,6 +707,20 @@ def test_a_batch_splits_its_misses_between_copies_and_the_cpu_for_the_shortest_b
     assert not Rates.never().upload(100, pairs).any() and Rates.always().upload(100, pairs).all()
 
 
+def test_rates_are_measured_at_load(example_q8: Path) -> None:
+    """Without given rates the executor measures them on its first layer: the copies, the CPU's decoded
+    experts and its experts of one pair (``cpu_kernels.DIRECT_BELOW``, taken from the encoded bytes)."""
+    from runtime import cpu_kernels
+
+    m, h = _hybrid(example_q8, rates=None)
+    r = h.rates
+    layer = h.hybrid_layers[min(h.hybrid_layers)]
+    assert r.direct_below == cpu_kernels.DIRECT_BELOW[layer.encoded.acts] >= 2
+    assert r.upload_bps > 0 and r.cpu_direct_s > 0 and r.cpu_pair_s >= 0 and r.cpu_expert_s >= 0
+    assert np.isfinite([r.upload_bps, r.cpu_direct_s, r.cpu_pair_s, r.cpu_expert_s]).all()
+    _close(_logits(m), _logits(load_model(example_q8)))
+
+
 def test_stats_since_a_snapshot_count_what_came_after() -> None:
     """A benchmark's warm-up taken off its timed steps: the snapshot keeps its own lists (the worker adds to
     the live ones in place), and ``since`` subtracts each count, a list's entry by entry, ``k`` as now."""
