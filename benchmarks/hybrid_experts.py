@@ -3,7 +3,7 @@
     python benchmarks/hybrid_experts.py FILE.gguf [--caches-gib 1,4,8] [--stream-gib 4]
         [--routing trace,uniform,file] [--trace-model DIR|GGUF] [--text FILE] [--trace-tokens 2048]
         [--pp 512] [--tg 64] [--reps 2] [--warmup 64] [--warmup-prefills 2] [--threads N] [--profile PROFILE.json]
-        [--llama-bench PATH] [--cold] [--host-cache-gib G] [--rows resident,hybrid,streaming,llama]
+        [--llama-bench PATH] [--cold] [--host-cache-gib G] [--read-threads 4] [--rows resident,hybrid,streaming,llama]
         [--layers N] [--json OUT] [--cprofile DIR]
 
 FILE is e.g. the Qwen3.6-35B-A3B-geometry Q4_K file; when absent it is written
@@ -282,7 +282,9 @@ def row_hybrid(
         layers, used = w.expert_layers(), int(w.hparam("expert_used_count"))
         slot = max(lay.record_bytes for lay in layers.values())
         n = max(len(layers) * used + 1, int(host_gib * GIB) // slot)
-        w.expert_cache = ExpertCache(path, layers, n, used, "lfu", "cpu", drop_pages=True)
+        w.expert_cache = ExpertCache(
+            path, layers, n, used, "lfu", "cpu", drop_pages=True, read_threads=args.read_threads
+        )
         counter = lambda: w.expert_cache.stats.bytes_read  # noqa: E731
         drop_cache(path)
     model = build_model(w)
@@ -454,6 +456,9 @@ def main() -> None:
         "--host-cache-gib", type=float, default=0.0,
         help="also run hybrid 4 GiB with the CPU's experts streamed through a host cache of this size, pages dropped",
     )  # fmt: skip
+    ap.add_argument(
+        "--read-threads", type=int, default=4, help="the host cache's reads in flight (a job per expert part)"
+    )
     ap.add_argument("--routing", default="trace,uniform")
     ap.add_argument("--trace-model", type=Path, default=ROOT / "examples" / "tiny-qwen3moe")
     ap.add_argument("--text", type=Path, default=FIXTURES / "text" / "val.txt")

@@ -363,10 +363,11 @@ class ExpertCache:
         return self._key_base[layer] + expert
 
     # slots ----------------------------------------------------------------------------------------------
-    def _pread(self, lay: LayerExperts, expert: int, row: np.ndarray) -> int:
-        """Read the record of ``expert`` into ``row`` (uint8, slot_bytes); returns the reads made."""
+    def _pread(self, lay: LayerExperts, expert: int, row: np.ndarray, parts: Sequence | None = None) -> int:
+        """Read the record of ``expert`` into ``row`` (uint8, slot_bytes), or those of its ``parts`` (items of
+        ``lay.reads``); returns the reads made."""
         reads = 0
-        for start, step, n, dst in lay.reads:
+        for start, step, n, dst in lay.reads if parts is None else parts:
             buf, pos, done = memoryview(row[dst : dst + n]), start + expert * step, 0
             while done < n:
                 got = os.preadv(self._fd, [buf[done:]], pos + done)
@@ -397,10 +398,10 @@ class ExpertCache:
             if len(self._batch_stage) < len(misses):
                 self._batch_stage = self._host_rows(len(misses))
             rows = list(self._batch_stage.numpy()[: len(misses)])
-        jobs = [(e, row) for (e, _), row in zip(misses, rows, strict=True)]
-        if len(jobs) == 1 or self.read_threads == 1:
-            reads = sum(self._pread(lay, e, row) for e, row in jobs)
-        else:
+        if len(misses) * len(lay.reads) == 1 or self.read_threads == 1:
+            reads = sum(self._pread(lay, e, row) for (e, _), row in zip(misses, rows, strict=True))
+        else:  # a job per part of each expert: as many reads in flight as there are threads
+            jobs = [(e, row, (part,)) for (e, _), row in zip(misses, rows, strict=True) for part in lay.reads]
             reads = sum(self._pool().map(lambda job: self._pread(lay, *job), jobs))
         if self.slab_device is not None:
             index = torch.tensor([slot for _, slot in misses], device=self.slab_device)
