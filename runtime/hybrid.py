@@ -349,13 +349,12 @@ def _partial(
     w: torch.Tensor,
 ) -> torch.Tensor:
     """The experts of the pairs (token ``tok``, record ``ids``, weight ``w``) -> their weighted sum per token
-    (T, n_embd), by ``backend`` over ``source``. One token keeps the step form (its kernels fold the sum into
-    a residual); a batch computes its pairs as rows of one expert each."""
+    (T, n_embd), by ``backend`` over ``source``. One token keeps the step form (one kernel call over its
+    experts); a batch computes its pairs as rows of one expert each."""
     if x.shape[0] == 1:
-        return backend.routed_ffn(x, ids[None], w[None], source, taps, torch.zeros_like(x))
+        return backend.routed_ffn(x, ids[None], w[None], source, taps)
     xs = x.index_select(0, tok)
-    zero = torch.zeros_like(xs) if xs.shape[0] == 1 else None
-    y = backend.routed_ffn(xs, ids[:, None], w[:, None], source, taps, zero)
+    y = backend.routed_ffn(xs, ids[:, None], w[:, None], source, taps)
     return torch.zeros_like(x).index_add_(0, tok, y)
 
 
@@ -934,7 +933,7 @@ class HybridExperts:
                     else:
                         result[i] = layer.host_backend.routed_ffn(
                             torch.from_numpy(x)[None], torch.from_numpy(ids[miss])[None],
-                            torch.from_numpy(w)[None], layer.host, _NO_TAPS, torch.zeros(1, ex.n_embd),
+                            torch.from_numpy(w)[None], layer.host, _NO_TAPS,
                         ).numpy()[0]  # fmt: skip
                     took = time.perf_counter() - t0
                     s.cpu_seconds += took
