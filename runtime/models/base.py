@@ -110,10 +110,13 @@ class MoeCausalLM:
             cache = state.layers[layer] = self._layer_state(layer, h.device)
         return self.blocks[layer](h, cache, state.pos, rows)  # type: ignore[attr-defined]
 
-    def _output_rows(self, last_only: bool) -> slice | None:
-        """The rows the last block's FFN computes: with ``last_only``, the last one (as llama.cpp's output ids:
-        one token's experts instead of a batch's), unless observers collect that layer's statistics."""
-        return slice(-1, None) if last_only and not self.observers else None
+    def _ffn_rows(self, layer: int, last_only: bool) -> slice | None:
+        """The rows block ``layer``'s FFN computes (None: all): with ``last_only``, the last block computes the
+        last one (as llama.cpp's output ids: one token's experts instead of a batch's), unless observers
+        collect that layer's statistics."""
+        if last_only and layer == self.n_layer - 1 and not self.observers:
+            return slice(-1, None)
+        return None
 
     def _decode_step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
         """The one-token path: each block's ``step`` (fewer, fused ops; residuals folded into matmuls)."""
@@ -157,9 +160,8 @@ class MoeCausalLM:
         if t == 1 and self.fast_decode:
             return self._decode_step(tokens, state)
         h = self.weights.rows("token_embd.weight", tokens.to(self.weights.device))
-        rows = self._output_rows(last_only)
         for layer in range(self.n_layer):
-            h = self._block(layer, h, state, rows if layer == self.n_layer - 1 else None)
+            h = self._block(layer, h, state, self._ffn_rows(layer, last_only))
         state.pos += t
         if last_only:
             h = h[-1:]

@@ -70,7 +70,7 @@ class Deepseek4Block:
         tokens: torch.Tensor,
         rows: slice | None = None,
     ) -> torch.Tensor:
-        """``rows``: the rows the FFN computes (all if None; see ``MoeCausalLM._block``)."""
+        """``rows``: the rows the FFN computes (all if None; see ``MoeCausalLM._ffn_rows``)."""
         x, post, comb = self.attn_hc.collapse(streams)
         out = self.attn(rms_norm(x, self.attn_norm, self.eps), cache, pos0)
         streams = HyperConnection.expand(out, streams, post, comb)
@@ -118,13 +118,10 @@ class Deepseek4Model(MoeCausalLM):
         tokens = tokens.to(self.weights.device)
         h = self.weights.rows("token_embd.weight", tokens)
         streams = h[:, None, :].expand(t, self.hc, h.shape[-1])
-        rows = self._output_rows(last_only)
         for layer, block in enumerate(self.blocks):
             if state.layers[layer] is None:
                 state.layers[layer] = self._layer_state(layer, h.device)
-            streams = block(
-                streams, state.layers[layer], state.pos, tokens, rows if layer == self.n_layer - 1 else None
-            )
+            streams = block(streams, state.layers[layer], state.pos, tokens, self._ffn_rows(layer, last_only))
         state.pos += t
         if last_only:
             streams = streams[-1:]
