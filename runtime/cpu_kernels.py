@@ -640,7 +640,7 @@ def _routed_ffn_batch(
     inputs prepared in form ``acts``), as a decode step does: decoding costs more than a few such products.
     """
     n_groups, n_embd, n_ff = experts.shape[0], xs.shape[1], act.shape[1]
-    taken = np.zeros(4, np.int64)  # the passes' work items handed out so far (``claim``)
+    taken = np.zeros(4, np.int64)  # each pass's work items handed out so far (``claim``), in order
     few = starts[1:] - starts[:-1] < direct_below  # the groups computed from the encoded bytes
     prepared = few.any()
     xp = np.empty((xs.shape[0] if prepared else 0, prepared_size(n_embd, acts)), np.float32)
@@ -659,19 +659,18 @@ def _routed_ffn_batch(
             _gate_up_block(xs, xp, row, gate, up, meta, experts, starts, few, limit, act, item, blocks)
             item = claim(taken, 1)
     if prepared:
-        taken[0] = 0
         for _ in prange(min(threads, n_groups)):
-            g = claim(taken, 0)
+            g = claim(taken, 2)
             while g < n_groups:
                 _prepare_group(act, ap, starts, few, g)
-                g = claim(taken, 0)
+                g = claim(taken, 2)
     blocks = (n_embd + BATCH_ROWS - 1) // BATCH_ROWS
     for _ in prange(min(threads, n_groups * blocks)):
         row = np.empty(n_ff, np.float32)
-        item = claim(taken, 2)
+        item = claim(taken, 3)
         while item < n_groups * blocks:
             _down_block(down, meta, experts, starts, few, act, ap, row, ys, item, blocks)
-            item = claim(taken, 2)
+            item = claim(taken, 3)
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
