@@ -398,10 +398,11 @@ class ExpertCache:
             if len(self._batch_stage) < len(misses):
                 self._batch_stage = self._host_rows(len(misses))
             rows = list(self._batch_stage.numpy()[: len(misses)])
-        if len(misses) * len(lay.reads) == 1 or self.read_threads == 1:
-            reads = sum(self._pread(lay, e, row) for (e, _), row in zip(misses, rows, strict=True))
-        else:  # a job per part of each expert: as many reads in flight as there are threads
-            jobs = [(e, row, (part,)) for (e, _), row in zip(misses, rows, strict=True) for part in lay.reads]
+        # a job per part of each expert: as many reads in flight as there are threads
+        jobs = [(e, row, (part,)) for (e, _), row in zip(misses, rows, strict=True) for part in lay.reads]
+        if len(jobs) == 1 or self.read_threads == 1:
+            reads = sum(self._pread(lay, *job) for job in jobs)
+        else:
             reads = sum(self._pool().map(lambda job: self._pread(lay, *job), jobs))
         if self.slab_device is not None:
             index = torch.tensor([slot for _, slot in misses], device=self.slab_device)
