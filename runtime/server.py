@@ -526,37 +526,24 @@ def load_engine(
     """Load a GGUF file (or HF folder) for serving; with ``imatrix`` its prefill statistics are collected.
     ``gpu_cache_bytes``: hybrid experts (runtime.hybrid) with a GPU pool of that size, seeded from
     ``expert_profile``."""
+
+    def load() -> Engine:
+        gate = PrefillGate(imatrix) if imatrix is not None else None
+        if gpu_cache_bytes is not None:
+            from runtime.planner import load_planned_model
+
+            m, _ = load_planned_model(Path(model), device, "hybrid", expert_budget=expert_budget,
+                                      observers=[gate] if gate else None, gpu_cache_bytes=gpu_cache_bytes,
+                                      expert_profile=expert_profile)  # fmt: skip
+        else:
+            m = load_model(model, device, observers=[gate] if gate else None, expert_budget=expert_budget)
+            prepare_decode(m)
+        tok = Tokenizer.from_metadata(m.weights)
+        return Engine(m, tok, name or Path(model).stem, context, imatrix, gate, max_queue)
+
     # loaded on a thread of its own (``cpu_kernels.on_own_thread``): the worker that serves the requests runs
     # the kernels, and this thread would keep an OpenMP team for good
-    return cpu_kernels.on_own_thread(
-        _load_engine, model, device, name, context, imatrix, expert_budget, max_queue, gpu_cache_bytes,
-        expert_profile,
-    )  # fmt: skip
-
-
-def _load_engine(
-    model: str | Path,
-    device: str,
-    name: str | None,
-    context: int | None,
-    imatrix: LiveImatrix | None,
-    expert_budget: int,
-    max_queue: int,
-    gpu_cache_bytes: int | None,
-    expert_profile: Path | None,
-) -> Engine:
-    gate = PrefillGate(imatrix) if imatrix is not None else None
-    if gpu_cache_bytes is not None:
-        from runtime.planner import load_planned_model
-
-        m, _ = load_planned_model(Path(model), device, "hybrid", expert_budget=expert_budget,
-                                  observers=[gate] if gate else None, gpu_cache_bytes=gpu_cache_bytes,
-                                  expert_profile=expert_profile)  # fmt: skip
-    else:
-        m = load_model(model, device, observers=[gate] if gate else None, expert_budget=expert_budget)
-        prepare_decode(m)
-    tok = Tokenizer.from_metadata(m.weights)
-    return Engine(m, tok, name or Path(model).stem, context, imatrix, gate, max_queue)
+    return cpu_kernels.on_own_thread(load)
 
 
 # ------------------------------------------------------------------------------------------ HTTP layer
