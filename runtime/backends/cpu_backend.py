@@ -2,9 +2,9 @@
 
 ``routed_ffn``'s one token (a decode step, the residual folded in; or a batch's one row) runs one kernel
 call over the records the expert source hands out: encoded rows (per use, mapped from the file; streamed,
-in the cache's slots) or the resident experts' float32 rows. A batch (prefill) over encoded rows runs the batch kernel on the
-routed (token, slot) rows grouped by expert, each weight row decoded once per batch; resident float32
-experts take the torch reference (one matmul per expert, on rows already decoded).
+in the cache's slots) or the resident experts' float32 rows. A batch (prefill) over encoded rows runs the
+batch kernel on the routed (token, slot) rows grouped by expert, each weight row decoded once per batch;
+resident float32 experts take the torch reference (one matmul per expert, on rows already decoded).
 """
 
 from __future__ import annotations
