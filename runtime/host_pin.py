@@ -6,6 +6,10 @@ memory that is already mapped (read-only pages: ``cudaHostRegisterReadOnly``), t
 the hybrid executor's copies of whole layers and of single experts read the file at the link's speed without
 a pass through pinned staging buffers. Registering faults the pages in and keeps them resident until
 ``release``: done only when they fit in the host's available memory with room to spare.
+
+A registration outlives the mapping it was made on: were the file unmapped while registered, a later mapping
+at the same addresses would be copied from the stale registration (NaNs, or "invalid argument"). So the
+ranges hold the tensors they lock, and are released when they are dropped unreleased.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -26,20 +31,29 @@ MAX_SHARE = 0.7
 
 
 class PinnedRanges:
-    """Page-locked byte ranges of host memory (registered with the CUDA driver), released by ``release``."""
+    """Page-locked byte ranges of host memory (registered with the CUDA driver) under ``keep`` (held, so the
+    memory stays mapped while locked), released by ``release`` or else when this object is dropped."""
 
-    def __init__(self, ranges: list[tuple[int, int]], seconds: float) -> None:
-        self.ranges, self.seconds = ranges, seconds
+    def __init__(self, ranges: list[tuple[int, int]], seconds: float, keep: list[torch.Tensor]) -> None:
+        self.ranges, self.seconds, self._keep = ranges, seconds, keep
+        self._release = weakref.finalize(self, _unregister, [ptr for ptr, _ in ranges])
 
     @property
     def nbytes(self) -> int:
         return sum(n for _, n in self.ranges)
 
     def release(self) -> None:
+        self._release()
+        self.ranges, self._keep = [], []
+
+
+def _unregister(ptrs: list[int]) -> None:
+    """Unlock the ranges starting at ``ptrs`` once no copy queued on the device can still read them."""
+    if ptrs:
+        torch.cuda.synchronize()
         cudart = torch.cuda.cudart()
-        for ptr, _ in self.ranges:
+        for ptr in ptrs:
             cudart.cudaHostUnregister(ptr)
-        self.ranges = []
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -77,10 +91,10 @@ def pin(tensors: list[torch.Tensor], available: int) -> PinnedRanges | None:
             clear = getattr(cudart, "cudaGetLastError", None)
             if clear is not None:  # the failure is not left for the next kernel launch's check to find
                 clear()
-            PinnedRanges(done, 0.0).release()
+            PinnedRanges(done, 0.0, tensors).release()
             return None
         done.append((ptr, n))
-    return PinnedRanges(done, time.perf_counter() - t0)
+    return PinnedRanges(done, time.perf_counter() - t0, tensors)
 
 
 def _failed(err: Any) -> bool:

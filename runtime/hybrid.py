@@ -1072,7 +1072,6 @@ class HybridExperts:
             self.copier.shutdown()
             self._prefetched.clear()
             if self.pinned is not None:
-                torch.cuda.synchronize(self.device)  # no copy may still read the pages
                 self.pinned.release()
                 self.pinned = None
 

@@ -630,6 +630,50 @@ def test_pages_to_lock_and_coldest_slots() -> None:
         assert np.array_equal(_coldest(count, n), np.argsort(count, kind="stable")[:n])
 
 
+def test_locked_pages_are_released_when_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Page-locked ranges keep the memory they lock alive and are unlocked once: by ``release``, or when
+    dropped unreleased (a registration outliving its mapping would serve a later mapping's copies stale pages:
+    NaNs on the GPU when a hybrid model was dropped without ``close`` and another file mapped)."""
+    import gc
+    import weakref
+
+    from runtime import host_pin
+
+    calls: list[int] = []
+
+    class Driver:
+        def cudaHostRegister(self, ptr: int, n: int, flags: int) -> int:  # noqa: N802
+            return 0
+
+        def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+            calls.append(ptr)
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Driver())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    page = mmap.PAGESIZE
+    mem = torch.zeros(8 * page, dtype=torch.uint8)
+    alive = weakref.ref(mem)
+    pinned = host_pin.pin([mem[: 2 * page], mem[6 * page :]], available=1 << 40)
+    assert pinned is not None and len(pinned.ranges) == 1
+    ptr = pinned.ranges[0][0]
+    del mem
+    gc.collect()
+    assert alive() is not None and calls == []  # held while locked
+    del pinned
+    gc.collect()
+    assert calls == [ptr] and alive() is None
+    calls.clear()
+    pinned = host_pin.pin([torch.zeros(4 * page, dtype=torch.uint8)], available=1 << 40)
+    assert pinned is not None
+    pinned.release()
+    assert len(calls) == 1 and pinned.ranges == []
+    del pinned
+    gc.collect()
+    assert len(calls) == 1  # released once
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_device_waits_for_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
