@@ -553,7 +553,8 @@ BATCH_ROWS = 16
 #: decode step does, instead of decoding its expert's rows. Measured on the 2-core box, prefill of a 4-layer
 #: Qwen3.6-35B-A3B-geometry Q4_K file (256 experts, top 8) with every expert encoded, limits 0 / 2 / 3 / 4:
 #: 8-bit inputs pp64 115 / 142 / 150 / 146 tok/s, pp256 250 / 256 / 260 / 255; float32 inputs pp64 128 / 132
-#: / 122 / 104, pp256 230 / 228 / 229 / 224. 22-bit (VNNI) inputs are taken as 8-bit (not measured).
+#: / 122 / 104, pp256 230 / 228 / 229 / 224. 22-bit (VNNI) inputs, on the H200's 16-core host, limits 0 / 2 / 3
+#: / 4: pp64 922 / 1,006 / 1,034 / 1,045, pp512 1,507 / 1,585 / 1,792 / 1,580 (pp256 flat within noise).
 DIRECT_BELOW = {FLOAT_ACTS: 2, Q8_ACTS: 3, X22_ACTS: 3}
 
 
