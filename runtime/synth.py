@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from functools import cache
 from itertools import count, islice, product
 from pathlib import Path
 from string import ascii_lowercase
@@ -145,11 +146,34 @@ def _names(types: list[Q]) -> str:
 _POOL_BYTES = 32 << 20
 
 
-class _BlockPool:
-    """A pool of random well-formed blocks of one type; tensors are written as slices of it."""
+#: element standard deviations of the synthesized matrices: a trained model's (~0.02 at these widths), the
+#: attention's value and output projections (kept small, so the residual stream is the embedding plus the
+#: experts' outputs), and the output head (logits in a trained model's range, so sampling varies). With
+#: these every activation stays far inside float16's range, which llama.cpp's GPU kernels need: its 8-bit
+#: activation blocks keep their sums in float16 (scaling by block scales alone left the experts' SwiGLU
+#: outputs at up to 4.4e6 in the 35B geometry: its GPU prefill would route infinities).
+WEIGHT_STD, QUIET_STD, HEAD_STD = 0.02, 2e-4, 0.03
 
-    def __init__(self, qtype: Q, rng: np.random.Generator, scale: float = 0.01) -> None:
-        size = GGML_QUANT_SIZES[qtype][1]
+
+@cache
+def _unit_std(qtype: Q) -> float:
+    """The element standard deviation of random ``qtype`` blocks whose scale fields are drawn from [0.2, 2)
+    (every decoded value is linear in them)."""
+    import torch  # here, not at import: every ``forge`` command imports this module
+
+    from runtime.dequant import dequantize
+
+    probe = random_blocks(qtype, 1024, np.random.default_rng(0), 0.2, 2.0, signed=True)
+    block = GGML_QUANT_SIZES[qtype][0]
+    return float(dequantize(torch.from_numpy(probe).reshape(8, -1), qtype, 128 * block).std())
+
+
+class _BlockPool:
+    """A pool of random well-formed blocks of one type whose values have standard deviation ``std``; tensors
+    are written as slices of it."""
+
+    def __init__(self, qtype: Q, rng: np.random.Generator, std: float) -> None:
+        size, scale = GGML_QUANT_SIZES[qtype][1], std / _unit_std(qtype)
         self.data = random_blocks(
             qtype, _POOL_BYTES // size, rng, 0.2 * scale, 2 * scale, signed=True
         ).reshape(-1)
@@ -519,14 +543,10 @@ def synthesize(
     check_geometry(g, t)
     require_seed("--seed", seed)
     rng = np.random.default_rng(seed)
-    pool = _BlockPool(t, rng)
     # Blocks of random sign average zero, so no product adds a common vector to every token and routing
-    # depends on the token (as in a trained model; tests/test_synth.py). Small attention v / output
-    # weights keep the residual stream near its embedding, and a small output keeps the logits in a
-    # trained model's range, so sampling gives varied text.
-    quiet = _BlockPool(t, rng, scale=1e-4)
+    # depends on the token (as in a trained model; tests/test_synth.py). See WEIGHT_STD.
     specs = synth_tensors(g, t)
-    pools = {(t, False): pool, (t, True): quiet}
+    pools: dict[tuple[Q, float], _BlockPool] = {}
 
     def data() -> Iterator[Any]:
         for s in specs:
@@ -542,10 +562,11 @@ def synthesize(
             elif s.ggml_type == Q.F32:
                 yield np.ones(s.shape, np.float32)  # norms: 1 keeps the common component out of routing
             else:
-                small = s.name == "output.weight" or ".attn_output." in s.name or ".attn_v." in s.name
-                if (s.ggml_type, small) not in pools:  # a fallback type (glm4moe's Q8_0 rows): its own blocks
-                    pools[(s.ggml_type, small)] = _BlockPool(s.ggml_type, rng, scale=1e-4 if small else 0.01)
-                yield pools[(s.ggml_type, small)].writer(s.nbytes)
+                quiet = ".attn_output." in s.name or ".attn_v." in s.name
+                std = HEAD_STD if s.name == "output.weight" else QUIET_STD if quiet else WEIGHT_STD
+                if (s.ggml_type, std) not in pools:  # a pool per type (glm4moe's Q8_0 rows too) and deviation
+                    pools[(s.ggml_type, std)] = _BlockPool(s.ggml_type, rng, std)
+                yield pools[(s.ggml_type, std)].writer(s.nbytes)
 
     name = geometry if isinstance(geometry, str) else "custom"
     if any(v is not None for v in overrides.values()):

@@ -272,3 +272,32 @@ def test_routing_depends_on_the_token(tmp_path: Path, monkeypatch: pytest.Monkey
         fair = ids.size / g.experts
         assert np.count_nonzero(counts) == g.experts, (layer, counts)
         assert counts.max() < 3 * fair, (layer, counts)
+
+
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q8_0"])
+def test_activations_stay_in_float16_range(tmp_path: Path, qtype: str) -> None:
+    """Every matmul's input (the experts' SwiGLU outputs too) stays far inside float16's range at a real
+    model's width, whatever the type: llama.cpp's GPU kernels keep 32-value sums of them in float16. (Block
+    scales alone set the values' size: the 35B geometry's SwiGLU outputs reached 4.4e6 in Q4_K, and
+    llama.cpp's GPU prefill would route infinities.) Matrices have a trained model's element deviation."""
+    from runtime.dequant import dequantize
+    from runtime.observers import Observer
+    from runtime.synth import WEIGHT_STD
+
+    g = replace(GEOMETRIES["qwen3.6-35b-a3b"], layers=2, experts=16, experts_used=4, vocab=MIN_VOCAB + 64)
+    path = tmp_path / "wide.gguf"
+    synthesize(path, g, qtype)
+    largest: dict[str, float] = {}
+
+    class Largest(Observer):
+        def on_matmul_input(self, name: str, x: torch.Tensor, expert_ids: torch.Tensor | None) -> None:
+            largest[name] = max(largest.get(name, 0.0), float(x.abs().max()))
+
+    model = load_model(path, observers=[Largest()])
+    tokens = torch.randint(0, g.vocab, (64,), generator=torch.Generator().manual_seed(0))
+    logits = model.forward(tokens, model.new_state())
+    assert torch.isfinite(logits).all() and 0.3 < float(logits.std()) < 10
+    assert max(largest.values()) * 32 < 65504, sorted(largest.items(), key=lambda kv: -kv[1])[:3]
+    weights, name = load_weights(path), "blk.0.ffn_gate_exps.weight"
+    w = dequantize(weights.raw(name), weights.qtype(name), weights.shape(name)[-1])
+    assert 0.5 * WEIGHT_STD < float(w.std()) < 2 * WEIGHT_STD
