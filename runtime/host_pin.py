@@ -48,9 +48,10 @@ class PinnedRanges:
 
 
 def _unregister(ptrs: list[int]) -> None:
-    """Unlock the ranges starting at ``ptrs`` once no copy queued on the device can still read them."""
+    """Unlock the ranges starting at ``ptrs`` once no copy queued on any device can still read them."""
     if ptrs:
-        torch.cuda.synchronize()
+        for device in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(device)
         cudart = torch.cuda.cudart()
         for ptr in ptrs:
             cudart.cudaHostUnregister(ptr)
