@@ -231,7 +231,12 @@ def run_llama_bench(
     reps: int,
     extra: tuple[str, ...] = (),
 ) -> dict:
-    """llama.cpp's figures for ``model``, or ``{"error": ...}`` when llama-bench fails on it."""
+    """llama.cpp's figures for ``model``, or ``{"error": ...}`` when llama-bench fails on it or, on the GPU, when
+    the file is a synthesized one whose activations overflow its float16 sums (``runtime.synth.out_of_range``)."""
+    from runtime.synth import out_of_range
+
+    if device == "cuda" and out_of_range(model):
+        return {"error": f"{model} predates forge synth's value sizes (2026-12-04): write it again"}
     cmd = llama_bench_command(binary, model, device, threads, pp, tg, reps, extra)
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, check=False)

@@ -153,6 +153,8 @@ _POOL_BYTES = 32 << 20
 #: activation blocks keep their sums in float16 (scaling by block scales alone left the experts' SwiGLU
 #: outputs at up to 4.4e6 in the 35B geometry: its GPU prefill would route infinities).
 WEIGHT_STD, QUIET_STD, HEAD_STD = 0.02, 2e-4, 0.03
+#: a synthesized file's record of WEIGHT_STD; files written before it have none (see ``out_of_range``)
+STD_KEY = "forge.synth.weight_std"
 
 
 @cache
@@ -213,11 +215,24 @@ def _vtypes(value: Any) -> tuple[GGUFValueType, ...]:
 
 def _arch_kvs(g: SynthGeometry, name: str, keys: dict[str, Any]) -> list[KV]:
     """general.architecture and .name, then ``<arch>.<key>`` for block_count, context_length, embedding_length and
-    ``keys``, in that order."""
+    ``keys``, in that order, then ``STD_KEY``."""
     return typed_kvs(g.arch, {
         "general.architecture": g.arch, "general.name": f"synthetic {name} (random weights)",
         "block_count": g.layers, "context_length": g.context, "embedding_length": g.hidden, **keys,
-    })  # fmt: skip
+    }) + [KV(STD_KEY, WEIGHT_STD, GGUFValueType.FLOAT32)]  # fmt: skip
+
+
+def out_of_range(path: str | Path) -> bool:
+    """Whether ``path`` is a file ``forge synth`` wrote before its values had a trained model's size
+    (``WEIGHT_STD``): activations beyond float16's range, which llama.cpp's GPU kernels sum in."""
+    from forge.gguf_file import open_gguf
+
+    try:
+        f = open_gguf(path)
+    except ForgeError:
+        return False
+    name = str(f.kv("general.name", ""))
+    return name.startswith("synthetic ") and name.endswith("(random weights)") and f.kv(STD_KEY) is None
 
 
 def _glm_dsa_keys(g: SynthGeometry) -> dict[str, Any]:

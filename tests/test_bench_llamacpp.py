@@ -171,6 +171,43 @@ def test_run_llama_bench_reports_failures(rs, tmp_path: Path) -> None:  # noqa: 
     assert "error" in rs.run_llama_bench(tmp_path / "missing", Path("m.gguf"), "cpu", 2, 16, 4, 2)
 
 
+def test_synth_files_out_of_float16_range_are_not_run_on_the_gpu(rs, tmp_path: Path) -> None:  # noqa: ANN001
+    """A synthesized file from before its values had a trained model's size is refused for llama.cpp's GPU
+    run (its float16 sums would overflow) and run on the CPU; a file written now, or not synthesized, runs."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFValueType
+
+    from forge.gguf_file import KV, TensorSpec, write_gguf
+    from runtime.synth import STD_KEY, out_of_range
+
+    def file(name: str, *extra: KV) -> Path:
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.gguf"
+        kvs = [
+            KV("general.architecture", "qwen3moe", GGUFValueType.STRING),
+            KV("general.name", name, GGUFValueType.STRING),
+            *extra,
+        ]
+        write_gguf(
+            path, kvs, [TensorSpec("t", (4,), GGMLQuantizationType.F32)], iter([np.zeros(4, np.float32)])
+        )
+        return path
+
+    old = file("synthetic qwen3.6-35b-a3b (random weights)")
+    new = file("synthetic qwen3.6-35b-a3b (random weights)", KV(STD_KEY, 0.02, GGUFValueType.FLOAT32))
+    trained = file("Qwen3 30B A3B")
+    assert [out_of_range(p) for p in (old, new, trained, tmp_path / "missing.gguf")] == [
+        True,
+        False,
+        False,
+        False,
+    ]
+    ok = _stand_in(tmp_path, f"print({SAMPLE!r})")
+    assert "write it again" in rs.run_llama_bench(ok, old, "cuda", 2, 16, 4, 2)["error"]
+    assert not (tmp_path / "argv.json").exists()  # llama-bench never started
+    assert rs.run_llama_bench(ok, old, "cpu", 2, 16, 4, 2)["tg"] == 13277.7
+    assert rs.run_llama_bench(ok, new, "cuda", 2, 16, 4, 2)["tg"] == 13277.7
+
+
 @pytest.mark.slow  # a minute in CI: the script's subprocess compiles every kernel it runs from cold
 def test_side_by_side_end_to_end(tmp_path: Path) -> None:
     """The script on a tiny synth file with a stand-in llama-bench: the table, the ratios, the JSON."""

@@ -282,11 +282,12 @@ def test_activations_stay_in_float16_range(tmp_path: Path, qtype: str) -> None:
     llama.cpp's GPU prefill would route infinities.) Matrices have a trained model's element deviation."""
     from runtime.dequant import dequantize
     from runtime.observers import Observer
-    from runtime.synth import WEIGHT_STD
+    from runtime.synth import WEIGHT_STD, out_of_range
 
     g = replace(GEOMETRIES["qwen3.6-35b-a3b"], layers=2, experts=16, experts_used=4, vocab=MIN_VOCAB + 64)
     path = tmp_path / "wide.gguf"
     synthesize(path, g, qtype)
+    assert not out_of_range(path)  # it records WEIGHT_STD
     largest: dict[str, float] = {}
 
     class Largest(Observer):
