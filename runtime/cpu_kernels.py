@@ -648,10 +648,7 @@ def _routed_ffn_batch(
     ap = np.empty((xs.shape[0] if prepared else 0, prepared_size(n_ff, acts)), np.float32)
     if prepared:
         for _ in prange(min(threads, n_groups)):
-            g = claim(taken, 0)
-            while g < n_groups:
-                _prepare_group(xs, xp, starts, few, g)
-                g = claim(taken, 0)
+            _prepare_groups(xs, xp, starts, few, taken, 0)
     blocks = (n_ff + BATCH_ROWS - 1) // BATCH_ROWS
     for _ in prange(min(threads, n_groups * blocks)):
         row = np.empty(n_embd, np.float32)
@@ -661,10 +658,7 @@ def _routed_ffn_batch(
             item = claim(taken, 1)
     if prepared:
         for _ in prange(min(threads, n_groups)):
-            g = claim(taken, 2)
-            while g < n_groups:
-                _prepare_group(act, ap, starts, few, g)
-                g = claim(taken, 2)
+            _prepare_groups(act, ap, starts, few, taken, 2)
     blocks = (n_embd + BATCH_ROWS - 1) // BATCH_ROWS
     for _ in prange(min(threads, n_groups * blocks)):
         row = np.empty(n_ff, np.float32)
@@ -675,11 +669,17 @@ def _routed_ffn_batch(
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, inline="always")
-def _prepare_group(x: np.ndarray, xp: np.ndarray, starts: np.ndarray, few: np.ndarray, g: int) -> None:
-    """The rows of group g prepared for ``dot_row`` if it is one of the ``few`` (see ``_routed_ffn_batch``)."""
-    if few[g]:
-        for r in range(starts[g], starts[g + 1]):
-            prepare_into(x[r], xp[r])
+def _prepare_groups(
+    x: np.ndarray, xp: np.ndarray, starts: np.ndarray, few: np.ndarray, taken: np.ndarray, i: int
+) -> None:
+    """The rows of the ``few`` groups prepared for ``dot_row``, a group at a time as ``claim(taken, i)`` hands
+    them out (see ``_routed_ffn_batch``)."""
+    g = claim(taken, i)
+    while g < few.shape[0]:
+        if few[g]:
+            for r in range(starts[g], starts[g + 1]):
+                prepare_into(x[r], xp[r])
+        g = claim(taken, i)
 
 
 @njit(nogil=True, cache=True, inline="always")

@@ -1285,8 +1285,7 @@ def measure_rates(executor: HybridExperts, layer: HybridLayer, repeat: int = 5) 
         )
 
     def cpu_times() -> tuple[float, float, float]:
-        _partial(layer.host_backend, layer.host, _NO_TAPS, x[:1], zeros1 := torch.zeros(1, dtype=torch.int64),
-                 zeros1, torch.ones(1))  # fmt: skip  # the one-token kernel: loaded now, not by the first step
+        cpu(1)()  # the one-token kernel: loaded now, not by the first step
         cpu_kernels.use_threads(executor.cpu_threads)  # as the CPU side runs
         return best(cpu(lo)), best(cpu(32)), best(cpu(1, ones)) / ones
 
