@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from forge.errors import ForgeError
-from runtime import cpu_kernels, host_pin
+from runtime import cpu_kernels, cpu_step, host_pin
 from runtime.backends import cpu_backend, cuda_backend, cuda_graph, host_wait, torch_backend
 from runtime.experts import Component, LayerExperts
 from runtime.observers import expert_output_observers
@@ -418,6 +418,7 @@ class Exchange:
         self.done = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
         self.fault = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
         self.step = torch.zeros(1, dtype=torch.int32, device=device)
+        self.kernel: cpu_step.DecodeStep | None = None  # the CPU side's one region, when its layers allow it
 
 
 class HybridExperts:
@@ -501,9 +502,9 @@ class HybridExperts:
         self.next_layer = dict(zip(order, [self.hybrid_layers[i] for i in order[1:]], strict=False))
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self._prefetched: dict[int, tuple[list[torch.Tensor], Any]] = {}
-        # the CPU side's kernel threads: one core left to the thread that launches the GPU's work
-        self.cpu_threads = max(1, torch.get_num_threads() - (self.device.type == "cuda"))
-        self.step_threads = torch.get_num_threads()  # a decode step's CPU share: the worker, all cores
+        # the CPU side's kernel threads: one core left to the thread that drives the device (on the CPU, the
+        # thread computing the device's share; a decode step's threads spin while they wait)
+        self.cpu_threads = max(1, torch.get_num_threads() - 1)
         self.exchange: Exchange | None = None  # the decode steps' mailbox, made at the first step
         self.batch_call = False  # the forward call under way routes a batch (set at its first routed layer)
         self._step_job: Future | None = None  # the worker serving the decode step under way
@@ -511,6 +512,9 @@ class HybridExperts:
         if profile is not None:
             self._seed(profile, order)
         self.rates = rates or measure_rates(self, next(iter(self.hybrid_layers.values())))
+        ex = self._exchange_for(model.n_expert_used, model.n_embd)
+        if ex.kernel is not None:
+            self.worker.submit(ex.kernel.warm).result()
 
     def _pin(self) -> host_pin.PinnedRanges | None:
         """Page-lock the mapped file's routed experts (layers held in host memory, not streamed through a
@@ -873,6 +877,12 @@ class HybridExperts:
             self.finish_step()
             layers = [self.hybrid_layers[i] for i in sorted(self.hybrid_layers)]
             ex = self.exchange = Exchange(layers, k, n_embd, self.device)
+            records = [lay.encoded for lay in layers]
+            if cpu_step.DecodeStep.fits(records):
+                ex.kernel = cpu_step.DecodeStep(
+                    records, ex.mail.numpy(), ex.posted.numpy(), ex.done.numpy(), ex.result.numpy(), self.slot_of,
+                    ex.bases, k,
+                )  # fmt: skip
         return ex
 
     def begin_step(self, x: torch.Tensor) -> torch.Tensor:
@@ -906,13 +916,18 @@ class HybridExperts:
     def _serve_step(self, ex: Exchange) -> None:
         """The CPU worker's decode step: per routed layer in order, wait for its routing in the mailbox, compute
         the missed pairs on the CPU (the slot table is the one the device looks up: it changes only between
-        steps), write their sum, then the answer's flag (which releases the device)."""
-        cpu_kernels.use_threads(self.step_threads)
-        posted, done, mail, result = ex.posted.numpy(), ex.done.numpy(), ex.mail.numpy(), ex.result.numpy()
+        steps), write their sum, then the answer's flag (which releases the device). Encoded records are served
+        by one parallel region (``cpu_step``), others layer by layer through the host backend."""
+        cpu_kernels.use_threads(self.cpu_threads)
         k, s = ex.k, self._stats
-        zeros = np.zeros(ex.n_embd, np.float32)
         for per in (s.step_cpu_calls, s.step_cpu_seconds_by_misses):
             per.extend([0] * (k + 1 - len(per)))
+        if ex.kernel is not None:
+            if ex.kernel.serve(self.cpu_threads, host_wait.CPU_TIMEOUT):
+                self._count_step(ex, ex.kernel.missed, ex.kernel.stamps * 1e-9)
+            return
+        posted, done, mail, result = ex.posted.numpy(), ex.done.numpy(), ex.mail.numpy(), ex.result.numpy()
+        missed, stamps = np.zeros(len(ex.layers), np.int64), np.zeros((len(ex.layers), 2))
         with torch.inference_mode():
             for i, layer in enumerate(ex.layers):
                 t0 = time.perf_counter()
@@ -920,32 +935,38 @@ class HybridExperts:
                     if time.perf_counter() - t0 > host_wait.CPU_TIMEOUT:
                         return  # the step was abandoned (its capture failed, say)
                     os.sched_yield()
-                if i:
-                    s.step_device_seconds += time.perf_counter() - t0
+                stamps[i, 0] = time.perf_counter()
                 ids = mail[i, :k].astype(np.int64)
                 miss = np.flatnonzero(self.slot_of[layer.base + ids] < 0)
+                missed[i] = miss.size
                 if miss.size:
-                    t0 = time.perf_counter()
                     x, w = mail[i, 2 * k :], mail[i, k : 2 * k][miss]
-                    if layer.encoded is not None:
-                        act = np.empty((miss.size, layer.encoded.n_ff), np.float32)
-                        cpu_kernels.routed_ffn_into(x, ids[miss], w, layer.encoded, zeros, act, result[i])
-                    else:
-                        result[i] = layer.host_backend.routed_ffn(
-                            torch.from_numpy(x)[None], torch.from_numpy(ids[miss])[None],
-                            torch.from_numpy(w)[None], layer.host, _NO_TAPS,
-                        ).numpy()[0]  # fmt: skip
-                    took = time.perf_counter() - t0
-                    s.cpu_seconds += took
-                    s.step_cpu_seconds += took
-                    s.step_cpu_calls[miss.size] += 1
-                    s.step_cpu_seconds_by_misses[miss.size] += took
-                    s.cpu_pairs += miss.size
-                    s.cpu_computes += miss.size
-                    s.bytes_read += miss.size * layer.record_bytes
+                    result[i] = layer.host_backend.routed_ffn(
+                        torch.from_numpy(x)[None], torch.from_numpy(ids[miss])[None],
+                        torch.from_numpy(w)[None], layer.host, _NO_TAPS,
+                    ).numpy()[0]  # fmt: skip
                 else:
                     result[i] = 0.0
+                stamps[i, 1] = time.perf_counter()
                 done[i] = posted[i]
+        self._count_step(ex, missed, stamps)
+
+    def _count_step(self, ex: Exchange, missed: np.ndarray, stamps: np.ndarray) -> None:
+        """A served step's CPU figures: per layer its missed pairs and the clock (s) when its post was seen and
+        answered; the device's share is the wait between an answer and the next layer's post."""
+        s = self._stats
+        took = stamps[:, 1] - stamps[:, 0]
+        s.step_device_seconds += float((stamps[1:, 0] - stamps[:-1, 1]).sum())
+        for m, t in zip(missed.tolist(), took.tolist(), strict=True):
+            if m:
+                s.cpu_seconds += t
+                s.step_cpu_seconds += t
+                s.step_cpu_calls[m] += 1
+                s.step_cpu_seconds_by_misses[m] += t
+        n = int(missed.sum())
+        s.cpu_pairs += n
+        s.cpu_computes += n
+        s.bytes_read += int((missed * np.array([lay.record_bytes for lay in ex.layers])).sum())
 
     def _account(self, ex: Exchange) -> None:
         """A served decode step's policy counts, hits and admissions, from its mailbox."""

@@ -95,6 +95,7 @@ def test_logits_match_resident(example_q8: Path, rates: str, share: int) -> None
     assert s.step_layers == DECODE * len(m.routed_layers()) and s.k == m.n_expert_used
     assert 0 < s.step_hits <= s.gpu_hits and s.step_hit_rate == s.step_hits / _pairs(m, DECODE)
     assert s.step_cpu_seconds > 0 and s.step_device_seconds >= 0 and s.step_host_seconds > 0
+    assert h.exchange.kernel is not None  # the CPU side's steps in one parallel region (runtime.cpu_step)
     # the CPU kernel's calls by missed experts: every missed decode pair in one, none without a miss
     assert len(s.step_cpu_calls) == s.k + 1 and s.step_cpu_calls[0] == 0
     assert sum(n * c for n, c in enumerate(s.step_cpu_calls)) == s.step_layers * s.k - s.step_hits
