@@ -25,7 +25,9 @@ from runtime.cpu_kernels import _FASTMATH, _down_rows, _gate_up_rows, work_chunk
 from runtime.cpu_rows import prepare_into, prepared_size
 from runtime.cpu_sync import arrive, load_acquire, now_ns, spin_pause, store_release, yield_thread
 
-SPINS = 256  # hint-paused reads of a flag before a waiting thread yields its core between reads
+SPINS = (
+    4096  # hint-paused reads of a flag before a waiting thread yields its core between reads (a system call)
+)
 ABORT = -1  # the ticket of a step that gave up waiting for the device
 _GU_CLAIM, _GU_DONE, _DN_CLAIM, _DN_DONE, _OWNER = range(5)  # a layer's counters
 
@@ -56,16 +58,21 @@ def _member(mail, posted, done, result, slot_of, bases, gates, ups, downs, metas
         m = plan[i, 0]
         worked = False
         if stage == 0:
-            if load_acquire(posted, i) != load_acquire(done, i):
+            if load_acquire(posted, i) != load_acquire(done, i) and load_acquire(counters[i], _OWNER) == 0:
                 if claim(counters[i], _OWNER) == 0:
                     _take_post(i, mail, posted, done, result, slot_of, bases, k, threads, ticket, plan, xs, misses,
                                weights, n_ff, stamps)  # fmt: skip
-                worked = True
+                    worked = True
             elif now_ns() - since > timeout_ns:
                 store_release(ticket, 0, ABORT)
                 return
         elif stage == 1:
-            c = claim(counters[i], _GU_CLAIM)
+            # a read first: an idle thread's adds would take the counters' line from the working ones
+            c = (
+                claim(counters[i], _GU_CLAIM)
+                if load_acquire(counters[i], _GU_CLAIM) < plan[i, 2]
+                else plan[i, 2]
+            )
             if c < plan[i, 2]:
                 r0, r1 = c * plan[i, 1], min(m * n_ff, (c + 1) * plan[i, 1])
                 _gate_up_rows(gates[i], ups[i], metas[i], mail[i, 2 * k :], xs[i], misses[i, :m], act[i, :m],
@@ -77,7 +84,11 @@ def _member(mail, posted, done, result, slot_of, bases, gates, ups, downs, metas
                     store_release(ticket, 0, tk + 1)
                 worked = True
         else:
-            c = claim(counters[i], _DN_CLAIM)
+            c = (
+                claim(counters[i], _DN_CLAIM)
+                if load_acquire(counters[i], _DN_CLAIM) < plan[i, 4]
+                else plan[i, 4]
+            )
             if c < plan[i, 4]:
                 d0, d1 = c * plan[i, 3], min(n_embd, (c + 1) * plan[i, 3])
                 _down_rows(downs[i], metas[i], zeros, misses[i, :m], weights[i, :m], act[i, :m], act_sums[i, :m],

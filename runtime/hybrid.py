@@ -502,9 +502,10 @@ class HybridExperts:
         self.next_layer = dict(zip(order, [self.hybrid_layers[i] for i in order[1:]], strict=False))
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self._prefetched: dict[int, tuple[list[torch.Tensor], Any]] = {}
-        # the CPU side's kernel threads: one core left to the thread that drives the device (on the CPU, the
-        # thread computing the device's share; a decode step's threads spin while they wait)
-        self.cpu_threads = max(1, torch.get_num_threads() - 1)
+        # the CPU side's kernel threads: one core left to the thread that launches the GPU's work
+        self.cpu_threads = max(1, torch.get_num_threads() - (self.device.type == "cuda"))
+        # a decode step's CPU share: the worker, all cores (one region's threads spin, so they leave one)
+        self.step_threads = torch.get_num_threads()
         self.exchange: Exchange | None = None  # the decode steps' mailbox, made at the first step
         self.batch_call = False  # the forward call under way routes a batch (set at its first routed layer)
         self._step_job: Future | None = None  # the worker serving the decode step under way
@@ -878,7 +879,7 @@ class HybridExperts:
             layers = [self.hybrid_layers[i] for i in sorted(self.hybrid_layers)]
             ex = self.exchange = Exchange(layers, k, n_embd, self.device)
             records = [lay.encoded for lay in layers]
-            if cpu_step.DecodeStep.fits(records):
+            if os.environ.get("FORGE_HYBRID_STEP_REGION") == "1" and cpu_step.DecodeStep.fits(records):
                 ex.kernel = cpu_step.DecodeStep(
                     records, ex.mail.numpy(), ex.posted.numpy(), ex.done.numpy(), ex.result.numpy(), self.slot_of,
                     ex.bases, k,
@@ -916,18 +917,21 @@ class HybridExperts:
     def _serve_step(self, ex: Exchange) -> None:
         """The CPU worker's decode step: per routed layer in order, wait for its routing in the mailbox, compute
         the missed pairs on the CPU (the slot table is the one the device looks up: it changes only between
-        steps), write their sum, then the answer's flag (which releases the device). Encoded records are served
-        by one parallel region (``cpu_step``), others layer by layer through the host backend."""
-        cpu_kernels.use_threads(self.cpu_threads)
+        steps), write their sum, then the answer's flag (which releases the device): a kernel call per layer
+        (encoded records) or the host backend's, or with ``FORGE_HYBRID_STEP_REGION=1`` the whole step in one
+        parallel region (``runtime.cpu_step``; experimental: its one GPU run so far was slower)."""
+        threads = self.step_threads - (ex.kernel is not None)
+        cpu_kernels.use_threads(threads)
         k, s = ex.k, self._stats
         for per in (s.step_cpu_calls, s.step_cpu_seconds_by_misses):
             per.extend([0] * (k + 1 - len(per)))
         if ex.kernel is not None:
-            if ex.kernel.serve(self.cpu_threads, host_wait.CPU_TIMEOUT):
+            if ex.kernel.serve(max(1, threads), host_wait.CPU_TIMEOUT):
                 self._count_step(ex, ex.kernel.missed, ex.kernel.stamps * 1e-9)
             return
         posted, done, mail, result = ex.posted.numpy(), ex.done.numpy(), ex.mail.numpy(), ex.result.numpy()
         missed, stamps = np.zeros(len(ex.layers), np.int64), np.zeros((len(ex.layers), 2))
+        zeros = np.zeros(ex.n_embd, np.float32)
         with torch.inference_mode():
             for i, layer in enumerate(ex.layers):
                 t0 = time.perf_counter()
@@ -941,10 +945,14 @@ class HybridExperts:
                 missed[i] = miss.size
                 if miss.size:
                     x, w = mail[i, 2 * k :], mail[i, k : 2 * k][miss]
-                    result[i] = layer.host_backend.routed_ffn(
-                        torch.from_numpy(x)[None], torch.from_numpy(ids[miss])[None],
-                        torch.from_numpy(w)[None], layer.host, _NO_TAPS,
-                    ).numpy()[0]  # fmt: skip
+                    if layer.encoded is not None:
+                        act = np.empty((miss.size, layer.encoded.n_ff), np.float32)
+                        cpu_kernels.routed_ffn_into(x, ids[miss], w, layer.encoded, zeros, act, result[i])
+                    else:
+                        result[i] = layer.host_backend.routed_ffn(
+                            torch.from_numpy(x)[None], torch.from_numpy(ids[miss])[None],
+                            torch.from_numpy(w)[None], layer.host, _NO_TAPS,
+                        ).numpy()[0]  # fmt: skip
                 else:
                     result[i] = 0.0
                 stamps[i, 1] = time.perf_counter()
