@@ -348,16 +348,18 @@ class ExpertCache:
     def nbytes(self) -> int:
         return self._slab_t.nbytes
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         if self._readers is not None:
-            self._readers.shutdown()
+            self._readers.shutdown(wait=wait)
             self._readers = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
 
     def __del__(self) -> None:
-        self.close()
+        # no join: a collection can run inside threading's own locks (a thread starting), and joining a
+        # reader there waits on the lock its own thread holds (a test run hung so)
+        self.close(wait=False)
 
     def key(self, layer: int, expert: int) -> int:
         return self._key_base[layer] + expert

@@ -72,6 +72,9 @@ ADMIT_MARGIN = 1.0
 #: 55.2% at 128 (nearly never halving), with 44% fewer admissions at 32 than at 8; 32 keeps most of the gain
 #: and still follows a shift in routing
 POLICY_WINDOW = 32
+#: set to 1, a decode step's CPU side runs in one parallel region (``runtime.cpu_step``) instead of a kernel
+#: call per layer; experimental: its one GPU run (session 27) took ~320 us a missed expert against ~31
+STEP_REGION = "FORGE_HYBRID_STEP_REGION"
 
 
 @dataclass
@@ -513,9 +516,10 @@ class HybridExperts:
         if profile is not None:
             self._seed(profile, order)
         self.rates = rates or measure_rates(self, next(iter(self.hybrid_layers.values())))
-        ex = self._exchange_for(model.n_expert_used, model.n_embd)
-        if ex.kernel is not None:
-            self.worker.submit(ex.kernel.warm).result()
+        if os.environ.get(STEP_REGION) == "1":  # compiled now: the first step's device would give up waiting
+            ex = self._exchange_for(model.n_expert_used, model.n_embd)
+            if ex.kernel is not None:
+                self.worker.submit(ex.kernel.warm).result()
 
     def _pin(self) -> host_pin.PinnedRanges | None:
         """Page-lock the mapped file's routed experts (layers held in host memory, not streamed through a
@@ -879,7 +883,7 @@ class HybridExperts:
             layers = [self.hybrid_layers[i] for i in sorted(self.hybrid_layers)]
             ex = self.exchange = Exchange(layers, k, n_embd, self.device)
             records = [lay.encoded for lay in layers]
-            if os.environ.get("FORGE_HYBRID_STEP_REGION") == "1" and cpu_step.DecodeStep.fits(records):
+            if os.environ.get(STEP_REGION) == "1" and cpu_step.DecodeStep.fits(records):
                 ex.kernel = cpu_step.DecodeStep(
                     records, ex.mail.numpy(), ex.posted.numpy(), ex.done.numpy(), ex.result.numpy(), self.slot_of,
                     ex.bases, k,

@@ -304,3 +304,26 @@ def test_streaming_peak_rss_stays_under_budget(tmp_path: Path) -> None:
     assert r["file"] > 5 * budget and r["misses"] > 0
     assert r["slab"] <= budget
     assert r["peak"] <= budget + r["resident"] + r["kv"] + r["scratch"] + RUNTIME_OVERHEAD, r
+
+
+def test_a_collected_cache_does_not_join_its_readers(
+    example_q8: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A collection may run while a starting thread holds threading's locks; joining a reader there hung
+    a test run, so a dropped cache only tells its readers to stop; ``close`` still waits for them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    w = GGUFWeights(example_q8)
+    waits: list[bool] = []
+    real = ThreadPoolExecutor.shutdown
+    monkeypatch.setattr(
+        ThreadPoolExecutor,
+        "shutdown",
+        lambda self, wait=True, **kw: (waits.append(wait), real(self, wait, **kw)),
+    )
+    for drop in (True, False):
+        cache = ExpertCache(w.path, w.expert_layers(), _floor(example_q8), int(w.hparam("expert_used_count")))
+        cache._readers = ThreadPoolExecutor(2)
+        cache._readers.submit(int).result()
+        cache.__del__() if drop else cache.close()
+    assert waits == [False, True]
