@@ -2,12 +2,14 @@
 for the device's post of its routing in the mailbox, compute the pairs the GPU pool missed from the encoded
 records in host memory, write their sum and release the device.
 
-A kernel call per layer opened two OpenMP regions, and on the 16-core H200 host each cost ~48 us even back
-to back (the worker's thread team and the main thread's torch team outnumber the cores, so libgomp puts
-its threads to sleep between regions): ~130 us of a layer's 230 us of CPU work at 4 GiB. Here the team is
-woken once a step and its threads wait for the next post by spinning (``runtime.cpu_sync``), yielding
-the core after a while. No thread has a fixed part: the step's state is one ticket (layer x stage) that any
-thread advances, so the step completes however many of the region's threads run.
+A kernel call per layer opens two OpenMP regions. On the 16-core H200 host an empty one cost ~48 us even
+back to back, with a second team on the main thread (when a process's teams outnumber the cores, libgomp
+puts their threads to sleep between regions); a call's fixed cost there was ~130 us of a layer's 230 us of
+CPU work at 4 GiB. Here the team is woken once a step and its threads wait for the next post by spinning
+(``runtime.cpu_sync``), yielding the core after a while. No thread has a fixed part: the step's state is one
+ticket (layer x stage) that any thread advances, so the step completes however many of the region's threads
+run. Opt-in (``FORGE_HYBRID_STEP_REGION=1``): in its one GPU run a missed expert cost ~320 us, ten times
+the per-call path's (``benchmarks/hybrid_cpu_step.py`` compares the two without a GPU).
 
 Stages per layer: 0 waiting for the post (the first thread to see it reads the routing, finds the
 misses and prepares the input), 1 the gate/up rows, 2 the down rows; work items are claimed from per-layer
@@ -25,9 +27,8 @@ from runtime.cpu_kernels import _FASTMATH, _down_rows, _gate_up_rows, work_chunk
 from runtime.cpu_rows import prepare_into, prepared_size
 from runtime.cpu_sync import arrive, load_acquire, now_ns, spin_pause, store_release, yield_thread
 
-SPINS = (
-    4096  # hint-paused reads of a flag before a waiting thread yields its core between reads (a system call)
-)
+#: hint-paused reads of a flag before a waiting thread yields its core between reads (a system call each)
+SPINS = 4096
 ABORT = -1  # the ticket of a step that gave up waiting for the device
 _GU_CLAIM, _GU_DONE, _DN_CLAIM, _DN_DONE, _OWNER = range(5)  # a layer's counters
 
@@ -152,7 +153,8 @@ class DecodeStep:
         self.parts = tuple(typed.List([r.buffers[p] for r in records]) for p in range(3))
         self.metas = np.stack([r.meta for r in records])
         self.ticket = np.zeros(1, np.int64)
-        self.counters, self.plan, self.stamps = (np.zeros((n, 5), np.int64) for _ in range(3))
+        self.counters, self.plan = np.zeros((n, 5), np.int64), np.zeros((n, 5), np.int64)
+        self.stamps = np.zeros((n, 2), np.int64)
         self.xs = np.zeros((n, prepared_size(n_embd, self.acts)), np.float32)
         self.misses, self.weights = np.zeros((n, k), np.int64), np.zeros((n, k), np.float32)
         self.act = np.zeros((n, k, n_ff), np.float32)

@@ -3,8 +3,8 @@ loads, stores and adds on int32 / int64 array elements (acquire / release orderi
 before a flag is seen by the thread that reads the flag), a monotonic clock, and the CPU's spin-wait hint
 and a yield for a thread that waits.
 
-numba keeps no value of an array in a register across a loop's iterations only when the load is atomic: a
-plain ``while flags[i] == v`` may be compiled into a loop that never reads memory again."""
+A plain ``while flags[i] == v`` may be compiled into a loop that reads memory once; an atomic load is
+made at every iteration."""
 
 from __future__ import annotations
 
