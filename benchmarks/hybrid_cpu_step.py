@@ -1,7 +1,7 @@
 """The CPU side of a hybrid decode step, with a thread standing in for the GPU: per call or in one region.
 
     python benchmarks/hybrid_cpu_step.py [--threads 1,8,15,16] [--misses 1,4,8] [--layers 6] [--experts 256]
-        [--gap-us 100] [--reps 20] [--no-torch-team] [--json OUT]
+        [--gap-us 100] [--reps 20] [--main-team torch|numba|none] [--json OUT]
 
 The stand-in device posts a layer's routing to the mailbox ``--gap-us`` after the last answer (the GPU's share
 of a layer: ~100 us on the H200 at 4 GiB), ``--misses`` of its 8 experts missed, and waits for the answer.
@@ -11,9 +11,10 @@ The CPU side serves the layers as ``runtime.hybrid`` does: ``calls``, a kernel c
 Q4_K bytes with small random values), ``--layers`` x ``--experts`` of them, so that the rows come from memory
 as a decode step's do. Per path, threads and misses: the median over ``--reps`` steps of a layer's CPU time,
 post seen to answer written (us). Also the cost of an empty numba parallel region, which a kernel call pays
-twice. Unless ``--no-torch-team``, the main thread first runs a torch matmul, as a model run does: torch's
-OpenMP team then exists beside the worker's, and libgomp's threads sleep between regions when the teams
-outnumber the cores (an empty region: 48 us on the 16-core H200 host, session 27).
+twice. ``--main-team``: the main thread first runs a torch matmul (``torch``, as a model run does) or a numba
+parallel kernel (``numba``), or neither (``none``): its OpenMP team then exists beside the worker's, and
+libgomp's threads sleep between regions when the teams outnumber the cores (an empty region: 48 us on the
+16-core H200 host with both, session 27).
 """
 
 from __future__ import annotations
@@ -150,15 +151,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--gap-us", type=float, default=100.0)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--no-torch-team", action="store_true")
+    ap.add_argument("--main-team", choices=("torch", "numba", "none"), default="torch")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
     misses = [int(m) for m in args.misses.split(",")]
     if not all(1 <= m <= K for m in misses) or min(threads) < 1:
         sys.exit(f"hybrid_cpu_step: misses are 1..{K}, threads at least 1")
-    if not args.no_torch_team:
+    if args.main_team == "torch":
         torch.ones(512, 512) @ torch.ones(512, 512)
+    elif args.main_team == "numba":
+        _empty(max(threads), np.zeros(max(threads)))
     bench = Bench(args.layers, args.experts, args.gap_us)
     rows = []
     for t in threads:

@@ -38,7 +38,7 @@ def test_cpu_step_benchmark_times_both_paths(tmp_path: Path) -> None:
     hybrid_cpu_step = load("hybrid_cpu_step")
     out = tmp_path / "step.json"
     args = ["--threads", "1,2", "--misses", "1,2", "--layers", "2", "--experts", "8", "--reps", "2"]
-    assert hybrid_cpu_step.main([*args, "--gap-us", "10", "--no-torch-team", "--json", str(out)]) == 0
+    assert hybrid_cpu_step.main([*args, "--gap-us", "10", "--main-team", "none", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["path"], r["threads"]) for r in rows] == [
         ("calls", 1),
