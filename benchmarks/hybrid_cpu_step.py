@@ -10,7 +10,8 @@ The CPU side serves the layers as ``runtime.hybrid`` does: ``calls``, a kernel c
 (``runtime.cpu_step``, ``FORGE_HYBRID_STEP_REGION=1``). Experts: Qwen3.6-35B-A3B's geometry (2048 x 512,
 Q4_K bytes with small random values), ``--layers`` x ``--experts`` of them, so that the rows come from memory
 as a decode step's do. Per path, threads and misses: the median over ``--reps`` steps of a layer's CPU time,
-post seen to answer written (us). Also the cost of an empty numba parallel region, which a kernel call pays
+post seen to answer written (us), and for the region the share of its work items the busiest thread did
+(1.0: one thread did everything). Also the cost of an empty numba parallel region, which a kernel call pays
 twice. ``--main-team``: the main thread first runs a torch matmul (``torch``, as a model run does) or a numba
 parallel kernel (``numba``), or neither (``none``): its OpenMP team then exists beside the worker's, and
 libgomp's threads sleep between regions when the teams outnumber the cores (an empty region: 48 us on the
@@ -167,9 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     for t in threads:
         empty = empty_region_us(t)
         for name in ("calls", "region"):
+            bench.step.items = np.zeros(0, np.int64)
             us = {m: round(bench.layer_us(getattr(bench, name), t, m, args.reps), 1) for m in misses}
-            rows.append({"path": name, "threads": t, "empty_region_us": round(empty, 1), "layer_us": us})
+            row = {"path": name, "threads": t, "empty_region_us": round(empty, 1), "layer_us": us}
             cells = "  ".join(f"{m} missed {v:8.1f}" for m, v in us.items())
+            if name == "region":  # how evenly its members shared the work items
+                row["busiest_share"] = round(bench.step.busiest_share, 3)
+                cells += f"  (busiest thread: {row['busiest_share']:.0%} of the items)"
+            rows.append(row)
             print(f"{name:6s} {t:2d} threads (empty region {empty:5.1f} us): {cells}", flush=True)
     if args.json:
         args.json.write_text(

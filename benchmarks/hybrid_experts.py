@@ -324,6 +324,12 @@ def row_hybrid(
             r["note"] += (
                 f"; a CPU call {by_misses['fixed_us']} us + {by_misses['per_expert_us']} us per missed expert"
             )
+        region = h.exchange.kernel if h.exchange is not None else None
+        if region is not None:  # FORGE_HYBRID_STEP_REGION=1: how evenly the region's threads shared the work
+            r["region_busiest_share"] = round(region.busiest_share, 3)
+            r["note"] += (
+                f"; one region a step, its busiest thread did {region.busiest_share:.0%} of the items"
+            )
         return r
     finally:
         _free(model)

@@ -35,17 +35,17 @@ _GU_CLAIM, _GU_DONE, _DN_CLAIM, _DN_DONE, _OWNER = range(5)  # a layer's counter
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True, parallel=True)
 def _serve(mail, posted, done, result, slot_of, bases, gates, ups, downs, metas, k, acts, threads, timeout_ns,  # noqa: ANN001, ANN202, PLR0913
-           ticket, counters, plan, xs, misses, weights, act, act_sums, zeros, stamps):  # fmt: skip
-    for _ in prange(threads):
+           ticket, counters, plan, xs, misses, weights, act, act_sums, zeros, stamps, items):  # fmt: skip
+    for t in prange(threads):
         _member(mail, posted, done, result, slot_of, bases, gates, ups, downs, metas, k, acts, threads, timeout_ns,
-                ticket, counters, plan, xs, misses, weights, act, act_sums, zeros, stamps)  # fmt: skip
+                ticket, counters, plan, xs, misses, weights, act, act_sums, zeros, stamps, items, t)  # fmt: skip
 
 
 @njit(fastmath=_FASTMATH, nogil=True, cache=True)
 def _member(mail, posted, done, result, slot_of, bases, gates, ups, downs, metas, k, acts, threads, timeout_ns,  # noqa: ANN001, ANN202, PLR0913
-            ticket, counters, plan, xs, misses, weights, act, act_sums, zeros, stamps):  # fmt: skip
-    """One thread's share: until the ticket passes the last layer (or aborts), do whatever the current stage
-    has left, else wait."""
+            ticket, counters, plan, xs, misses, weights, act, act_sums, zeros, stamps, items, t):  # fmt: skip
+    """Member t's share: until the ticket passes the last layer (or aborts), do whatever the current stage
+    has left, else wait; ``items[t]`` counts the work items it did."""
     n_layers, n_embd, n_ff = posted.shape[0], result.shape[1], act.shape[2]
     row = np.empty(max(n_embd, n_ff), np.float32)
     seen, since, spins = -2, now_ns(), 0
@@ -83,6 +83,7 @@ def _member(mail, posted, done, result, slot_of, bases, gates, ups, downs, metas
                     for j in range(m):
                         prepare_into(act[i, j], act_sums[i, j])
                     store_release(ticket, 0, tk + 1)
+                items[t] += 1
                 worked = True
         else:
             c = (
@@ -99,6 +100,7 @@ def _member(mail, posted, done, result, slot_of, bases, gates, ups, downs, metas
                     stamps[i, 1] = now_ns()
                     store_release(done, i, load_acquire(posted, i))
                     store_release(ticket, 0, tk + 1)
+                items[t] += 1
                 worked = True
         if worked:
             spins = 0
@@ -160,6 +162,7 @@ class DecodeStep:
         self.act = np.zeros((n, k, n_ff), np.float32)
         self.act_sums = np.zeros((n, k, prepared_size(n_ff, self.acts)), np.float32)
         self.zeros = np.zeros(n_embd, np.float32)
+        self.items = np.zeros(0, np.int64)  # work items done by each member over the steps served so far
 
     @staticmethod
     def fits(records: list[Any]) -> bool:
@@ -176,16 +179,24 @@ class DecodeStep:
     def missed(self) -> np.ndarray:
         return self.plan[:, 0]
 
+    @property
+    def busiest_share(self) -> float:
+        """The share of the work items that the busiest member did (1 / threads when they share evenly, 1.0
+        when one thread did everything)."""
+        return float(self.items.max() / max(1, self.items.sum())) if self.items.size else 0.0
+
     def serve(self, threads: int, timeout_s: float) -> bool:
         """Serve one step's layers on ``threads`` threads; False when a post did not come within ``timeout_s``
         (the step was abandoned)."""
         self.ticket[0] = 0
         self.counters[:] = 0
         self.plan[:] = 0
+        if self.items.size != threads:
+            self.items = np.zeros(threads, np.int64)
         gates, ups, downs = self.parts
         _serve(self.mail, self.posted, self.done, self.result, self.slot_of, self.bases, gates, ups, downs,
                self.metas, self.k, self.acts, threads, int(timeout_s * 1e9), self.ticket, self.counters, self.plan,
-               self.xs, self.misses, self.weights, self.act, self.act_sums, self.zeros, self.stamps)  # fmt: skip
+               self.xs, self.misses, self.weights, self.act, self.act_sums, self.zeros, self.stamps, self.items)  # fmt: skip
         return self.ticket[0] != ABORT
 
     def warm(self) -> None:

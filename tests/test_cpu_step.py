@@ -74,6 +74,7 @@ def test_one_region_answers_each_layer_as_the_kernel_does(threads: int) -> None:
     ]
     # one layer with every expert on the device: answered with zeros
     slot_of[bases[2] + routes[2][0]] = 0
+    step.warm()  # compiled before the stand-in device starts waiting for answers
     answers: list = []
     device = threading.Thread(target=_device, args=(step, routes, answers))
     device.start()
@@ -89,6 +90,11 @@ def test_one_region_answers_each_layer_as_the_kernel_does(threads: int) -> None:
             routed_ffn_into(x, ids[miss], w[miss], records[i], np.zeros(N_EMBD, np.float32), act, want)
         np.testing.assert_array_equal(answers[i], want)
     assert step.missed.sum() > 0 and step.missed[2] == 0
+    # every work item done once, by some member: gate/up and down items of the layers with misses
+    assert (
+        step.items.size == threads and step.items.sum() == step.plan[:, 2].sum() + step.plan[:, 4].sum() > 0
+    )
+    assert 1 / threads <= step.busiest_share <= 1.0
     assert (step.stamps[:, 1] >= step.stamps[:, 0]).all() and (
         step.stamps[1:, 0] >= step.stamps[:-1, 1]
     ).all()
