@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as Q
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -39,16 +40,16 @@ from numba import njit, prange  # noqa: E402
 from runtime import cpu_kernels  # noqa: E402
 from runtime.cpu_kernels import EncodedExperts, routed_ffn_into  # noqa: E402
 from runtime.cpu_step import DecodeStep  # noqa: E402
+from runtime.synth import random_blocks  # noqa: E402
 
-N_EMBD, N_FF, K, Q4_K, Q4_K_BLOCK = 2048, 512, 8, 12, 144
+N_EMBD, N_FF, K = 2048, 512, 8
 
 
 def _q4_k(rng: np.random.Generator, experts: int, rows: int, cols: int) -> np.ndarray:
-    """Q4_K rows of random nibbles and scales, with small float16 super-block scales (finite sums)."""
-    blocks = rng.integers(0, 256, (experts, rows, cols // 256, Q4_K_BLOCK), dtype=np.uint8)
-    blocks[..., 0:2] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
-    blocks[..., 2:4] = np.frombuffer(np.float16(1e-4).tobytes(), np.uint8)
-    return blocks.reshape(experts, rows, -1)
+    """Q4_K rows of random bytes with small scale fields (finite sums)."""
+    return random_blocks(Q.Q4_K, experts * rows * cols // 256, rng, 1e-4, 1e-3, signed=True).reshape(
+        experts, rows, -1
+    )
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -60,15 +61,9 @@ def _empty(n: int, a: np.ndarray) -> None:
 class Bench:
     def __init__(self, layers: int, experts: int, gap_us: float) -> None:
         rng = self.rng = np.random.default_rng(0)
+        parts = ((N_FF, N_EMBD), (N_FF, N_EMBD), (N_EMBD, N_FF))  # gate, up, down: (rows, columns)
         self.records = [
-            EncodedExperts(
-                _q4_k(rng, experts, N_FF, N_EMBD),
-                Q4_K,
-                _q4_k(rng, experts, N_FF, N_EMBD),
-                Q4_K,
-                _q4_k(rng, experts, N_EMBD, N_FF),
-                Q4_K,
-            )  # fmt: skip
+            EncodedExperts(*(a for rows, cols in parts for a in (_q4_k(rng, experts, rows, cols), Q.Q4_K)))
             for _ in range(layers)
         ]
         self.layers, self.experts, self.gap = layers, experts, gap_us * 1e-6

@@ -8,37 +8,32 @@ import time
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as Q
 
 pytest.importorskip("numba")
 
 from runtime import cpu_kernels  # noqa: E402
 from runtime.cpu_kernels import EncodedExperts, routed_ffn_into  # noqa: E402
 from runtime.cpu_step import DecodeStep  # noqa: E402
+from runtime.synth import random_blocks  # noqa: E402
 
 N_EXPERT, N_FF, N_EMBD, K, LAYERS = 6, 64, 256, 3, 4
-Q8_0 = 8
 
 
 def _q8_0(rng: np.random.Generator, experts: int, rows: int, cols: int) -> np.ndarray:
-    """Q8_0 rows: per 32 values a float16 scale and 32 int8."""
-    blocks = np.zeros((experts, rows, cols // 32, 34), np.uint8)
-    blocks[..., :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    blocks[..., 2:] = rng.integers(0, 256, (experts, rows, cols // 32, 32), dtype=np.uint8)
-    return blocks.reshape(experts, rows, -1)
+    return random_blocks(Q.Q8_0, experts * rows * cols // 32, rng, 0.005, 0.02, signed=True).reshape(
+        experts, rows, -1
+    )
+
+
+def _record(rng: np.random.Generator, n_ff: int = N_FF) -> EncodedExperts:
+    """One layer's experts: gate, up (n_ff x N_EMBD) and down (N_EMBD x n_ff) as Q8_0 rows."""
+    parts = ((n_ff, N_EMBD), (n_ff, N_EMBD), (N_EMBD, n_ff))
+    return EncodedExperts(*(a for rows, cols in parts for a in (_q8_0(rng, N_EXPERT, rows, cols), Q.Q8_0)))
 
 
 def _layers(rng: np.random.Generator) -> list[EncodedExperts]:
-    return [
-        EncodedExperts(
-            _q8_0(rng, N_EXPERT, N_FF, N_EMBD),
-            Q8_0,
-            _q8_0(rng, N_EXPERT, N_FF, N_EMBD),
-            Q8_0,
-            _q8_0(rng, N_EXPERT, N_EMBD, N_FF),
-            Q8_0,
-        )  # fmt: skip
-        for _ in range(LAYERS)
-    ]
+    return [_record(rng) for _ in range(LAYERS)]
 
 
 def _device(step: DecodeStep, routes: list[tuple[np.ndarray, np.ndarray, np.ndarray]], answers: list) -> None:
@@ -115,9 +110,5 @@ def test_a_post_that_never_comes_ends_the_step() -> None:
 
 def test_layers_of_two_widths_are_served_layer_by_layer() -> None:
     rng = np.random.default_rng(1)
-    narrow = EncodedExperts(
-        _q8_0(rng, N_EXPERT, 32, N_EMBD), Q8_0, _q8_0(rng, N_EXPERT, 32, N_EMBD), Q8_0,
-        _q8_0(rng, N_EXPERT, N_EMBD, 32), Q8_0,
-    )  # fmt: skip
-    assert not DecodeStep.fits([*_layers(rng), narrow])
+    assert not DecodeStep.fits([*_layers(rng), _record(rng, n_ff=32)])
     assert not DecodeStep.fits([None]) and not DecodeStep.fits([])
