@@ -405,13 +405,15 @@ class Exchange:
     a GPU): ``mail`` the routing the device posts (ids, weights, input: (layers, 2k + n_embd)), ``result`` the
     CPU's sum of the missed pairs (layers, n_embd), ``posted`` / ``done`` the step number of each row's post
     and answer, ``step`` the device's step counter, ``fault`` set by a wait that gave up; ``pools`` the rows'
-    slot pools and ``pool_of`` each row's (an index into them)."""
+    slot pools and ``pool_of`` each row's (an index into them); ``bases`` and ``record_bytes`` each row's
+    first key in the slot table and its layer's record size."""
 
     def __init__(self, layers: list[HybridLayer], k: int, n_embd: int, device: torch.device) -> None:
         pin = device.type == "cuda"
         self.layers, self.k, self.n_embd = layers, k, n_embd
         self.index = {lay.layer: i for i, lay in enumerate(layers)}
         self.bases = np.array([lay.base for lay in layers], np.int64)
+        self.record_bytes = np.array([lay.record_bytes for lay in layers], np.int64)
         self.pools = list(dict.fromkeys(lay.pool for lay in layers))
         self.pool_of = np.array([self.pools.index(lay.pool) for lay in layers], np.int64)
         n = len(layers)
@@ -516,7 +518,8 @@ class HybridExperts:
         if profile is not None:
             self._seed(profile, order)
         self.rates = rates or measure_rates(self, next(iter(self.hybrid_layers.values())))
-        if os.environ.get(STEP_REGION) == "1":  # compiled now: the first step's device would give up waiting
+        self.step_region = os.environ.get(STEP_REGION) == "1"
+        if self.step_region:  # compiled now: the first step's device would give up waiting
             ex = self._exchange_for(model.n_expert_used, model.n_embd)
             if ex.kernel is not None:
                 self.worker.submit(ex.kernel.warm).result()
@@ -883,7 +886,7 @@ class HybridExperts:
             layers = [self.hybrid_layers[i] for i in sorted(self.hybrid_layers)]
             ex = self.exchange = Exchange(layers, k, n_embd, self.device)
             records = [lay.encoded for lay in layers]
-            if os.environ.get(STEP_REGION) == "1" and cpu_step.DecodeStep.fits(records):
+            if self.step_region and cpu_step.DecodeStep.fits(records):
                 ex.kernel = cpu_step.DecodeStep(
                     records, ex.mail.numpy(), ex.posted.numpy(), ex.done.numpy(), ex.result.numpy(), self.slot_of,
                     ex.bases, k,
@@ -978,7 +981,7 @@ class HybridExperts:
         n = int(missed.sum())
         s.cpu_pairs += n
         s.cpu_computes += n
-        s.bytes_read += int((missed * np.array([lay.record_bytes for lay in ex.layers])).sum())
+        s.bytes_read += int((missed * ex.record_bytes).sum())
 
     def _account(self, ex: Exchange) -> None:
         """A served decode step's policy counts, hits and admissions, from its mailbox."""
