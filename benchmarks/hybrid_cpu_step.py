@@ -1,7 +1,7 @@
 """The CPU side of a hybrid decode step, with a thread standing in for the GPU: per call or in one region.
 
     python benchmarks/hybrid_cpu_step.py [--threads 1,8,15,16] [--misses 1,4,8] [--layers 6] [--experts 256]
-        [--gap-us 100] [--reps 20] [--main-team torch|numba|none] [--json OUT]
+        [--gap-us 100] [--reps 20] [--main-team torch|released|numba|none] [--json OUT]
 
 The stand-in device posts a layer's routing to the mailbox ``--gap-us`` after the last answer (the GPU's share
 of a layer: ~100 us on the H200 at 4 GiB), ``--misses`` of its 8 experts missed, and waits for the answer.
@@ -15,7 +15,8 @@ post seen to answer written (us), and for the region the share of its work items
 twice. ``--main-team``: the main thread first runs a torch matmul (``torch``, as a model run does) or a numba
 parallel kernel (``numba``), or neither (``none``): its OpenMP team then exists beside the worker's, and
 libgomp's threads sleep between regions when the teams outnumber the cores (an empty region: 48 us on the
-16-core H200 host with both, session 27).
+16-core H200 host with both, session 27); ``released``: the torch product, then its team let go
+(``runtime.omp_team.release``, as a hybrid run's main thread does).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from numba import njit, prange  # noqa: E402
 
-from runtime import cpu_kernels  # noqa: E402
+from runtime import cpu_kernels, omp_team  # noqa: E402
 from runtime.cpu_kernels import EncodedExperts, routed_ffn_into  # noqa: E402
 from runtime.cpu_step import DecodeStep  # noqa: E402
 from runtime.synth import random_blocks  # noqa: E402
@@ -147,15 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--gap-us", type=float, default=100.0)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--main-team", choices=("torch", "numba", "none"), default="torch")
+    ap.add_argument("--main-team", choices=("torch", "released", "numba", "none"), default="torch")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
     misses = [int(m) for m in args.misses.split(",")]
     if not all(1 <= m <= K for m in misses) or min(threads) < 1:
         sys.exit(f"hybrid_cpu_step: misses are 1..{K}, threads at least 1")
-    if args.main_team == "torch":
+    if args.main_team in ("torch", "released"):
         torch.ones(512, 512) @ torch.ones(512, 512)
+        if args.main_team == "released":
+            omp_team.find()
+            omp_team.release()
     elif args.main_team == "numba":
         _empty(max(threads), np.zeros(max(threads)))
     bench = Bench(args.layers, args.experts, args.gap_us)

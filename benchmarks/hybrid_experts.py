@@ -45,6 +45,7 @@ its row and the next row runs.
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import gc
 import json
@@ -247,6 +248,19 @@ def profiled(args: argparse.Namespace, phase: str, run: Any) -> Any:
         prof.dump_stats(args.cprofile / f"{phase}-{n}.pstats")
 
 
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """Each thread of the process: its name and CPU seconds so far (user and system)."""
+    out, tick = {}, os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = (Path("/proc/self/task") / tid / "stat").read_text()
+        except OSError:  # the thread ended
+            continue
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        out[int(tid)] = (name, (int(rest[11]) + int(rest[12])) / tick)
+    return out
+
+
 # rows ----------------------------------------------------------------------------------------------------
 def _free(*objs: Any) -> None:
     for o in objs:
@@ -295,7 +309,19 @@ def row_hybrid(
     h.admit_per_call = args.admit_per_call
     try:
         warm: list[hybrid.HybridStats] = []
-        r = timed(model, routing, "cuda", args, path, counter, lambda: warm.append(h.stats.snapshot()))
+        cpu0: dict = {}
+
+        def before_tg() -> None:
+            warm.append(h.stats.snapshot())
+            cpu0.update(thread_cpu())
+
+        r = timed(model, routing, "cuda", args, path, counter, before_tg)
+        cpu1 = thread_cpu()
+        # the CPU seconds each group of threads (by name) spent in the timed decode runs
+        by_name = collections.Counter()
+        for tid, (name, secs) in cpu1.items():
+            by_name[name] += secs - cpu0.get(tid, (name, 0.0))[1]
+        r["decode_cpu_s_by_thread"] = {n: round(v, 2) for n, v in by_name.most_common()}
         s = h.stats
         # the decode breakdown of the timed steps alone: the warm-up's first steps capture the CUDA graphs
         # (and may compile kernels), which counted as the device's part
@@ -316,11 +342,17 @@ def row_hybrid(
                                   "host_between_steps": round(t.step_host_seconds * us, 1),
                                   "whole": round(1e6 / r["tg"] / layers, 1) if r.get("tg") else None},
               "decode_cpu_kernel_us_by_misses": by_misses}  # fmt: skip
+        # the process's threads by name: an OpenMP team's threads take the name of the thread that made it
+        # (``hybrid-cpu``: the worker's; the model thread's and the copier's should be gone)
+        r["threads_by_name"] = dict(collections.Counter(
+            (Path("/proc/self/task") / t / "comm").read_text().strip() for t in os.listdir("/proc/self/task")
+        ).most_common())  # fmt: skip
         r["note"] = (
             f"pool {h.capacity} experts, GPU hits {s.hit_rate:.0%} (decode {r['decode_hit_rate']:.0%}), "
             f"{s.bytes_uploaded / 1e6:,.0f} MB uploaded; a decode layer {r['decode_layer_us']['whole']} us: "
             f"device {r['decode_layer_us']['device']}, CPU kernel {r['decode_layer_us']['cpu_kernel']}, host "
-            f"between steps {r['decode_layer_us']['host_between_steps']} ({t.step_admissions} admissions)"
+            f"between steps {r['decode_layer_us']['host_between_steps']} ({t.step_admissions} admissions); "
+            f"threads {r['threads_by_name']}, their CPU seconds in the timed decode {r['decode_cpu_s_by_thread']}"
         )
         if "fixed_us" in by_misses:
             r["note"] += (

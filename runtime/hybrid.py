@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from forge.errors import ForgeError
-from runtime import cpu_kernels, cpu_step, host_pin
+from runtime import cpu_kernels, cpu_step, host_pin, omp_team
 from runtime.backends import cpu_backend, cuda_backend, cuda_graph, host_wait, torch_backend
 from runtime.experts import Component, LayerExperts
 from runtime.observers import expert_output_observers
@@ -498,10 +498,10 @@ class HybridExperts:
         for i in order:
             pool = self.pools[_geometry(self.layers[i])]
             self.hybrid_layers[i] = moes[i].backend = HybridLayer(self, i, moes[i].source, pool)
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="hybrid-cpu")
+        self.worker = ThreadPoolExecutor(1, "hybrid-cpu", omp_team.name_thread, ("hybrid-cpu",))
         biggest = max(lay.record_bytes for lay in self.layers.values())
         self.staging = Staging(max(STAGING_BYTES, biggest)) if self.device.type == "cuda" else None
-        self.copier = ThreadPoolExecutor(1, thread_name_prefix="hybrid-copy")
+        self.copier = ThreadPoolExecutor(1, "hybrid-copy", omp_team.serial, ("hybrid-copy",))
         # a batch that copies a layer whole starts the next layer's whole copy on its own stream (the next is
         # then likely copied whole too): the copies run back to back instead of between the layers' work
         self.next_layer = dict(zip(order, [self.hybrid_layers[i] for i in order[1:]], strict=False))
@@ -509,8 +509,6 @@ class HybridExperts:
         self._prefetched: dict[int, tuple[list[torch.Tensor], Any]] = {}
         # the CPU side's kernel threads: one core left to the thread that launches the GPU's work
         self.cpu_threads = max(1, torch.get_num_threads() - (self.device.type == "cuda"))
-        # a decode step's CPU share: the worker, all cores (one region's threads spin, so they leave one)
-        self.step_threads = torch.get_num_threads()
         self.exchange: Exchange | None = None  # the decode steps' mailbox, made at the first step
         self.batch_call = False  # the forward call under way routes a batch (set at its first routed layer)
         self._step_job: Future | None = None  # the worker serving the decode step under way
@@ -518,6 +516,8 @@ class HybridExperts:
         if profile is not None:
             self._seed(profile, order)
         self.rates = rates or measure_rates(self, next(iter(self.hybrid_layers.values())))
+        if cuda:  # the libraries the model's thread lets its OpenMP team go in (``begin_step``)
+            omp_team.find()
         self.step_region = os.environ.get(STEP_REGION) == "1"
         if self.step_region:  # compiled now: the first step's device would give up waiting
             ex = self._exchange_for(model.n_expert_used, model.n_embd)
@@ -899,6 +899,7 @@ class HybridExperts:
         this step's layers. Returns ``x``."""
         self.finish_step()
         t0 = time.perf_counter()
+        omp_team.release()  # the model's thread's team (made by a load or a CPU product) would slow the worker's
         self._settle()
         self._publish()
         self._step_job = self.worker.submit(self._serve_step, self.exchange)
@@ -927,7 +928,7 @@ class HybridExperts:
         steps), write their sum, then the answer's flag (which releases the device): a kernel call per layer
         (encoded records) or the host backend's, or with ``FORGE_HYBRID_STEP_REGION=1`` the whole step in one
         parallel region (``runtime.cpu_step``; experimental: its one GPU run so far was slower)."""
-        threads = self.step_threads - (ex.kernel is not None)
+        threads = self.cpu_threads
         cpu_kernels.use_threads(threads)
         k, s = ex.k, self._stats
         for per in (s.step_cpu_calls, s.step_cpu_seconds_by_misses):
