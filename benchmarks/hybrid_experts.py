@@ -32,8 +32,6 @@ router's. A synthesized file's own routers are random: they choose with no local
 routes (llama.cpp copies only the experts a batch activates, so its prefill depends on how many that is).
 
 ``FORGE_Q8_ACTIVATIONS=1`` gives the hybrid rows' CPU side 8-bit activations (``--q8-activations``).
-``FORGE_HYBRID_STEP_REGION=1`` serves each decode step's CPU side in one parallel region (``runtime.cpu_step``);
-the note then gives the share of its work items that its busiest thread did.
 
 Without CUDA the GPU rows are skipped with a note and the forge rows run on the CPU (``CPU, mapped file``:
 every expert computed by the CPU kernels from the mapped file; ``SSD streaming``). ``--cold`` drops the file
@@ -357,12 +355,6 @@ def row_hybrid(
         if "fixed_us" in by_misses:
             r["note"] += (
                 f"; a CPU call {by_misses['fixed_us']} us + {by_misses['per_expert_us']} us per missed expert"
-            )
-        region = h.exchange.kernel if h.exchange is not None else None
-        if region is not None:  # FORGE_HYBRID_STEP_REGION=1: how evenly the region's threads shared the work
-            r["region_busiest_share"] = round(region.busiest_share, 3)
-            r["note"] += (
-                f"; one region a step, its busiest thread did {region.busiest_share:.0%} of the items"
             )
         return r
     finally:

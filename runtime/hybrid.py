@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from forge.errors import ForgeError
-from runtime import cpu_kernels, cpu_step, host_pin, omp_team
+from runtime import cpu_kernels, host_pin, omp_team
 from runtime.backends import cpu_backend, cuda_backend, cuda_graph, host_wait, torch_backend
 from runtime.experts import Component, LayerExperts
 from runtime.observers import expert_output_observers
@@ -72,9 +72,6 @@ ADMIT_MARGIN = 1.0
 #: 55.2% at 128 (nearly never halving), with 44% fewer admissions at 32 than at 8; 32 keeps most of the gain
 #: and still follows a shift in routing
 POLICY_WINDOW = 32
-#: set to 1, a decode step's CPU side runs in one parallel region (``runtime.cpu_step``) instead of a kernel
-#: call per layer; experimental: its one GPU run (session 27) took ~320 us a missed expert against ~31
-STEP_REGION = "FORGE_HYBRID_STEP_REGION"
 
 
 @dataclass
@@ -423,7 +420,6 @@ class Exchange:
         self.done = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
         self.fault = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
         self.step = torch.zeros(1, dtype=torch.int32, device=device)
-        self.kernel: cpu_step.DecodeStep | None = None  # the CPU side's one region, when its layers allow it
 
 
 class HybridExperts:
@@ -518,11 +514,6 @@ class HybridExperts:
         self.rates = rates or measure_rates(self, next(iter(self.hybrid_layers.values())))
         if cuda:  # the libraries the model's thread lets its OpenMP team go in (``begin_step``)
             omp_team.find()
-        self.step_region = os.environ.get(STEP_REGION) == "1"
-        if self.step_region:  # compiled now: the first step's device would give up waiting
-            ex = self._exchange_for(model.n_expert_used, model.n_embd)
-            if ex.kernel is not None:
-                self.worker.submit(ex.kernel.warm).result()
 
     def _pin(self) -> host_pin.PinnedRanges | None:
         """Page-lock the mapped file's routed experts (layers held in host memory, not streamed through a
@@ -885,12 +876,6 @@ class HybridExperts:
             self.finish_step()
             layers = [self.hybrid_layers[i] for i in sorted(self.hybrid_layers)]
             ex = self.exchange = Exchange(layers, k, n_embd, self.device)
-            records = [lay.encoded for lay in layers]
-            if self.step_region and cpu_step.DecodeStep.fits(records):
-                ex.kernel = cpu_step.DecodeStep(
-                    records, ex.mail.numpy(), ex.posted.numpy(), ex.done.numpy(), ex.result.numpy(), self.slot_of,
-                    ex.bases, k,
-                )  # fmt: skip
         return ex
 
     def begin_step(self, x: torch.Tensor) -> torch.Tensor:
@@ -926,17 +911,11 @@ class HybridExperts:
         """The CPU worker's decode step: per routed layer in order, wait for its routing in the mailbox, compute
         the missed pairs on the CPU (the slot table is the one the device looks up: it changes only between
         steps), write their sum, then the answer's flag (which releases the device): a kernel call per layer
-        (encoded records) or the host backend's, or with ``FORGE_HYBRID_STEP_REGION=1`` the whole step in one
-        parallel region (``runtime.cpu_step``; experimental: its one GPU run so far was slower)."""
-        threads = self.cpu_threads
-        cpu_kernels.use_threads(threads)
+        (encoded records) or the host backend's."""
+        cpu_kernels.use_threads(self.cpu_threads)
         k, s = ex.k, self._stats
         for per in (s.step_cpu_calls, s.step_cpu_seconds_by_misses):
             per.extend([0] * (k + 1 - len(per)))
-        if ex.kernel is not None:
-            if ex.kernel.serve(max(1, threads), host_wait.CPU_TIMEOUT):
-                self._count_step(ex, ex.kernel.missed, ex.kernel.stamps * 1e-9)
-            return
         posted, done, mail, result = ex.posted.numpy(), ex.done.numpy(), ex.mail.numpy(), ex.result.numpy()
         missed, stamps = np.zeros(len(ex.layers), np.int64), np.zeros((len(ex.layers), 2))
         zeros = np.zeros(ex.n_embd, np.float32)
