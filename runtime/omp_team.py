@@ -1,14 +1,14 @@
-"""Let go of the calling thread's OpenMP team.
+"""OpenMP teams: let go of the calling thread's (``release``), or never make one (``serial``).
 
-A thread that has run a parallel region (a numba kernel, a torch CPU product) keeps its team's threads for good,
-asleep between regions. libgomp counts every team's threads, and while they outnumber the cores it has each
-team's threads sleep between its regions instead of spinning for the next one: on the 16-core H200 host, with
-the main thread's team beside the hybrid worker's, an empty region on the worker cost ~42 us instead of ~8,
-and a decode layer's CPU call (two regions) ~100 us more (``benchmarks/hybrid_cpu_step.py --main-team torch``
-against ``none``, session 28). The main thread of a GPU run gets its team while the model loads; ``release``
-frees it: OpenMP 5's ``omp_pause_resource_all`` on a thread outside any region frees that thread's team (the
-next region on it makes a new one). Each loaded libgomp is asked (torch's wheel may carry its own), the ones
-loaded when ``find`` last looked."""
+A thread that has run a parallel region (a numba kernel, a torch CPU product) keeps its team's threads for good.
+libgomp counts every team's threads, and while they outnumber the cores it has each team's threads sleep
+between its regions instead of spinning for the next one. The hybrid executor's CPU worker opens two regions
+a decode layer; with the model thread's team (made while the model loads) beside the worker's, on the 16-core
+H200 host an empty region on the worker cost ~35 us instead of ~7, and a layer's CPU call ~150-170 us + ~30
+per missed expert instead of ~65-80 + ~30 (decode at 4 GiB, trace routing: 60-64 -> 71-81 tok/s, session 28,
+``benchmarks/hybrid_cpu_step.py --main-team torch|released`` and ``hybrid_experts.py``). ``release`` uses
+OpenMP 5's ``omp_pause_resource_all``, which frees the team of a thread outside any region (its next region
+makes a new one), in each libgomp loaded when ``find`` last looked (torch's wheel may carry its own)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ def name_thread(name: str) -> None:
 
 
 def serial(name: str) -> None:
-    """Name the calling thread ``name`` and have its torch CPU work run on it alone, with no OpenMP team: a
+    """Name the calling thread ``name`` and have its torch CPU work (copies, indexing, elementwise: ATen's own
+    loops; MKL's products keep their own thread count) run on it alone, with no OpenMP team: a
     ``ThreadPoolExecutor`` initializer for a helper thread whose copies need not be spread over the cores."""
     name_thread(name)
     if not _set_threads:

@@ -58,9 +58,9 @@ def test_release_ends_the_calling_threads_team() -> None:
 
 def test_a_serial_thread_makes_no_team() -> None:
     with ThreadPoolExecutor(1, initializer=omp_team.serial, initargs=("forge-omp-b",)) as pool:
-        pool.submit(_product).result()
         a, b = torch.ones(4 << 20), torch.empty(4 << 20)
         pool.submit(b.copy_, a).result()
+        pool.submit(torch.add, a, b).result()
         time.sleep(0.2)
         assert _named("forge-omp-b") == 1
         assert torch.equal(a, b)
