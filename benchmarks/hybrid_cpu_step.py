@@ -1,7 +1,7 @@
 """The CPU side of a hybrid decode step, with a thread standing in for the GPU, and the main thread's OpenMP team.
 
     python benchmarks/hybrid_cpu_step.py [--threads 1,8,15,16] [--misses 1,4,8] [--layers 6] [--experts 256]
-        [--gap-us 100] [--reps 20] [--main-team torch|released|numba|none] [--json OUT]
+        [--gap-us 100] [--reps 20] [--main-team torch|released|numba|none] [--hot] [--json OUT]
 
 A worker thread serves the decode steps' layers as ``runtime.hybrid``'s does (one thread for the whole run,
 so its OpenMP team is made once): per layer, wait for the stand-in device's post in the mailbox, compute the
@@ -9,7 +9,8 @@ missed experts with a kernel call (``cpu_kernels.routed_ffn_into``), write the a
 posts a layer's routing ``--gap-us`` after the last answer (the GPU's share of a layer: ~100 us on the H200 at
 4 GiB), ``--misses`` of its 8 experts missed. Experts: Qwen3.6-35B-A3B's geometry (2048 x 512, Q4_K bytes with
 small random values), ``--layers`` x ``--experts`` of them, so that the rows come from memory as a decode
-step's do. Per thread count and misses: the median over ``--reps`` steps of a layer's CPU time, post seen to
+step's do (``--hot``: the same 8 experts of each layer every step, their rows then in the CPU's caches: what
+is left of a call's cost is not its reads from memory). Per thread count and misses: the median over ``--reps`` steps of a layer's CPU time, post seen to
 answer written (us), a least-squares line through them (a call's fixed cost and each missed expert's), and
 the cost of an empty numba parallel region on the worker (a kernel call opens two).
 
@@ -62,14 +63,14 @@ def _empty(n: int, a: np.ndarray) -> None:
 class Bench:
     """The layers' records, the mailbox and the worker: ``step(threads, misses)`` serves one decode step."""
 
-    def __init__(self, layers: int, experts: int, gap_us: float) -> None:
+    def __init__(self, layers: int, experts: int, gap_us: float, hot: bool = False) -> None:
         rng = self.rng = np.random.default_rng(0)
         parts = ((N_FF, N_EMBD), (N_FF, N_EMBD), (N_EMBD, N_FF))  # gate, up, down: (rows, columns)
         self.records = [
             EncodedExperts(*(a for rows, cols in parts for a in (_q4_k(rng, experts, rows, cols), Q.Q4_K)))
             for _ in range(layers)
         ]
-        self.layers, self.experts, self.gap = layers, experts, gap_us * 1e-6
+        self.layers, self.experts, self.gap, self.hot = layers, experts, gap_us * 1e-6, hot
         self.mail = np.zeros((layers, 2 * K + N_EMBD), np.float32)
         self.result = np.zeros((layers, N_EMBD), np.float32)
         self.posted, self.done = np.zeros(layers, np.int64), np.zeros(layers, np.int64)
@@ -99,7 +100,7 @@ class Bench:
             t = time.perf_counter()
             while time.perf_counter() - t < self.gap:
                 time.sleep(0)  # the GIL let go, as while a GPU computes
-            ids = self.rng.choice(self.experts, K, replace=False)
+            ids = np.arange(K) if self.hot else self.rng.choice(self.experts, K, replace=False)
             self.missed[i * self.experts + ids] = False
             self.missed[i * self.experts + ids[:misses]] = True
             self.mail[i, :K], self.mail[i, K : 2 * K], self.mail[i, 2 * K :] = ids, 0.1, 1.0
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gap-us", type=float, default=100.0)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--main-team", choices=("torch", "released", "numba", "none"), default="torch")
+    ap.add_argument("--hot", action="store_true")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.main_team == "released":
         omp_team.find()
         omp_team.release()
-    bench = Bench(args.layers, args.experts, args.gap_us)
+    bench = Bench(args.layers, args.experts, args.gap_us, args.hot)
     rows = []
     for t in threads:
         empty = bench.empty_region_us(t)

@@ -43,5 +43,7 @@ def test_cpu_step_benchmark_times_the_worker(tmp_path: Path) -> None:
     assert [r["threads"] for r in rows] == [1, 2]
     assert all(set(r["layer_us"]) == {"1", "2"} and min(r["layer_us"].values()) > 0 for r in rows)
     assert all(r["empty_region_us"] > 0 and "per_expert_us" in r for r in rows)
+    assert hybrid_cpu_step.main([*args[2:], "--threads", "1", "--hot", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["args"]["hot"] is True
     with pytest.raises(SystemExit, match="misses are 1..8"):
         hybrid_cpu_step.main(["--misses", "9"])
