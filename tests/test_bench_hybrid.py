@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from runtime.hybrid import HybridStats
@@ -47,3 +48,17 @@ def test_cpu_step_benchmark_times_the_worker(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["args"]["hot"] is True
     with pytest.raises(SystemExit, match="misses are 1..8"):
         hybrid_cpu_step.main(["--misses", "9"])
+
+
+def test_policy_bounds() -> None:
+    policy = load("hybrid_policy")
+    # one slot: the clairvoyant pool keeps 1 (needed again before 2 or 3 are), then has nothing worth admitting
+    assert policy._belady_hits(np.array([1, 2, 3, 1, 2, 3]), np.array([1])) == 2
+    # 2 admitted at its first use (needed before 1), 1 admitted back: a hit at each one's second use
+    assert policy._belady_hits(np.array([2, 2, 1, 1]), np.array([1])) == 2
+    rng = np.random.default_rng(0)
+    seq = policy.SEQUENCE
+    n = (seq.warmup_prefills + 1 + seq.reps) * seq.pp + seq.warmup + seq.reps * seq.tg
+    table = [rng.zipf(1.5, (n, 2)).clip(max=31) for _ in range(3)]  # popular low ids, as a trained router's
+    got = policy.bounds(table, slots=12, experts=32)
+    assert 0 < got["learned"] <= got["oracle"] and got["learned"] <= got["belady"] <= 1
