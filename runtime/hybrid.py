@@ -884,7 +884,8 @@ class HybridExperts:
         this step's layers. Returns ``x``."""
         self.finish_step()
         t0 = time.perf_counter()
-        omp_team.release()  # the model's thread's team (made by a load or a CPU product) would slow the worker's
+        if self.device.type == "cuda":  # the model thread's team (made by the load) would slow the worker's
+            omp_team.release()
         self._settle()
         self._publish()
         self._step_job = self.worker.submit(self._serve_step, self.exchange)
