@@ -936,17 +936,11 @@ ITEMS_PER_THREAD = 4
 
 def expert_chunks(ff_rows: int, n_out: int, threads: int) -> tuple[int, int]:
     """Rows of a parallel work item in a one-token expert call's gate/up product (``ff_rows``: experts x n_ff
-    rows) and down product (``n_out`` rows), see ``work_chunk``."""
-    return work_chunk(ff_rows, threads), work_chunk(n_out, threads)
-
-
-@njit(nogil=True, cache=True)
-def work_chunk(rows: int, threads: int) -> int:
-    """Rows of a work item when ``threads`` share ``rows``: about ``ITEMS_PER_THREAD`` items per thread, 4 to
-    ``_ROW_CHUNK`` rows. A decode step's few experts are too few rows for every thread at ``_ROW_CHUNK`` (one
-    expert's 512 gate/up rows were 8 items on 16 threads) and the threads take equal shares of the items."""
+    rows) and down product (``n_out`` rows): about ``ITEMS_PER_THREAD`` items per thread, 4 to ``_ROW_CHUNK``
+    rows. A decode step's few experts are too few rows for every thread at ``_ROW_CHUNK`` (one expert's
+    512 gate/up rows were 8 items on 16 threads) and the threads take equal shares of the items."""
     per = ITEMS_PER_THREAD * max(1, threads)
-    return max(4, min(_ROW_CHUNK, (rows + per - 1) // per))
+    return tuple(max(4, min(_ROW_CHUNK, -(-n // per))) for n in (ff_rows, n_out))  # type: ignore[return-value]
 
 
 def routed_ffn_batch(
