@@ -5,8 +5,8 @@
 
 A worker thread serves the decode steps' layers as ``runtime.hybrid``'s does (one thread for the whole run,
 so its OpenMP team is made once): per layer, wait for the stand-in device's post in the mailbox, compute the
-missed experts with a kernel call (``cpu_kernels.routed_ffn_into``), write the answer. The stand-in device
-posts a layer's routing ``--gap-us`` after the last answer (the GPU's share of a layer: ~100 us on the H200 at
+missed experts with a kernel call (``hybrid.answer_missed``, the executor's own), write the answer. The
+stand-in device posts a layer's routing ``--gap-us`` after the last answer (the GPU's share of a layer: ~100 us on the H200 at
 4 GiB), ``--misses`` of its 8 experts missed. Experts: Qwen3.6-35B-A3B's geometry (2048 x 512, Q4_K bytes with
 small random values), ``--layers`` x ``--experts`` of them, so that the rows come from memory as a decode
 step's do (``--hot``: the same 8 experts of each layer every step, their rows then in the CPU's caches: what
@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from numba import njit, prange  # noqa: E402
 
 from runtime import cpu_kernels, omp_team  # noqa: E402
-from runtime.cpu_kernels import EncodedExperts, routed_ffn_into  # noqa: E402
+from runtime.cpu_kernels import EncodedExperts  # noqa: E402
+from runtime.hybrid import answer_missed  # noqa: E402
 from runtime.synth import random_blocks  # noqa: E402
 
 N_EMBD, N_FF, K = 2048, 512, 8
@@ -89,9 +90,7 @@ class Bench:
             t0 = time.perf_counter_ns()
             ids = self.mail[i, :K].astype(np.int64)
             miss = np.flatnonzero(self.missed[i * self.experts + ids])
-            act = np.empty((miss.size, N_FF), np.float32)
-            w = self.mail[i, K : 2 * K][miss]
-            routed_ffn_into(self.mail[i, 2 * K :], ids[miss], w, self.records[i], zeros, act, self.result[i])
+            answer_missed(self.mail[i], ids, miss, self.records[i], zeros, self.result[i])
             self.stamps[i] = t0, time.perf_counter_ns()
             self.done[i] = gen
 

@@ -931,18 +931,15 @@ class HybridExperts:
                 ids = mail[i, :k].astype(np.int64)
                 miss = np.flatnonzero(self.slot_of[layer.base + ids] < 0)
                 missed[i] = miss.size
-                if miss.size:
-                    x, w = mail[i, 2 * k :], mail[i, k : 2 * k][miss]
-                    if layer.encoded is not None:
-                        act = np.empty((miss.size, layer.encoded.n_ff), np.float32)
-                        cpu_kernels.routed_ffn_into(x, ids[miss], w, layer.encoded, zeros, act, result[i])
-                    else:
-                        result[i] = layer.host_backend.routed_ffn(
-                            torch.from_numpy(x)[None], torch.from_numpy(ids[miss])[None],
-                            torch.from_numpy(w)[None], layer.host, _NO_TAPS,
-                        ).numpy()[0]  # fmt: skip
-                else:
+                if not miss.size:
                     result[i] = 0.0
+                elif layer.encoded is not None:
+                    answer_missed(mail[i], ids, miss, layer.encoded, zeros, result[i])
+                else:
+                    result[i] = layer.host_backend.routed_ffn(
+                        torch.from_numpy(mail[i, 2 * k :])[None], torch.from_numpy(ids[miss])[None],
+                        torch.from_numpy(mail[i, k : 2 * k][miss])[None], layer.host, _NO_TAPS,
+                    ).numpy()[0]  # fmt: skip
                 stamps[i, 1] = time.perf_counter()
                 done[i] = posted[i]
         self._count_step(ex, missed, stamps)
@@ -1225,6 +1222,15 @@ def _finished(copied: Any, wait: bool = False) -> bool:
 
 
 @torch.inference_mode()  # as the model's forward pass (the mode is per thread)
+def answer_missed(row: np.ndarray, ids: np.ndarray, miss: np.ndarray, records: cpu_kernels.EncodedExperts,
+                  h: np.ndarray, out: np.ndarray) -> None:  # fmt: skip
+    """A decode step's CPU answer to one mailbox row (k ids, k weights, the input; ``ids`` its ids as int64):
+    ``out`` = h + the weighted sum of the pairs at positions ``miss``, computed from the encoded ``records``."""
+    k = ids.size
+    act = np.empty((miss.size, records.n_ff), np.float32)
+    cpu_kernels.routed_ffn_into(row[2 * k :], ids[miss], row[k : 2 * k][miss], records, h, act, out)
+
+
 def _stage_and_copy(pool: SlotPool, i: int, slot: int, layer: HybridLayer, expert: int, queued: Any) -> Any:
     """The copier thread: expert ``expert``'s record from host memory into staging record ``i`` (pinned),
     then into ``slot`` on the pool's side stream after the kernels ``queued`` marks. Returns its event."""
