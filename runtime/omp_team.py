@@ -14,44 +14,38 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 OMP_PAUSE_HARD = 2
 PR_SET_NAME = 15
-_pause: list[Callable[[int], int]] = []
-_set_threads: list[Callable[[int], None]] = []
+_libs: list[ctypes.CDLL] = []  # the loaded libgomps with omp_pause_resource_all, as ``find`` last saw them
 
 
 def find() -> int:
-    """Look up ``omp_pause_resource_all`` in every libgomp this process has loaded (the mapped files, now);
-    returns how many have it (libgomp from GCC 10 on)."""
+    """Look up every libgomp this process has loaded (the mapped files, now) that has
+    ``omp_pause_resource_all`` (libgomp from GCC 10 on); returns how many."""
     try:
         maps = Path("/proc/self/maps").read_text().splitlines()
     except OSError:  # not Linux
         maps = []
-    paths = sorted({line.split()[-1] for line in maps if "/libgomp" in line})
-    pause, set_threads = [], []
-    for path in paths:
+    libs = []
+    for path in sorted({line.split()[-1] for line in maps if "/libgomp" in line}):
         try:
             lib = ctypes.CDLL(path)
-            fn, count = lib.omp_pause_resource_all, lib.omp_set_num_threads
+            lib.omp_pause_resource_all, lib.omp_set_num_threads  # noqa: B018  # both there, or skip it
         except (OSError, AttributeError):
             continue
-        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-        count.argtypes, count.restype = [ctypes.c_int], None
-        pause.append(fn)
-        set_threads.append(count)
-    _pause[:], _set_threads[:] = pause, set_threads
-    return len(pause)
+        libs.append(lib)
+    _libs[:] = libs
+    return len(libs)
 
 
 def release() -> None:
     """Free the calling thread's OpenMP team in each library ``find`` found (nothing where it has none)."""
-    for fn in _pause:
-        fn(OMP_PAUSE_HARD)
+    for lib in _libs:
+        lib.omp_pause_resource_all(OMP_PAUSE_HARD)
 
 
 def name_thread(name: str) -> None:
@@ -66,8 +60,8 @@ def serial(name: str) -> None:
     loops; MKL's products keep their own thread count) run on it alone, with no OpenMP team: a
     ``ThreadPoolExecutor`` initializer for a helper thread whose copies need not be spread over the cores."""
     name_thread(name)
-    if not _set_threads:
+    if not _libs:
         find()
     torch.get_num_threads()  # torch sets a thread's OpenMP count at the thread's first use of it: before ours
-    for fn in _set_threads:
-        fn(1)
+    for lib in _libs:
+        lib.omp_set_num_threads(1)
