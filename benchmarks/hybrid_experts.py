@@ -342,9 +342,7 @@ def row_hybrid(
               "decode_cpu_kernel_us_by_misses": by_misses}  # fmt: skip
         # the process's threads by name: an OpenMP team's threads take the name of the thread that made it
         # (``hybrid-cpu``: the worker's; the model thread's and the copier's should be gone)
-        r["threads_by_name"] = dict(collections.Counter(
-            (Path("/proc/self/task") / t / "comm").read_text().strip() for t in os.listdir("/proc/self/task")
-        ).most_common())  # fmt: skip
+        r["threads_by_name"] = dict(collections.Counter(name for name, _ in cpu1.values()).most_common())
         r["note"] = (
             f"pool {h.capacity} experts, GPU hits {s.hit_rate:.0%} (decode {r['decode_hit_rate']:.0%}), "
             f"{s.bytes_uploaded / 1e6:,.0f} MB uploaded; a decode layer {r['decode_layer_us']['whole']} us: "
