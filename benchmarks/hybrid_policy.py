@@ -90,7 +90,7 @@ def bounds(table: list, slots: int, experts: int) -> dict:
     before = np.arange(start) % n
     steps = (start + np.arange(SEQUENCE.reps * SEQUENCE.tg)) % n
     per = slots // len(table)
-    hits = dict.fromkeys(("learned", "oracle", "belady"), 0)
+    hits, total = dict.fromkeys(("learned", "oracle", "belady"), 0), 0
     for t in table:
         seq = t[steps].reshape(-1)
         learned = np.argsort(np.bincount(t[before].reshape(-1), minlength=experts), kind="stable")[::-1][:per]
@@ -98,7 +98,7 @@ def bounds(table: list, slots: int, experts: int) -> dict:
         hits["learned"] += int(np.isin(seq, learned).sum())
         hits["oracle"] += int(np.isin(seq, oracle).sum())
         hits["belady"] += _belady_hits(seq, learned)
-    total = sum(t[steps].size for t in table)
+        total += seq.size
     return {k: round(v / total, 4) for k, v in hits.items()}
 
 
