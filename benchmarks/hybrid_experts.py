@@ -3,7 +3,7 @@
     python benchmarks/hybrid_experts.py FILE.gguf [--caches-gib 1,4,8] [--stream-gib 4]
         [--routing trace,uniform,file] [--trace-model DIR|GGUF] [--text FILE] [--trace-tokens 2048]
         [--pp 512] [--tg 64] [--reps 2] [--warmup 64] [--warmup-prefills 2] [--threads N] [--profile PROFILE.json]
-        [--llama-bench PATH] [--cold] [--host-cache-gib G] [--read-threads 4] [--rows resident,hybrid,streaming,llama]
+        [--llama-bench PATH] [--cold] [--host-cache-gib G] [--read-threads 4] [--read-chunk-kb 0] [--rows resident,hybrid,streaming,llama]
         [--layers N] [--json OUT] [--cprofile DIR]
 
 FILE is e.g. the Qwen3.6-35B-A3B-geometry Q4_K file; when absent it is written
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import cProfile
 import gc
 import json
@@ -68,7 +69,7 @@ from streaming import drop_cache, read_ceiling  # noqa: E402
 
 from runtime import cpu_kernels, hybrid  # noqa: E402
 from runtime.backends import triton_launch  # noqa: E402
-from runtime.experts import ExpertCache  # noqa: E402
+from runtime.experts import READ_CHUNK, ExpertCache  # noqa: E402
 from runtime.layers import rms_norm_row  # noqa: E402
 from runtime.models import build_model  # noqa: E402
 from runtime.planner import geometry  # noqa: E402
@@ -297,8 +298,9 @@ def row_hybrid(
         slot = max(lay.record_bytes for lay in layers.values())
         n = max(len(layers) * used + 1, int(host_gib * GIB) // slot)
         w.expert_cache = ExpertCache(
-            path, layers, n, used, "lfu", "cpu", drop_pages=True, read_threads=args.read_threads
-        )
+            path, layers, n, used, "lfu", "cpu", drop_pages=True, read_threads=args.read_threads,
+            read_chunk=args.read_chunk_kb << 10,
+        )  # fmt: skip
         counter = lambda: w.expert_cache.stats.bytes_read  # noqa: E731
         drop_cache(path)
     model = build_model(w)
@@ -312,6 +314,8 @@ def row_hybrid(
         def before_tg() -> None:
             warm.append(h.stats.snapshot())
             cpu0.update(thread_cpu())
+            if host_gib:
+                warm.append(copy.copy(w.expert_cache.stats))
 
         r = timed(model, routing, "cuda", args, path, counter, before_tg)
         cpu1 = thread_cpu()
@@ -333,6 +337,14 @@ def row_hybrid(
               "pin_seconds": round(h.pinned.seconds, 2) if h.pinned else 0, "rates": vars(h.rates) if hasattr(h.rates, "__dict__") else str(h.rates),
               "stats": s.to_json()}  # fmt: skip
         by_misses = _cpu_by_misses(t)
+        if host_gib:  # the host cache in the timed decode: its hits, and its reads' time and rate
+            c0, c1, n = warm[1], w.expert_cache.stats, args.reps * args.tg
+            secs, got = c1.read_seconds - c0.read_seconds, c1.bytes_read - c0.bytes_read
+            r["host_cache_decode"] = {
+                "hit_rate": round((c1.hits - c0.hits) / max(c1.lookups - c0.lookups, 1), 4),
+                "read_ms_per_token": round(secs / n * 1e3, 2),
+                "read_gb_s": round(got / secs / 1e9, 3) if secs else None,
+            }
         us = 1e6 / max(t.step_layers, 1)
         r |= {"decode_hit_rate": round(t.step_hit_rate, 4),
               "decode_layer_us": {"device": round(t.step_device_seconds * us, 1),
@@ -489,6 +501,12 @@ def main() -> None:
     ap.add_argument(
         "--read-threads", type=int, default=4, help="the host cache's reads in flight (a job per expert part)"
     )
+    ap.add_argument(
+        "--read-chunk-kb",
+        type=int,
+        default=READ_CHUNK >> 10,
+        help="the most KiB of one of its reads (0: a part)",
+    )
     ap.add_argument("--routing", default="trace,uniform")
     ap.add_argument("--trace-model", type=Path, default=ROOT / "examples" / "tiny-qwen3moe")
     ap.add_argument("--text", type=Path, default=FIXTURES / "text" / "val.txt")
@@ -575,6 +593,9 @@ def main() -> None:
                     r["note"] = (f"{r['tg_bytes_read_per_token'] / 1e6:,.1f} MB read per token; bound (read / "
                                  f"disk + compute of the cached row) {r['expected_tg']} tok/s, ratio "
                                  f"{r['expected_tg'] / r['tg']:.2f}" if r["expected_tg"] and cached else "")  # fmt: skip
+                    c = r["host_cache_decode"]
+                    r["note"] += (f"; host cache hits {c['hit_rate']:.0%}, reads {c['read_ms_per_token']} ms a "
+                                  f"token at {c['read_gb_s']} GB/s")  # fmt: skip
                 rows.append(r)
     else:
         notes.append(

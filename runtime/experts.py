@@ -264,6 +264,18 @@ class GroupedExperts(Sequence[torch.Tensor]):
         return (self[i] for i in range(len(self.ids)))
 
 
+#: the most bytes of one read of a missed expert (``ExpertCache.read_chunk``)
+READ_CHUNK = 0
+
+
+def _chunks(part: tuple[int, int, int, int], chunk: int) -> list[tuple[int, int, int, int]]:
+    """One item of ``LayerExperts.reads`` as reads of at most ``chunk`` bytes each (0: the whole item)."""
+    start, step, n, dst = part
+    if chunk <= 0 or n <= chunk:
+        return [part]
+    return [(start + o, step, min(chunk, n - o), dst + o) for o in range(0, n, chunk)]
+
+
 class ExpertCache:
     """A bounded cache of whole routed experts, filled from the file with positional reads."""
 
@@ -278,10 +290,12 @@ class ExpertCache:
         slab_device: str | torch.device | None = None,
         drop_pages: bool = False,
         read_threads: int = 4,
+        read_chunk: int = READ_CHUNK,
     ) -> None:
         """``drop_pages``: evict every range read from the OS page cache again (benchmarks: each miss then
         costs a device read, as on a machine whose RAM cannot cache the file). ``read_threads``: preads
-        in flight at once for one request's misses."""
+        in flight at once for one request's misses; ``read_chunk``: the most bytes of one of them (0: a
+        whole part), so that one missed expert's reads keep that many in flight."""
         self._fd = -1
         self._readers: ThreadPoolExecutor | None = None
         self.drop_pages = drop_pages
@@ -321,6 +335,8 @@ class ExpertCache:
         self.slot_of: dict[int, int] = {}
         self.filled = 0
         self.policy = POLICIES[policy](self.capacity, total)
+        #: keys another cache holds (a hybrid run's GPU pool): evicted first, so that the two hold different experts
+        self.elsewhere = np.zeros(total, bool)
         self.stats = CacheStats()
         self._pending: dict[int, _Pending] = {}
         self._groups: dict[int, _Group] = {}
@@ -341,6 +357,7 @@ class ExpertCache:
         self.simulate = False  # benchmarks: fill the bookkeeping of misses without reading them
         #: preads in flight at once for the misses of one request
         self.read_threads = max(1, read_threads)
+        self.read_chunk = read_chunk
         self._fd = os.open(self.path, os.O_RDONLY)
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)  # expert reads are scattered: no readahead
 
@@ -400,8 +417,9 @@ class ExpertCache:
             if len(self._batch_stage) < len(misses):
                 self._batch_stage = self._host_rows(len(misses))
             rows = list(self._batch_stage.numpy()[: len(misses)])
-        # a job per part of each expert: as many reads in flight as there are threads
-        jobs = [(e, row, (part,)) for (e, _), row in zip(misses, rows, strict=True) for part in lay.reads]
+        # a job per chunk of each part of each expert: as many reads in flight as there are threads
+        pieces = [piece for part in lay.reads for piece in _chunks(part, self.read_chunk)]
+        jobs = [(e, row, (piece,)) for (e, _), row in zip(misses, rows, strict=True) for piece in pieces]
         if len(jobs) == 1 or self.read_threads == 1:
             reads = sum(self._pread(lay, *job) for job in jobs)
         else:
@@ -427,6 +445,9 @@ class ExpertCache:
     def _victim(self) -> int:
         """A slot for a miss of the model: never pinned or being read; reserved (prefetched for a coming
         layer) only when nothing else is left."""
+        gone = self.elsewhere[self.slot_key] & ~(self.pinned | self.loading) & (self.reserved_for < 0)
+        if gone.any():  # the least recently used of the experts another cache holds
+            return int(np.argmin(np.where(gone, self.policy.last_use, np.iinfo(np.int64).max)))
         while True:
             busy = self.pinned | self.loading
             slot = self.policy.victim(self.slot_key, busy | (self.reserved_for >= 0))

@@ -52,7 +52,7 @@ import torch
 from forge.errors import ForgeError
 from runtime import cpu_kernels, host_pin, omp_team
 from runtime.backends import cpu_backend, cuda_backend, cuda_graph, host_wait, torch_backend
-from runtime.experts import Component, LayerExperts
+from runtime.experts import Component, ExpertCache, LayerExperts
 from runtime.observers import expert_output_observers
 from runtime.weights import ExpertTensor
 
@@ -494,6 +494,7 @@ class HybridExperts:
         for i in order:
             pool = self.pools[_geometry(self.layers[i])]
             self.hybrid_layers[i] = moes[i].backend = HybridLayer(self, i, moes[i].source, pool)
+        self._host_cache, self._host_key = self._streamed_keys(order, n_keys)
         self.worker = ThreadPoolExecutor(1, "hybrid-cpu", omp_team.name_thread, ("hybrid-cpu",))
         biggest = max(lay.record_bytes for lay in self.layers.values())
         self.staging = Staging(max(STAGING_BYTES, biggest)) if self.device.type == "cuda" else None
@@ -514,6 +515,19 @@ class HybridExperts:
         self.rates = rates or measure_rates(self, next(iter(self.hybrid_layers.values())))
         if cuda:  # the libraries the model's thread lets its OpenMP team go in (``begin_step``)
             omp_team.find()
+
+    def _streamed_keys(self, order: list[int], n_keys: int) -> tuple[ExpertCache | None, np.ndarray]:
+        """The host expert cache that layers stream through (None: every layer in host memory), and per key
+        its key there (-1: a layer in host memory). What a pool holds is the host cache's first to go."""
+        cache, host_key = None, np.full(n_keys, -1, np.int64)
+        for i in order:
+            source = self.hybrid_layers[i].host
+            if source.kind == "streamed":
+                cache, base = source.cache, self.key_base[i]
+                host_key[base : base + self.layers[i].experts] = cache.key(i, 0) + np.arange(
+                    self.layers[i].experts
+                )
+        return cache, host_key
 
     def _pin(self) -> host_pin.PinnedRanges | None:
         """Page-lock the mapped file's routed experts (layers held in host memory, not streamed through a
@@ -709,6 +723,10 @@ class HybridExperts:
     def _place(self, pool: SlotPool, key: int, slot: int, copied: Any) -> None:
         """``key`` takes ``slot`` (its copy ``copied`` under way; the slot's expert evicted)."""
         old = pool.key[slot]
+        if self._host_cache is not None:  # streamed layers: the host cache keeps what the pool does not
+            for k, on_pool in ((old, False), (key, True)):
+                if k >= 0 and self._host_key[k] >= 0:
+                    self._host_cache.elsewhere[self._host_key[k]] = on_pool
         if old >= 0:
             self.slot_of[old] = -1
             self.held[old] = False

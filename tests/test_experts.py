@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import oracle
 import pytest
 import torch
@@ -327,3 +328,52 @@ def test_a_collected_cache_does_not_join_its_readers(
         cache._readers.submit(int).result()
         cache.__del__() if drop else cache.close()
     assert waits == [False, True]
+
+
+def test_experts_held_elsewhere_go_first(example_q8: Path) -> None:
+    """A miss takes the slot of an expert another cache holds (a hybrid run's GPU pool), the least recently
+    used of those, before the policy's own choice; with none marked, the policy's choice."""
+    w = GGUFWeights(example_q8)
+    layer = min(w.expert_layers())
+    lay, used = w.expert_layers()[layer], int(w.hparam("expert_used_count"))
+    assert lay.experts >= 9
+    cache = ExpertCache(w.path, {layer: lay}, used + 2, used, "lru")
+
+    def use(*ids: int) -> None:
+        cache.slots(layer, list(ids))
+        cache.release()
+
+    for e in range(used + 2):
+        use(e)
+    assert len(cache.slot_of) == cache.capacity
+    cache.elsewhere[[cache.key(layer, 4), cache.key(layer, 1)]] = True
+    use(6)
+    assert cache.key(layer, 1) not in cache.slot_of and cache.key(layer, 4) in cache.slot_of
+    use(7)
+    assert cache.key(layer, 4) not in cache.slot_of
+    use(8)  # nothing marked is left: the least recently used goes
+    assert cache.key(layer, 0) not in cache.slot_of and cache.key(layer, 2) in cache.slot_of
+    cache.close()
+
+
+@pytest.mark.parametrize("chunk", [0, 4096, 10_000])
+def test_reads_in_chunks_fill_the_same_bytes(example_q8: Path, chunk: int) -> None:
+    """``read_chunk`` splits each part of a missed expert into reads of at most that many bytes (0: one
+    read a part): the slot holds the same bytes either way."""
+    w = GGUFWeights(example_q8)
+    layers = w.expert_layers()
+    layer, used = max(layers), int(w.hparam("expert_used_count"))
+    lay = layers[layer]
+    cache = ExpertCache(w.path, {layer: lay}, used + 1, used, "lru", read_threads=3, read_chunk=chunk)
+    slots = cache.slots(layer, [1, 5])
+    cache.release()
+    raw = np.fromfile(w.path, np.uint8)
+    for e, slot in zip([1, 5], slots, strict=True):
+        for start, step, n, dst in lay.reads:
+            assert np.array_equal(
+                cache.slab[slot, dst : dst + n], raw[start + e * step : start + e * step + n]
+            )
+    parts = [n for _, _, n, _ in lay.reads]
+    assert cache.stats.reads == 2 * sum(-(-n // chunk) if chunk else 1 for n in parts)
+    assert chunk == 0 or max(parts) > chunk  # the chunked cases split something
+    cache.close()

@@ -589,6 +589,10 @@ def test_misses_streamed_through_a_host_expert_cache(example_q8: Path, rates: st
     s, c = h.stats, w.expert_cache.stats
     assert s.cpu_pairs > 0 and s.gpu_pairs > 0 and (s.upload_pairs > 0) == (rates == "always")
     assert c.misses > 0 and c.bytes_read == c.misses * layers[0].record_bytes
+    # the host cache knows what the pool holds (its first to go): the two hold different experts
+    pooled = {(i, e) for i in h.key_base for e in range(layers[i].experts) if h.held[h.key_base[i] + e]}
+    marked = {(i, e) for i in layers for e in range(layers[i].experts) if w.expert_cache.elsewhere[w.expert_cache.key(i, e)]}  # fmt: skip
+    assert pooled and marked == pooled
 
 
 def test_planned_hybrid_over_a_host_cache(example_q8: Path) -> None:
