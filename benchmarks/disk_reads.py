@@ -48,8 +48,8 @@ def measure(
         for _ in range(requests):
             layer = order[int(rng.integers(len(order)))]
             ids = rng.choice(layers[layer].experts, misses, replace=False).tolist()
-            cache.slots(layer, ids)
-            cache.release()
+            got = cache.slots(layer, ids)
+            cache.release(got)
         s = cache.stats
         return {"threads": threads, "chunk_kb": chunk >> 10, "misses": misses, "requests": requests,
                 "gb_s": round(s.bytes_read / s.read_seconds / 1e9, 3),

@@ -343,7 +343,8 @@ class ExpertCache:
         # prefetch bookkeeping, guarded by _lock (see runtime.prefetch)
         self._lock = threading.Lock()
         self._read_done = threading.Condition(self._lock)
-        self.pinned = np.zeros(self.capacity, bool)  # slots of the request being served
+        # per slot, the requests holding it (the model's, a hybrid run's copier): none is evicted while held
+        self.pinned = np.zeros(self.capacity, np.int32)
         self.loading = np.zeros(self.capacity, bool)  # slots the prefetcher is reading
         self.reserved_for = np.full(self.capacity, -1, np.int64)  # layer a prefetched slot waits for
         self.prefetched = np.zeros(self.capacity, bool)  # prefetched, not yet hit
@@ -445,11 +446,12 @@ class ExpertCache:
     def _victim(self) -> int:
         """A slot for a miss of the model: never pinned or being read; reserved (prefetched for a coming
         layer) only when nothing else is left."""
-        gone = self.elsewhere[self.slot_key] & ~(self.pinned | self.loading) & (self.reserved_for < 0)
+        free = (self.pinned == 0) & ~self.loading
+        gone = self.elsewhere[self.slot_key] & free & (self.reserved_for < 0)
         if gone.any():  # the least recently used of the experts another cache holds
             return int(np.argmin(np.where(gone, self.policy.last_use, np.iinfo(np.int64).max)))
         while True:
-            busy = self.pinned | self.loading
+            busy = (self.pinned > 0) | self.loading
             slot = self.policy.victim(self.slot_key, busy | (self.reserved_for >= 0))
             if not busy[slot] and self.reserved_for[slot] < 0:
                 return slot
@@ -469,7 +471,8 @@ class ExpertCache:
     def slots(self, layer: int, ids: list[int]) -> list[int]:
         """Slots holding experts ``ids`` of ``layer`` (distinct, at most ``capacity``), reading misses.
 
-        The slots stay pinned until :meth:`release`; :meth:`rows` does both under the lock.
+        The slots stay held until :meth:`release` of them (none if this fails). Callers hold the lock
+        (:meth:`held`, :meth:`rows`) or are alone (tests, benchmarks).
         """
         lay = self.layers[layer]
         if len(ids) > self.capacity:
@@ -478,7 +481,19 @@ class ExpertCache:
         if layer == self._first_layer and self.serving != layer:
             self._cycle_ticks = [self._cycle_ticks[1], self.policy.tick]
         self.serving = layer
-        out, misses = [], []
+        out: list[int] = []
+        try:
+            self._take(lay, base, ids, out)
+        except BaseException:
+            self.release(out)
+            raise
+        # this layer's prefetched experts have had their chance
+        self.reserved_for[(self.reserved_for >= 0) & (self.reserved_for <= layer)] = -1
+        return out
+
+    def _take(self, lay: LayerExperts, base: int, ids: list[int], out: list[int]) -> None:
+        """``slots``' lookups: each expert's slot held and appended to ``out``, then the misses read."""
+        misses = []
         for e in ids:
             key = base + e
             self.stats.lookups += 1
@@ -505,17 +520,15 @@ class ExpertCache:
                 misses.append((e, slot))
                 self.slot_key[slot] = key
                 self.slot_of[key] = slot
-            self.pinned[slot] = True
-            self.policy.use(slot, key)
+            self.pinned[slot] += 1
             out.append(slot)
+            self.policy.use(slot, key)
         if misses and not self.simulate:
             self._read_misses(lay, misses)
-        # this layer's prefetched experts have had their chance
-        self.reserved_for[(self.reserved_for >= 0) & (self.reserved_for <= layer)] = -1
-        return out
 
-    def release(self) -> None:
-        self.pinned[:] = False
+    def release(self, slots: list[int]) -> None:
+        """Let go of ``slots`` (as :meth:`slots` returned them)."""
+        self.pinned[slots] -= 1
 
     @contextmanager
     def held(self, layer: int, ids: list[int]) -> Iterator[tuple[np.ndarray, list[int]]]:
@@ -523,24 +536,21 @@ class ExpertCache:
         for the block: nothing is evicted or prefetched into them until it ends. Host slabs only."""
         assert self.slab_device is None, "a device slab has no host view"
         with self._lock:
-            try:
-                slots = self.slots(layer, ids)
-            except BaseException:
-                self.release()
-                raise
+            slots = self.slots(layer, ids)
         try:
             yield self.slab, slots
         finally:
             with self._lock:
-                self.release()
+                self.release(slots)
 
     def rows(self, layer: int, ids: list[int]) -> torch.Tensor:
         """(len(ids), slot_bytes) uint8 copies of the experts' records, on the cache's device."""
         with self._lock:
+            slots = self.slots(layer, ids)
             try:
-                rows = self._slab_t[self.slots(layer, ids)]  # a gathered copy: the slots may be reused next
+                rows = self._slab_t[slots]  # a gathered copy: the slots may be reused next
             finally:
-                self.release()
+                self.release(slots)
         return rows if rows.device == self.device else rows.to(self.device)
 
     def decode(
@@ -612,7 +622,7 @@ class ExpertCache:
                 self.filled += 1
             else:
                 busy = (
-                    self.pinned
+                    (self.pinned > 0)
                     | self.loading
                     | (self.reserved_for >= 0)
                     | np.isin(self.slot_key, self.protected_keys)

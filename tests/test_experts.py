@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -340,8 +341,7 @@ def test_experts_held_elsewhere_go_first(example_q8: Path) -> None:
     cache = ExpertCache(w.path, {layer: lay}, used + 2, used, "lru")
 
     def use(*ids: int) -> None:
-        cache.slots(layer, list(ids))
-        cache.release()
+        cache.release(cache.slots(layer, list(ids)))
 
     for e in range(used + 2):
         use(e)
@@ -366,7 +366,7 @@ def test_reads_in_chunks_fill_the_same_bytes(example_q8: Path, chunk: int) -> No
     lay = layers[layer]
     cache = ExpertCache(w.path, {layer: lay}, used + 1, used, "lru", read_threads=3, read_chunk=chunk)
     slots = cache.slots(layer, [1, 5])
-    cache.release()
+    cache.release(slots)
     raw = np.fromfile(w.path, np.uint8)
     for e, slot in zip([1, 5], slots, strict=True):
         for start, step, n, dst in lay.reads:
@@ -376,4 +376,29 @@ def test_reads_in_chunks_fill_the_same_bytes(example_q8: Path, chunk: int) -> No
     parts = [n for _, _, n, _ in lay.reads]
     assert cache.stats.reads == 2 * sum(-(-n // chunk) if chunk else 1 for n in parts)
     assert chunk == 0 or max(parts) > chunk  # the chunked cases split something
+    cache.close()
+
+
+def test_a_request_lets_go_of_its_own_slots_only(example_q8: Path) -> None:
+    """Two requests hold slots at once (a hybrid run's CPU side computing in the slab while its copier takes
+    records out): one's end leaves the other's slots held, so a miss cannot evict them; a failed request
+    holds nothing."""
+    w = GGUFWeights(example_q8)
+    layer = min(w.expert_layers())
+    lay, used = w.expert_layers()[layer], int(w.hparam("expert_used_count"))
+    cache = ExpertCache(w.path, {layer: lay}, used + 1, used, "lru")
+    with cache.held(layer, list(range(used))) as (_, computing):
+        cache.rows(layer, [used])  # the copier's request, while the CPU side computes
+        assert (cache.pinned[computing] == 1).all() and cache.pinned.sum() == used
+        with pytest.raises(ForgeError, match="at once"):
+            cache.rows(layer, list(range(used + 2)))
+        # the one slot not held is the only one a miss may take
+        cache.rows(layer, [used + 1])
+        assert all(cache.key(layer, e) in cache.slot_of for e in range(used))
+    assert not cache.pinned.any()
+    os.close(cache._fd)
+    cache._fd = os.open(os.devnull, os.O_RDONLY)  # every read now comes back empty
+    with pytest.raises(ForgeError, match="truncated"):
+        cache.rows(layer, [used + 2])
+    assert not cache.pinned.any()
     cache.close()

@@ -82,10 +82,11 @@ def test_prefetch_never_evicts_protected_or_pinned(files: dict[str, Path]) -> No
 
     w = GGUFWeights(files["canonical"])
     cache = ExpertCache(w.path, w.expert_layers(), FLOOR, USED)
+    held: list[int] = []
     with cache._lock:
         for layer, ids in ((1, range(FLOOR - USED)), (0, range(USED)), (1, [0, 1]), (0, range(USED))):
-            cache.release()
-            cache.slots(layer, list(ids))  # two routing cycles; the cache is full
+            cache.release(held)
+            held = cache.slots(layer, list(ids))  # two routing cycles; the cache is full
     # layer 0's experts stay pinned (as while being copied out); layer 1 routed to expert 0
     cache.protect(1, [0])
     cache.serving = 1
@@ -98,13 +99,12 @@ def test_prefetch_never_evicts_protected_or_pinned(files: dict[str, Path]) -> No
     assert len(fetched) == FLOOR - USED - 2
     assert cache.stats.prefetch_issued == len(fetched) and cache.stats.prefetch_wasted == 0
     # a request from a layer the model has moved past is dropped
-    cache.release()
+    cache.release(held)
     cache.serving = 3
     assert not cache.prefetch_one(2, 31, issued_at=1)
     # serving layer 2 hits the prefetched experts and frees their reservations
     hits = cache.stats.hits
     with cache._lock:
-        cache.slots(2, fetched[:3])
-    cache.release()
+        cache.release(cache.slots(2, fetched[:3]))
     assert cache.stats.prefetch_used == 3 and cache.stats.hits - hits == 3
     assert (cache.reserved_for < 0).all()
