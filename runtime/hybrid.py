@@ -306,7 +306,7 @@ def _over(source: Any, parts: dict[str, ExpertTensor]) -> Any:
     s.gate_up, s.gate, s.up, s.down = parts.get("gate_up"), parts.get("gate"), parts.get("up"), parts["down"]
     s.fused, s.resident, s.kind = None, False, "per-use"
     s.parts = (s.gate_up, s.down) if s.gate_up is not None else (s.gate, s.up, s.down)
-    s.cache = s.cache_layer = s._rows = s._encoded = None
+    s.cache = s.cache_layer = s._rows = s._encoded = s._slab_records = None
     return s
 
 

@@ -343,6 +343,7 @@ class ExpertSource:
             self.kind = "resident" if self.resident else "per-use"
         self._rows: tuple[np.ndarray, np.ndarray] | None = None
         self._encoded: cpu_kernels.EncodedExperts | None = None
+        self._slab_records: cpu_kernels.EncodedExperts | None = None  # streamed: the cache's slab, by slot
 
     # torch reference: float32 matrices ------------------------------------------------------------------------
     def gate_up_matrices(self, hit: list[int]) -> list[torch.Tensor] | tuple[list[torch.Tensor], ...]:
@@ -393,19 +394,18 @@ class ExpertSource:
             k = len(ids)
             cache.stats.peak_decoded = max(cache.stats.peak_decoded, k)
             with cache.held(self.layer, ids.tolist()) as (slab, slots):
-                part = {
-                    c.role: (
-                        slab[:, c.slot_offset : c.slot_offset + c.expert_bytes].reshape(
-                            len(slab), c.rows, -1
-                        ),
-                        c.qtype,
-                    )
-                    for c in lay.components
-                }
-                yield (
-                    cpu_kernels.EncodedExperts(*part["gate"], *part["up"], *part["down"]),
-                    torch.tensor(slots),
-                )
+                if self._slab_records is None:  # the slab is the cache's for its life: viewed once
+                    part = {
+                        c.role: (
+                            slab[:, c.slot_offset : c.slot_offset + c.expert_bytes].reshape(
+                                len(slab), c.rows, -1
+                            ),
+                            c.qtype,
+                        )
+                        for c in lay.components
+                    }
+                    self._slab_records = cpu_kernels.EncodedExperts(*part["gate"], *part["up"], *part["down"])
+                yield self._slab_records, torch.tensor(slots)
             return
         if self.resident:
             if self._rows is None:
