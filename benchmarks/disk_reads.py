@@ -58,7 +58,7 @@ def measure(
         cache.close()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("path", type=Path)
     ap.add_argument("--threads", type=ints, default=[1, 4, 8, 16], help="reads in flight")
@@ -67,7 +67,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not args.path.is_file():
         print(f"error: {args.path}: no such file", file=sys.stderr)
         return 1

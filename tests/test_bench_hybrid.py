@@ -62,3 +62,18 @@ def test_policy_bounds() -> None:
     table = [rng.zipf(1.5, (n, 2)).clip(max=31) for _ in range(3)]  # popular low ids, as a trained router's
     got = policy.bounds(table, slots=12, experts=32)
     assert 0 < got["learned"] <= got["oracle"] and got["learned"] <= got["belady"] <= 1
+
+
+def test_disk_reads_benchmark_times_the_cache_reads(example_q8: Path, tmp_path: Path) -> None:
+    disk_reads = load("disk_reads")
+    out = tmp_path / "disk.json"
+    args = ["--threads", "1,2", "--chunk-kb", "0,4", "--misses", "1,2", "--requests", "3", "--json", str(out)]
+    assert disk_reads.main([str(example_q8), *args]) == 0
+    got = json.loads(out.read_text())
+    rows = {(r["misses"], r["threads"], r["chunk_kb"]): r for r in got["rows"]}
+    assert len(rows) == 8 and got["ceiling_gb_s"] > 0
+    assert all(r["gb_s"] > 0 and r["ms_per_request"] > 0 for r in rows.values())
+    for m in (1, 2):  # every request a miss: a read per part, or per 4 KiB of each part
+        assert rows[m, 1, 0]["reads"] == 3 * m * 3
+        assert rows[m, 1, 4]["reads"] > rows[m, 1, 0]["reads"]
+    assert disk_reads.main([str(tmp_path / "none.gguf")]) == 1
