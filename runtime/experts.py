@@ -264,7 +264,8 @@ class GroupedExperts(Sequence[torch.Tensor]):
         return (self[i] for i in range(len(self.ids)))
 
 
-#: the most bytes of one read of a missed expert (``ExpertCache.read_chunk``)
+#: the most bytes of one read of a missed expert (``ExpertCache.read_chunk``; 0: a whole part). Smaller reads
+#: did not serve a decode step's misses faster on the disks measured (``benchmarks/disk_reads.py``)
 READ_CHUNK = 0
 
 
@@ -295,7 +296,7 @@ class ExpertCache:
         """``drop_pages``: evict every range read from the OS page cache again (benchmarks: each miss then
         costs a device read, as on a machine whose RAM cannot cache the file). ``read_threads``: preads
         in flight at once for one request's misses; ``read_chunk``: the most bytes of one of them (0: a
-        whole part), so that one missed expert's reads keep that many in flight."""
+        whole part), so that one missed expert can be more reads in flight."""
         self._fd = -1
         self._readers: ThreadPoolExecutor | None = None
         self.drop_pages = drop_pages
@@ -444,8 +445,9 @@ class ExpertCache:
         return self._readers
 
     def _victim(self) -> int:
-        """A slot for a miss of the model: never pinned or being read; reserved (prefetched for a coming
-        layer) only when nothing else is left."""
+        """A slot for a miss of the model: never held or being read; first the least recently used of the
+        experts another cache holds (``elsewhere``), then the policy's choice; reserved (prefetched for a
+        coming layer) only when nothing else is left."""
         free = (self.pinned == 0) & ~self.loading
         gone = self.elsewhere[self.slot_key] & free & (self.reserved_for < 0)
         if gone.any():  # the least recently used of the experts another cache holds
