@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from forge.errors import ForgeError
@@ -66,8 +67,19 @@ def sample(logits: torch.Tensor, params: Sampling, generator: torch.Generator | 
         cum = torch.softmax(sorted_logits, -1).cumsum(-1)
         drop = cum - torch.softmax(sorted_logits, -1) >= top_p  # keep the smallest set reaching top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    probs = torch.softmax(logits, -1).cpu()
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return draw(torch.softmax(logits, -1).cpu().numpy(), generator)
+
+
+def draw(probs: np.ndarray, generator: torch.Generator | None = None) -> int:
+    """A token id drawn by ``probs`` (vocab,), by inverse CDF on one thread. torch.multinomial ran a parallel
+    region over the vocabulary: an OpenMP team on the model's thread each sampled token, which a hybrid GPU
+    run lets go at each step."""
+    cdf = np.cumsum(probs, dtype=np.float64)
+    u = torch.rand((), generator=generator, dtype=torch.float64).item()
+    i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))  # the first token whose share reaches past u
+    if i == cdf.size:  # u * total rounded up to the total: the last token with any probability
+        i = int(np.flatnonzero(probs)[-1])
+    return i
 
 
 def _sync(device: torch.device) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from runtime import omp_team
+from runtime.generate import draw
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or torch.get_num_threads() < 2, reason="needs Linux and 2 threads"
@@ -64,3 +65,14 @@ def test_a_serial_thread_makes_no_team() -> None:
         time.sleep(0.2)
         assert _named("forge-omp-b") == 1
         assert torch.equal(a, b)
+
+
+def test_a_sampled_token_makes_no_team() -> None:
+    """The draw of a sampled token over a 248k vocabulary runs on the calling thread alone: a hybrid GPU run's
+    model thread, which lets its team go at each step, does not make one again per token."""
+    probs = torch.softmax(torch.randn(248_320), -1).numpy()
+    with ThreadPoolExecutor(1, initializer=omp_team.name_thread, initargs=("forge-omp-c",)) as pool:
+        picks = [pool.submit(draw, probs, torch.Generator().manual_seed(i)).result() for i in range(3)]
+        time.sleep(0.2)
+        assert _named("forge-omp-c") == 1
+    assert all(0 <= p < probs.size and probs[p] > 0 for p in picks)

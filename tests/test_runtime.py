@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from forge.errors import ForgeError
-from runtime.generate import Sampling, generate, sample
+from runtime.generate import Sampling, draw, generate, sample
 from runtime.models import load_model
 from runtime.models.qwen35moe import delta_rule_chunked, delta_rule_step
 from runtime.observers import Observer
@@ -178,6 +178,18 @@ def test_greedy_generation_is_deterministic_and_sampling_follows_seed(model) -> 
     assert picks == {1}
     picks = {sample(logits, Sampling(1.0, top_p=0.5), torch.Generator().manual_seed(i)) for i in range(20)}
     assert picks == {1}
+
+
+def test_sampling_draws_tokens_by_their_probability(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0]))  # the last: probability 0, never drawn
+    g = torch.Generator().manual_seed(3)
+    n = 4000
+    counts = np.bincount([sample(logits, Sampling(1.0), g) for _ in range(n)], minlength=5)
+    assert counts[4] == 0
+    assert np.abs(counts[:4] / n - [0.1, 0.2, 0.3, 0.4]).max() < 0.03  # 4 standard deviations at 0.4
+    # a uniform draw whose product with the total rounds up to it: the last token with any probability
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
+    assert draw(np.array([0.5, 0.5, 0.0, 0.0], np.float32)) == 1
 
 
 def test_prompt_longer_than_context_is_refused(model) -> None:
