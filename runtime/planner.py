@@ -307,11 +307,11 @@ def load_planned_model(
 def model_stats(model: Any) -> str:
     """``--stats``: the hybrid executor's or the expert cache's figures."""
     hybrid = getattr(model, "hybrid", None)
-    if hybrid is not None:
+    cache = getattr(model.weights, "expert_cache", None)
+    if hybrid is not None:  # its CPU side streamed through a host expert cache: that cache's reads too
         from runtime.hybrid import format_stats as hybrid_stats
 
-        return hybrid_stats(hybrid)
-    cache = getattr(model.weights, "expert_cache", None)
+        return hybrid_stats(hybrid) + (f"; host {format_stats(cache)}" if cache is not None else "")
     return format_stats(cache) if cache is not None else "expert cache: none (resident)"
 
 

@@ -607,7 +607,9 @@ def test_planned_hybrid_over_a_host_cache(example_q8: Path) -> None:
     assert p is not None and p.mode == "hybrid" and m.hybrid.capacity == 8  # type: ignore[attr-defined]
     assert m.weights.expert_cache.capacity == 40 and "host expert cache of 40 experts" in said[0]  # type: ignore[union-attr]
     _close(_logits(m), _logits(load_model(example_q8)))
-    assert "GPU hits" in model_stats(m)
+    stats = model_stats(m)
+    reads = m.weights.expert_cache.stats.reads  # type: ignore[union-attr]
+    assert "GPU hits" in stats and reads > 0 and "host expert cache: " in stats and f" {reads} reads" in stats
 
 
 def test_pages_to_lock_and_coldest_slots() -> None:
