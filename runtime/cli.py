@@ -153,9 +153,9 @@ class Residency:
 
 def cache_stats(m) -> dict | None:  # noqa: ANN001
     hybrid = getattr(m, "hybrid", None)
-    if hybrid is not None:
-        return hybrid.stats.to_json()
     cache = getattr(m.weights, "expert_cache", None)
+    if hybrid is not None:  # over a host expert cache: that cache's figures as ``host_cache``
+        return hybrid.stats.to_json() | ({"host_cache": cache.stats.to_json()} if cache is not None else {})
     return None if cache is None else cache.stats.to_json()
 
 

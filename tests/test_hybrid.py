@@ -22,6 +22,7 @@ from forge.errors import ForgeError
 from forge.imatrix.accumulate import ImatrixAccumulator
 from forge.layout import convert
 from forge.profile_file import LayerProfile, Profile
+from runtime.cli import cache_stats
 from runtime.hybrid import HybridExperts, HybridStats, Rates
 from runtime.models import build_model, load_model
 from runtime.observers import Observer
@@ -610,6 +611,7 @@ def test_planned_hybrid_over_a_host_cache(example_q8: Path) -> None:
     stats = model_stats(m)
     reads = m.weights.expert_cache.stats.reads  # type: ignore[union-attr]
     assert "GPU hits" in stats and reads > 0 and "host expert cache: " in stats and f" {reads} reads" in stats
+    assert cache_stats(m)["host_cache"]["reads"] == reads  # type: ignore[index]
 
 
 def test_pages_to_lock_and_coldest_slots() -> None:
