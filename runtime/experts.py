@@ -147,7 +147,8 @@ def verify_store_payload(store: Any, chunk: int = 16 << 20) -> None:
 
 
 class EvictionPolicy:
-    """Chooses which filled slot to reuse. Keys are dense integers (layer position x experts + expert)."""
+    """Ranks filled slots for reuse, lowest score first. Keys are dense integers (layer position x experts
+    + expert)."""
 
     name = ""
 
@@ -162,15 +163,15 @@ class EvictionPolicy:
         self.tick += 1
         self.last_use[slot] = self.tick
 
-    def victim(self, slot_keys: np.ndarray, pinned: np.ndarray) -> int:
+    def score(self, slot_keys: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
 
 class LRUPolicy(EvictionPolicy):
     name = "lru"
 
-    def victim(self, slot_keys: np.ndarray, pinned: np.ndarray) -> int:
-        return int(np.argmin(np.where(pinned, np.iinfo(np.int64).max, self.last_use)))
+    def score(self, slot_keys: np.ndarray) -> np.ndarray:
+        return self.last_use
 
 
 class FrequencyPolicy(EvictionPolicy):
@@ -191,9 +192,16 @@ class FrequencyPolicy(EvictionPolicy):
         if self.accesses % self.window == 0:
             self.count >>= 1
 
-    def victim(self, slot_keys: np.ndarray, pinned: np.ndarray) -> int:
-        score = self.count[slot_keys] * (self.tick + 1) + self.last_use
-        return int(np.argmin(np.where(pinned, np.iinfo(np.int64).max, score)))
+    def score(self, slot_keys: np.ndarray) -> np.ndarray:
+        return self.count[slot_keys] * (self.tick + 1) + self.last_use
+
+
+def _lowest(score: np.ndarray, where: np.ndarray, n: int) -> list[int]:
+    """At most ``n`` of the slots ``where`` (bool mask), those of the lowest ``score``."""
+    cand = np.flatnonzero(where)
+    if len(cand) > n:
+        cand = cand[np.argpartition(score[cand], n - 1)[:n]]
+    return cand.tolist()
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lfu": FrequencyPolicy}
@@ -330,23 +338,23 @@ class ExpertCache:
             self._slab_t = torch.empty(
                 (self.capacity, self.slot_bytes), dtype=torch.uint8, device=self.slab_device
             )
-            self._batch_stage = self._host_rows(experts_used)
             self._prefetch_stage = self._host_rows(1)[0]
-        self.slot_key = np.full(self.capacity, -1, np.int64)
+        self._stages = threading.local()  # a requester's host staging rows for a device slab
+        self.slot_key = np.full(self.capacity, -1, np.int64)  # -1: empty (never filled, or its read failed)
         self.slot_of: dict[int, int] = {}
-        self.filled = 0
         self.policy = POLICIES[policy](self.capacity, total)
         #: keys another cache holds (a hybrid run's GPU pool): evicted first, so that the two hold different experts
         self.elsewhere = np.zeros(total, bool)
         self.stats = CacheStats()
         self._pending: dict[int, _Pending] = {}
         self._groups: dict[int, _Group] = {}
-        # prefetch bookkeeping, guarded by _lock (see runtime.prefetch)
+        # the slot bookkeeping is guarded by _lock; reads run outside it, so that one requester's reads
+        # (the model's, a hybrid run's copier, the prefetcher) do not hold up another's lookups and reads
         self._lock = threading.Lock()
-        self._read_done = threading.Condition(self._lock)
+        self._changed = threading.Condition(self._lock)  # a read ended or a slot was let go
         # per slot, the requests holding it (the model's, a hybrid run's copier): none is evicted while held
         self.pinned = np.zeros(self.capacity, np.int32)
-        self.loading = np.zeros(self.capacity, bool)  # slots the prefetcher is reading
+        self.loading = np.zeros(self.capacity, bool)  # slots being read (by any requester)
         self.reserved_for = np.full(self.capacity, -1, np.int64)  # layer a prefetched slot waits for
         self.prefetched = np.zeros(self.capacity, bool)  # prefetched, not yet hit
         self.serving = -1  # the layer of the last request served
@@ -408,17 +416,17 @@ class ExpertCache:
         self._slab_t[slot].copy_(self._prefetch_stage)
         return reads
 
-    def _read_misses(self, lay: LayerExperts, misses: list[tuple[int, int]]) -> None:
-        """Read the (expert, slot) records of one request: several preads in flight at once (an SSD
-        serves scattered reads faster in parallel; pread releases the GIL). A device slab is filled
-        through a pinned host buffer with one copy."""
-        t0 = time.perf_counter()
+    def _read_misses(self, lay: LayerExperts, misses: list[tuple[int, int]]) -> int:
+        """Read the (expert, slot) records of one request, without the lock; returns the reads made. Several
+        preads are in flight at once (an SSD serves scattered reads faster in parallel; pread releases the
+        GIL). A device slab is filled through the requester's pinned host rows with one copy."""
         if self.slab_device is None:
             rows = [self.slab[slot] for _, slot in misses]
         else:
-            if len(self._batch_stage) < len(misses):
-                self._batch_stage = self._host_rows(len(misses))
-            rows = list(self._batch_stage.numpy()[: len(misses)])
+            stage = getattr(self._stages, "rows", None)
+            if stage is None or len(stage) < len(misses):
+                stage = self._stages.rows = self._host_rows(max(len(misses), self.group_size))
+            rows = list(stage.numpy()[: len(misses)])
         # a job per chunk of each part of each expert: as many reads in flight as there are threads
         pieces = [piece for part in lay.reads for piece in _chunks(part, self.read_chunk)]
         jobs = [(e, row, (piece,)) for (e, _), row in zip(misses, rows, strict=True) for piece in pieces]
@@ -428,10 +436,8 @@ class ExpertCache:
             reads = sum(self._pool().map(lambda job: self._pread(lay, *job), jobs))
         if self.slab_device is not None:
             index = torch.tensor([slot for _, slot in misses], device=self.slab_device)
-            self._slab_t.index_copy_(0, index, self._batch_stage[: len(misses)].to(self.slab_device))
-        self.stats.reads += reads
-        self.stats.bytes_read += lay.record_bytes * len(misses)
-        self.stats.read_seconds += time.perf_counter() - t0
+            self._slab_t.index_copy_(0, index, stage[: len(misses)].to(self.slab_device))
+        return reads
 
     def _host_rows(self, n: int) -> torch.Tensor:
         """(n, slot_bytes) host staging rows, pinned for a CUDA slab."""
@@ -440,119 +446,181 @@ class ExpertCache:
         return torch.empty((n, self.slot_bytes), dtype=torch.uint8, pin_memory=pin)
 
     def _pool(self) -> ThreadPoolExecutor:
-        if self._readers is None:
-            self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="expert-read")
-        return self._readers
+        with self._lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="expert-read")
+            return self._readers
 
-    def _victim(self) -> int:
-        """A slot for a miss of the model: never held or being read; first the least recently used of the
-        experts another cache holds (``elsewhere``), then the policy's choice; reserved (prefetched for a
-        coming layer) only when nothing else is left."""
-        free = (self.pinned == 0) & ~self.loading
-        gone = self.elsewhere[self.slot_key] & free & (self.reserved_for < 0)
-        if gone.any():  # the least recently used of the experts another cache holds
-            return int(np.argmin(np.where(gone, self.policy.last_use, np.iinfo(np.int64).max)))
-        while True:
-            busy = (self.pinned > 0) | self.loading
-            slot = self.policy.victim(self.slot_key, busy | (self.reserved_for >= 0))
-            if not busy[slot] and self.reserved_for[slot] < 0:
-                return slot
-            slot = self.policy.victim(self.slot_key, busy)
-            if not busy[slot]:
-                return slot
-            self._read_done.wait()  # every free slot is being read by the prefetcher
+    def _free_slots(self, n: int, busy: np.ndarray, reserved_last: bool = True) -> list[int] | None:
+        """``n`` slots to fill, none ``busy``; None if there are fewer. First empty slots, then the least
+        recently used of the experts another cache holds (``elsewhere``), then the policy's choice; slots
+        reserved for a coming layer (prefetched) only when nothing else is left, or never when not
+        ``reserved_last``. One pass over the slots for all of a request's misses."""
+        if n <= 0:
+            return []
+        free = ~busy
+        reserved = self.reserved_for >= 0
+        if not reserved_last:
+            free &= ~reserved
+        if np.count_nonzero(free) < n:
+            return None
+        empty = free & (self.slot_key < 0)
+        out = np.flatnonzero(empty)[:n].tolist()
+        if len(out) < n:
+            filled = free & ~empty
+            gone = filled & ~reserved & self.elsewhere[self.slot_key]
+            out += _lowest(self.policy.last_use, gone, n - len(out))
+            if len(out) < n:
+                score = self.policy.score(self.slot_key)
+                out += _lowest(score, filled & ~gone & ~reserved, n - len(out))
+                out += _lowest(score, filled & reserved, n - len(out))
+        return out
+
+    def _busy(self) -> np.ndarray:
+        return (self.pinned > 0) | self.loading
 
     def _evict(self, slot: int) -> None:
-        del self.slot_of[int(self.slot_key[slot])]
-        self.stats.evictions += 1
+        key = int(self.slot_key[slot])
+        if key >= 0:
+            del self.slot_of[key]
+            self.stats.evictions += 1
         if self.prefetched[slot]:
             self.stats.prefetch_wasted += 1
             self.prefetched[slot] = False
         self.reserved_for[slot] = -1
 
-    def slots(self, layer: int, ids: list[int]) -> list[int]:
-        """Slots holding experts ``ids`` of ``layer`` (distinct, at most ``capacity``), reading misses.
+    def _forget(self, slots: list[int]) -> None:
+        """Slots whose read failed: empty again, their experts no longer cached."""
+        for slot in slots:
+            key = int(self.slot_key[slot])
+            if self.slot_of.get(key) == slot:
+                del self.slot_of[key]
+            self.slot_key[slot] = -1
+            self.prefetched[slot] = False
+            self.reserved_for[slot] = -1
 
-        The slots stay held until :meth:`release` of them (none if this fails). Callers hold the lock
-        (:meth:`held`, :meth:`rows`) or are alone (tests, benchmarks).
+    def slots(self, layer: int, ids: list[int]) -> list[int]:
+        """Slots holding experts ``ids`` of ``layer`` (at most ``capacity``), reading misses.
+
+        The slots stay held until :meth:`release` of them (none if this fails). The lookups are made under
+        the cache's lock, the misses read without it; a hit on an expert another requester is still
+        reading waits for that read, after this request's own.
         """
         lay = self.layers[layer]
-        if len(ids) > self.capacity:
+        if len(set(ids)) > self.capacity:
             raise ForgeError(f"{len(ids)} experts requested at once, the cache holds {self.capacity}")
-        base = self._key_base[layer]
-        if layer == self._first_layer and self.serving != layer:
-            self._cycle_ticks = [self._cycle_ticks[1], self.policy.tick]
-        self.serving = layer
-        out: list[int] = []
+        with self._lock:
+            if layer == self._first_layer and self.serving != layer:
+                self._cycle_ticks = [self._cycle_ticks[1], self.policy.tick]
+            self.serving = layer
+            out, misses, others = self._take(layer, ids)
+            # this layer's prefetched experts have had their chance
+            self.reserved_for[(self.reserved_for >= 0) & (self.reserved_for <= layer)] = -1
+        mine = [slot for _, slot in misses]
+        t0 = time.perf_counter()
         try:
-            self._take(lay, base, ids, out)
+            reads = self._read_misses(lay, misses) if misses and not self.simulate else 0
         except BaseException:
-            self.release(out)
+            with self._lock:
+                self.loading[mine] = False
+                self._forget(mine)
+                self._let_go(out)
             raise
-        # this layer's prefetched experts have had their chance
-        self.reserved_for[(self.reserved_for >= 0) & (self.reserved_for <= layer)] = -1
+        with self._lock:
+            if misses:
+                self.loading[mine] = False
+                self._changed.notify_all()
+                if not self.simulate:
+                    self.stats.reads += reads
+                    self.stats.bytes_read += lay.record_bytes * len(misses)
+                    self.stats.read_seconds += time.perf_counter() - t0
+            if others:
+                self._wait_for(layer, others, out)
         return out
 
-    def _take(self, lay: LayerExperts, base: int, ids: list[int], out: list[int]) -> None:
-        """``slots``' lookups: each expert's slot held and appended to ``out``, then the misses read."""
-        misses = []
-        for e in ids:
-            key = base + e
+    def _take(self, layer: int, ids: list[int]) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int]]]:  # fmt: skip
+        """``slots``' lookups, under the lock: each expert's slot held, misses given free slots (waiting
+        for some, holding nothing, when every slot is held or being read) and marked loading. Returns the
+        slots, the (expert, slot) misses to read, and the (key, slot) hits another requester is reading."""
+        base = self._key_base[layer]
+        keys = [base + e for e in ids]
+        while True:
+            missing = {k for k in keys if k not in self.slot_of}
+            busy = self._busy()
+            busy[[self.slot_of[k] for k in keys if k not in missing]] = True
+            fresh = self._free_slots(len(missing), busy)
+            if fresh is not None:
+                break
+            self._changed.wait()
+        out: list[int] = []
+        misses: list[tuple[int, int]] = []
+        others: list[tuple[int, int]] = []
+        fresh_slots, reading = iter(fresh), set()
+        for e, key in zip(ids, keys, strict=True):
             self.stats.lookups += 1
             self.policy.access(key)
             slot = self.slot_of.get(key)
-            if slot is not None:
+            if slot is None:
+                self.stats.misses += 1
+                slot = next(fresh_slots)
+                reading.add(slot)
+                self._evict(slot)
+                self.slot_key[slot] = key
+                self.slot_of[key] = slot
+                self.loading[slot] = True
+                misses.append((e, slot))
+            else:
                 self.stats.hits += 1
-                if self.loading[slot]:
-                    t0 = time.perf_counter()
-                    while self.loading[slot]:
-                        self._read_done.wait()
-                    self.stats.wait_seconds += time.perf_counter() - t0
+                if self.loading[slot] and slot not in reading:
+                    others.append((key, slot))
                 if self.prefetched[slot]:
                     self.stats.prefetch_used += 1
                     self.prefetched[slot] = False
-            else:
-                self.stats.misses += 1
-                if self.filled < self.capacity:
-                    slot = self.filled
-                    self.filled += 1
-                else:
-                    slot = self._victim()
-                    self._evict(slot)
-                misses.append((e, slot))
-                self.slot_key[slot] = key
-                self.slot_of[key] = slot
             self.pinned[slot] += 1
             out.append(slot)
             self.policy.use(slot, key)
-        if misses and not self.simulate:
-            self._read_misses(lay, misses)
+        return out, misses, others
+
+    def _wait_for(self, layer: int, others: list[tuple[int, int]], out: list[int]) -> None:
+        """Wait (under the lock) for the reads of hits another requester was making; if one failed, let go
+        of ``out`` and fail too."""
+        t0 = time.perf_counter()
+        for key, slot in others:
+            while self.loading[slot]:
+                self._changed.wait()
+            if self.slot_key[slot] != key:
+                self._let_go(out)
+                expert = key - self._key_base[layer]
+                raise ForgeError(f"{self.path}: the read of layer {layer} expert {expert} failed")
+        self.stats.wait_seconds += time.perf_counter() - t0
 
     def release(self, slots: list[int]) -> None:
         """Let go of ``slots`` (as :meth:`slots` returned them)."""
-        self.pinned[slots] -= 1
+        with self._lock:
+            self._let_go(slots)
+
+    def _let_go(self, slots: list[int]) -> None:
+        np.subtract.at(self.pinned, slots, 1)
+        self._changed.notify_all()
 
     @contextmanager
     def held(self, layer: int, ids: list[int]) -> Iterator[tuple[np.ndarray, list[int]]]:
         """The host slab (slots, slot bytes) and the slots holding experts ``ids`` (misses read), pinned
         for the block: nothing is evicted or prefetched into them until it ends. Host slabs only."""
         assert self.slab_device is None, "a device slab has no host view"
-        with self._lock:
-            slots = self.slots(layer, ids)
+        slots = self.slots(layer, ids)
         try:
             yield self.slab, slots
         finally:
-            with self._lock:
-                self.release(slots)
+            self.release(slots)
 
     def rows(self, layer: int, ids: list[int]) -> torch.Tensor:
         """(len(ids), slot_bytes) uint8 copies of the experts' records, on the cache's device."""
-        with self._lock:
-            slots = self.slots(layer, ids)
-            try:
-                rows = self._slab_t[slots]  # a gathered copy: the slots may be reused next
-            finally:
-                self.release(slots)
+        slots = self.slots(layer, ids)
+        try:  # index_select copies whole rows (indexing with a list went byte by byte: ~1.3 GB/s)
+            rows = torch.index_select(self._slab_t, 0, torch.tensor(slots, device=self._slab_t.device))
+        finally:
+            self.release(slots)
         return rows if rows.device == self.device else rows.to(self.device)
 
     def decode(
@@ -619,21 +687,16 @@ class ExpertCache:
         with self._lock:
             if not issued_at - 1 <= self.serving <= issued_at or key in self.slot_of:
                 return key in self.slot_of
-            if self.filled < self.capacity:
-                slot = self.filled
-                self.filled += 1
-            else:
-                busy = (
-                    (self.pinned > 0)
-                    | self.loading
-                    | (self.reserved_for >= 0)
-                    | np.isin(self.slot_key, self.protected_keys)
-                    | (self.policy.last_use > self._cycle_ticks[0])
-                )
-                slot = self.policy.victim(self.slot_key, busy)
-                if busy[slot]:
-                    return False
-                self._evict(slot)
+            busy = (
+                self._busy()
+                | np.isin(self.slot_key, self.protected_keys)
+                | ((self.slot_key >= 0) & (self.policy.last_use > self._cycle_ticks[0]))
+            )
+            free = self._free_slots(1, busy, reserved_last=False)
+            if not free:
+                return False
+            slot = free[0]
+            self._evict(slot)
             self.slot_key[slot] = key
             self.slot_of[key] = slot
             self.loading[slot] = True
@@ -643,11 +706,15 @@ class ExpertCache:
         t0 = time.perf_counter()
         try:
             reads = self._fill(lay, expert, slot)
-        finally:
+        except BaseException:
             with self._lock:
                 self.loading[slot] = False
-                self._read_done.notify_all()
+                self._forget([slot])
+                self._changed.notify_all()
+            raise
         with self._lock:
+            self.loading[slot] = False
+            self._changed.notify_all()
             self.stats.reads += reads
             self.stats.bytes_read += lay.record_bytes
             self.stats.prefetch_issued += 1

@@ -1110,8 +1110,8 @@ class HybridExperts:
 
 def host_records(layer: HybridLayer, experts: torch.Tensor, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:  # fmt: skip
     """Experts ``experts`` (n,) of ``layer`` from host memory, per pool component (n, rows, row bytes), into
-    ``out`` if given: gathered from the mapped file, or (a layer streamed through a host expert cache) its
-    records as the cache reads them, a cache's worth at a time."""
+    ``out`` if given: gathered from the mapped file, or (a layer streamed through a host expert cache) from
+    the cache's slots, held while they are copied, a cache's worth at a time."""
     comps = layer.pool.components
     out = out or [torch.empty((len(experts), *_shape(c)), dtype=torch.uint8) for c in comps]
     if layer.host.kind != "streamed":
@@ -1119,14 +1119,16 @@ def host_records(layer: HybridLayer, experts: torch.Tensor, out: list[torch.Tens
             torch.index_select(getattr(layer.host, c.role).raw, 0, experts, out=dst)
         return out
     cache = layer.host.cache
+    slab = torch.from_numpy(cache.slab)
     where = {c.role: c for c in cache.layers[layer.layer].components}
     ids = experts.tolist()
     for a in range(0, len(ids), cache.capacity):
-        rows = cache.rows(layer.layer, ids[a : a + cache.capacity])  # (n, slot bytes) copies
-        for c, dst in zip(comps, out, strict=True):
-            part = where[c.role]
-            block = rows[:, part.slot_offset : part.slot_offset + part.expert_bytes]
-            dst[a : a + len(rows)] = block.reshape(len(rows), *dst.shape[1:])
+        with cache.held(layer.layer, ids[a : a + cache.capacity]) as (_, slots):  # copied straight out
+            index = torch.tensor(slots)
+            for c, dst in zip(comps, out, strict=True):
+                part = where[c.role]
+                src = slab[:, part.slot_offset : part.slot_offset + part.expert_bytes]
+                torch.index_select(src.view(len(slab), *dst.shape[1:]), 0, index, out=dst[a : a + len(slots)])
     return out
 
 

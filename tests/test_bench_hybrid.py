@@ -77,3 +77,23 @@ def test_disk_reads_benchmark_times_the_cache_reads(example_q8: Path, tmp_path: 
         assert rows[m, 1, 0]["reads"] == 3 * m * 3
         assert rows[m, 1, 4]["reads"] > rows[m, 1, 0]["reads"]
     assert disk_reads.main([str(tmp_path / "none.gguf")]) == 1
+
+
+def test_cache_contention_benchmark_times_two_requesters(example_q8: Path, tmp_path: Path) -> None:
+    contention = load("cache_contention")
+    out = tmp_path / "contention.json"
+    args = ["--worker", "2", "--copier", "1", "--hot", "2", "--slots", "1", "--compute-us", "50"]
+    args += ["--tokens", "3", "--warmup", "2", "--read-threads", "2", "--json", str(out)]
+    assert contention.main([str(example_q8), *args]) == 0
+    got = json.loads(out.read_text())
+    worker, copier, both = got["rows"]
+    assert [r["who"] for r in got["rows"]] == ["worker", "copier", "worker+copier"]
+    # the worker asks for the same two experts every token: after the warm-up, all hits, nothing read
+    assert worker["hit_rate"] == 1.0 and worker["mb_read_per_token"] == 0
+    assert (
+        copier["mb_read_per_token"] > 0
+        and both["worker_ms_per_token"] > 0
+        and both["copier_ms_per_token"] > 0
+    )
+    assert got["overlap"] > 0
+    assert contention.main([str(tmp_path / "none.gguf")]) == 1

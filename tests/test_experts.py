@@ -402,3 +402,82 @@ def test_a_request_lets_go_of_its_own_slots_only(example_q8: Path) -> None:
         cache.rows(layer, [used + 2])
     assert not cache.pinned.any()
     cache.close()
+
+
+def _record(path: Path, lay: object, expert: int) -> np.ndarray:
+    """Expert ``expert``'s record as a slot holds it, read from the file."""
+    raw = np.fromfile(path, np.uint8)
+    row = np.zeros(lay.record_bytes, np.uint8)  # type: ignore[attr-defined]
+    for start, step, n, dst in lay.reads:  # type: ignore[attr-defined]
+        row[dst : dst + n] = raw[start + expert * step : start + expert * step + n]
+    return row
+
+
+def test_a_read_in_flight_holds_up_no_other_request(
+    example_q8: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Misses are read outside the cache's lock: while one request reads, another is served from the cache;
+    a request for the expert being read waits for that read and gets its bytes."""
+    import threading
+
+    w = GGUFWeights(example_q8)
+    layer = min(w.expert_layers())
+    lay, used = w.expert_layers()[layer], int(w.hparam("expert_used_count"))
+    cache = ExpertCache(w.path, {layer: lay}, used + 2, used, "lru", read_threads=1)
+    cache.release(cache.slots(layer, [0, 1]))
+    gate, real = threading.Event(), cache._pread
+
+    def slow(lay_: object, expert: int, *a: object) -> int:
+        if expert == 5:
+            assert gate.wait(30)
+        return real(lay_, expert, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cache, "_pread", slow)
+    got: dict[str, list[int]] = {}
+    reader = threading.Thread(target=lambda: got.setdefault("reader", cache.slots(layer, [5])))
+    reader.start()
+    while not cache.loading.any():
+        reader.join(0.01)
+    hits = cache.slots(layer, [0, 1])  # served while expert 5 is being read
+    waiter = threading.Thread(target=lambda: got.setdefault("waiter", cache.slots(layer, [5])))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and "waiter" not in got  # waits for the read in flight
+    gate.set()
+    reader.join(30)
+    waiter.join(30)
+    assert got["reader"] == got["waiter"] and cache.stats.misses == 3 and cache.stats.wait_seconds > 0
+    assert np.array_equal(cache.slab[got["reader"][0]], _record(w.path, lay, 5))
+    for held in (hits, got["reader"], got["waiter"]):
+        cache.release(held)
+    assert not cache.pinned.any()
+    cache.close()
+
+
+def test_a_failed_read_caches_nothing_and_a_full_cache_waits(example_q8: Path) -> None:
+    """A read that fails leaves its expert uncached (a later request reads it again, whole); a request
+    finding every slot held waits until one is let go instead of failing or waiting forever."""
+    import threading
+
+    w = GGUFWeights(example_q8)
+    layer = min(w.expert_layers())
+    lay, used = w.expert_layers()[layer], int(w.hparam("expert_used_count"))
+    cache = ExpertCache(w.path, {layer: lay}, used + 1, used, "lru")
+    fd, cache._fd = cache._fd, os.open(os.devnull, os.O_RDONLY)  # every read comes back empty
+    with pytest.raises(ForgeError, match="truncated"):
+        cache.slots(layer, [3])
+    os.close(cache._fd)
+    cache._fd = fd
+    assert cache.key(layer, 3) not in cache.slot_of and not cache.pinned.any() and not cache.loading.any()
+    held = cache.slots(layer, list(range(used + 1)))  # every slot held
+    assert np.array_equal(cache.slab[held[3]], _record(w.path, lay, 3))
+    got: list[int] = []
+    other = threading.Thread(target=lambda: got.extend(cache.slots(layer, [used + 1])))
+    other.start()
+    other.join(0.3)
+    assert other.is_alive() and not got
+    cache.release(held)
+    other.join(30)
+    assert len(got) == 1 and np.array_equal(cache.slab[got[0]], _record(w.path, lay, used + 1))
+    cache.release(got)
+    cache.close()

@@ -83,10 +83,9 @@ def test_prefetch_never_evicts_protected_or_pinned(files: dict[str, Path]) -> No
     w = GGUFWeights(files["canonical"])
     cache = ExpertCache(w.path, w.expert_layers(), FLOOR, USED)
     held: list[int] = []
-    with cache._lock:
-        for layer, ids in ((1, range(FLOOR - USED)), (0, range(USED)), (1, [0, 1]), (0, range(USED))):
-            cache.release(held)
-            held = cache.slots(layer, list(ids))  # two routing cycles; the cache is full
+    for layer, ids in ((1, range(FLOOR - USED)), (0, range(USED)), (1, [0, 1]), (0, range(USED))):
+        cache.release(held)
+        held = cache.slots(layer, list(ids))  # two routing cycles; the cache is full
     # layer 0's experts stay pinned (as while being copied out); layer 1 routed to expert 0
     cache.protect(1, [0])
     cache.serving = 1
@@ -104,7 +103,6 @@ def test_prefetch_never_evicts_protected_or_pinned(files: dict[str, Path]) -> No
     assert not cache.prefetch_one(2, 31, issued_at=1)
     # serving layer 2 hits the prefetched experts and frees their reservations
     hits = cache.stats.hits
-    with cache._lock:
-        cache.release(cache.slots(2, fetched[:3]))
+    cache.release(cache.slots(2, fetched[:3]))
     assert cache.stats.prefetch_used == 3 and cache.stats.hits - hits == 3
     assert (cache.reserved_for < 0).all()
