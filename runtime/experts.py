@@ -18,12 +18,13 @@ one group's decoded experts and never needs more slots than a decode step. The m
 up of every expert first, then for down: when the layer's experts do not all fit, the down pass reads
 the early groups again (counted as lookups and misses like any other).
 
-A :class:`runtime.prefetch.Prefetcher` may read experts into the cache from a background thread; the
-cache's lock orders that thread's slot bookkeeping with the model's lookups. A slot being read is never
-handed out until its read completes, a prefetched slot is reserved for the layer it was predicted for
-until that layer has been served, and a prefetch never evicts a slot the model has pinned, an expert
-of the layer being served, or an expert used during the last full routing cycle (so a cache at the
-floor, where every slot is in use each token, is left alone: a mispredicted read there costs a hit).
+Several threads may ask at once (the model, a hybrid run's copier, a :class:`runtime.prefetch.Prefetcher`
+reading ahead): the cache's lock orders their slot bookkeeping, and each reads its misses without it, so
+one's reads never hold up another's hits. A slot being read is never handed out until its read
+completes, a prefetched slot is reserved for the layer it was predicted for until that layer has been
+served, and a prefetch never evicts a slot the model has pinned, an expert of the layer being served, or
+an expert used during the last full routing cycle (so a cache at the floor, where every slot is in use
+each token, is left alone: a mispredicted read there costs a hit).
 
 Slabs live in host memory by default; with ``slab_device`` (default: the cache's device when it is not
 the CPU) they are a torch tensor on that device, filled through a small pinned host staging buffer.
@@ -36,7 +37,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -432,8 +433,11 @@ class ExpertCache:
         jobs = [(e, row, (piece,)) for (e, _), row in zip(misses, rows, strict=True) for piece in pieces]
         if len(jobs) == 1 or self.read_threads == 1:
             reads = sum(self._pread(lay, *job) for job in jobs)
-        else:
-            reads = sum(self._pool().map(lambda job: self._pread(lay, *job), jobs))
+        else:  # every read ends before an error is raised: none may land in a slot given up for it
+            pool = self._pool()
+            futures = [pool.submit(self._pread, lay, *job) for job in jobs]
+            wait(futures)
+            reads = sum(f.result() for f in futures)
         if self.slab_device is not None:
             index = torch.tensor([slot for _, slot in misses], device=self.slab_device)
             self._slab_t.index_copy_(0, index, stage[: len(misses)].to(self.slab_device))
@@ -585,13 +589,16 @@ class ExpertCache:
         """Wait (under the lock) for the reads of hits another requester was making; if one failed, let go
         of ``out`` and fail too."""
         t0 = time.perf_counter()
-        for key, slot in others:
-            while self.loading[slot]:
-                self._changed.wait()
-            if self.slot_key[slot] != key:
-                self._let_go(out)
-                expert = key - self._key_base[layer]
-                raise ForgeError(f"{self.path}: the read of layer {layer} expert {expert} failed")
+        try:
+            for key, slot in others:
+                while self.loading[slot]:
+                    self._changed.wait()
+                if self.slot_key[slot] != key:
+                    expert = key - self._key_base[layer]
+                    raise ForgeError(f"{self.path}: the read of layer {layer} expert {expert} failed")
+        except BaseException:
+            self._let_go(out)
+            raise
         self.stats.wait_seconds += time.perf_counter() - t0
 
     def release(self, slots: list[int]) -> None:
