@@ -520,6 +520,8 @@ class ExpertCache:
             out, misses, others = self._take(layer, ids)
             # this layer's prefetched experts have had their chance
             self.reserved_for[(self.reserved_for >= 0) & (self.reserved_for <= layer)] = -1
+        if not misses and not others:
+            return out
         mine = [slot for _, slot in misses]
         t0 = time.perf_counter()
         try:
@@ -550,6 +552,9 @@ class ExpertCache:
         keys = [base + e for e in ids]
         while True:
             missing = {k for k in keys if k not in self.slot_of}
+            if not missing:
+                fresh = []
+                break
             busy = self._busy()
             busy[[self.slot_of[k] for k in keys if k not in missing]] = True
             fresh = self._free_slots(len(missing), busy)
@@ -607,7 +612,10 @@ class ExpertCache:
             self._let_go(slots)
 
     def _let_go(self, slots: list[int]) -> None:
-        np.subtract.at(self.pinned, slots, 1)
+        if len(set(slots)) == len(slots):
+            self.pinned[slots] -= 1
+        else:  # an expert asked for twice is held twice
+            np.subtract.at(self.pinned, slots, 1)
         self._changed.notify_all()
 
     @contextmanager
