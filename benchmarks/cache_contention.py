@@ -28,11 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from streaming import drop_cache  # noqa: E402
+from streaming import drop_cache, expert_layers  # noqa: E402
 
 from runtime import omp_team  # noqa: E402
 from runtime.experts import CacheStats, ExpertCache  # noqa: E402
-from runtime.weights import load_weights  # noqa: E402
 
 
 def routes(layers: dict, tokens: int, worker: int, copier: int, hot: int, seed: int) -> dict[str, list]:
@@ -132,12 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    if not args.path.is_file():
-        print(f"error: {args.path}: no such file", file=sys.stderr)
-        return 1
-    layers = load_weights(args.path, verify_experts=False).expert_layers()
-    if not layers:
-        print(f"error: {args.path}: no routed expert tensors", file=sys.stderr)
+    layers = expert_layers(args.path)
+    if layers is None:
         return 1
     modes = [("worker",), ("copier",), ("worker", "copier")] if args.copier else [("worker",)]
     rows = [measure(args.path, layers, args, who) for who in modes]

@@ -25,10 +25,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from streaming import drop_cache, read_ceiling  # noqa: E402
+from streaming import drop_cache, expert_layers, read_ceiling  # noqa: E402
 
 from runtime.experts import ExpertCache  # noqa: E402
-from runtime.weights import load_weights  # noqa: E402
 
 
 def ints(text: str) -> list[int]:
@@ -68,12 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    if not args.path.is_file():
-        print(f"error: {args.path}: no such file", file=sys.stderr)
-        return 1
-    layers = load_weights(args.path, verify_experts=False).expert_layers()
-    if not layers:
-        print(f"error: {args.path}: no routed expert tensors", file=sys.stderr)
+    layers = expert_layers(args.path)
+    if layers is None:
         return 1
     record = max(lay.record_bytes for lay in layers.values())
     ceiling = read_ceiling(args.path)

@@ -36,6 +36,7 @@ import argparse
 import copy
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,19 @@ def drop_cache(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def expert_layers(path: Path) -> dict | None:
+    """The routed experts' layers of the file at ``path``; None, with one line on stderr, when there is no
+    such file or it has none."""
+    if not path.is_file():
+        print(f"error: {path}: no such file", file=sys.stderr)
+        return None
+    layers = load_weights(path, verify_experts=False).expert_layers()
+    if not layers:
+        print(f"error: {path}: no routed expert tensors", file=sys.stderr)
+        return None
+    return layers
 
 
 def read_ceiling(path: Path, chunk: int = 16 << 20) -> float:
