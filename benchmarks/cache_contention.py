@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hot", type=int, default=0, help="the worker's experts from a layer's first N (0: all)")
     ap.add_argument("--tokens", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=4, help="tokens before the timed ones")
-    ap.add_argument("--read-threads", type=int, default=16)
+    ap.add_argument("--read-threads", type=int, default=16, help="0: WILLNEED hints, then reads in turn")
     ap.add_argument("--drop-pages", action="store_true", help="every read from the device")
     ap.add_argument("--simulate", action="store_true", help="no reads: the bookkeeping alone")
     ap.add_argument("--seed", type=int, default=0)

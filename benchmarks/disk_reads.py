@@ -60,7 +60,12 @@ def measure(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("path", type=Path)
-    ap.add_argument("--threads", type=ints, default=[1, 4, 8, 16], help="reads in flight")
+    ap.add_argument(
+        "--threads",
+        type=ints,
+        default=[1, 4, 8, 16],
+        help="reader threads (0: none; WILLNEED hints, then reads in turn)",
+    )
     ap.add_argument("--chunk-kb", type=ints, default=[0, 128, 256, 1024], help="most KiB a read (0: a part)")
     ap.add_argument("--misses", type=ints, default=[1, 4], help="experts per request")
     ap.add_argument("--requests", type=int, default=40)

@@ -499,7 +499,10 @@ def main() -> None:
         help="also run hybrid 4 GiB with the CPU's experts streamed through a host cache of this size, pages dropped",
     )  # fmt: skip
     ap.add_argument(
-        "--read-threads", type=int, default=4, help="the host cache's reads in flight (a job per expert part)"
+        "--read-threads",
+        type=int,
+        default=4,
+        help="the host cache's reads in flight (a job per expert part; 0: the requester reads after WILLNEED hints)",
     )
     ap.add_argument(
         "--read-chunk-kb",

@@ -304,8 +304,9 @@ class ExpertCache:
     ) -> None:
         """``drop_pages``: evict every range read from the OS page cache again (benchmarks: each miss then
         costs a device read, as on a machine whose RAM cannot cache the file). ``read_threads``: preads
-        in flight at once for one request's misses; ``read_chunk``: the most bytes of one of them (0: a
-        whole part), so that one missed expert can be more reads in flight."""
+        in flight at once for one request's misses (0: no reader threads; the kernel is asked for every
+        range first, ``posix_fadvise(WILLNEED)``, and the requester reads them in turn); ``read_chunk``: the
+        most bytes of one read (0: a whole part), so that one missed expert can be more reads in flight."""
         self._fd = -1
         self._readers: ThreadPoolExecutor | None = None
         self.drop_pages = drop_pages
@@ -367,7 +368,7 @@ class ExpertCache:
         self.prefetching = False  # a Prefetcher is attached
         self.simulate = False  # benchmarks: fill the bookkeeping of misses without reading them
         #: preads in flight at once for the misses of one request
-        self.read_threads = max(1, read_threads)
+        self.read_threads = max(0, read_threads)
         self.read_chunk = read_chunk
         self._fd = os.open(self.path, os.O_RDONLY)
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)  # expert reads are scattered: no readahead
@@ -431,7 +432,12 @@ class ExpertCache:
         # a job per chunk of each part of each expert: as many reads in flight as there are threads
         pieces = [piece for part in lay.reads for piece in _chunks(part, self.read_chunk)]
         jobs = [(e, row, (piece,)) for (e, _), row in zip(misses, rows, strict=True) for piece in pieces]
-        if len(jobs) == 1 or self.read_threads == 1:
+        if len(jobs) == 1 or self.read_threads <= 1:
+            if (
+                self.read_threads == 0 and len(jobs) > 1
+            ):  # the device serves them at once, no thread hand-offs
+                for e, _, ((start, step, n, _),) in jobs:
+                    os.posix_fadvise(self._fd, start + e * step, n, os.POSIX_FADV_WILLNEED)
             reads = sum(self._pread(lay, *job) for job in jobs)
         else:  # every read ends before an error is raised: none may land in a slot given up for it
             pool = self._pool()

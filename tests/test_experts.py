@@ -356,15 +356,16 @@ def test_experts_held_elsewhere_go_first(example_q8: Path) -> None:
     cache.close()
 
 
-@pytest.mark.parametrize("chunk", [0, 4096, 10_000])
-def test_reads_in_chunks_fill_the_same_bytes(example_q8: Path, chunk: int) -> None:
+@pytest.mark.parametrize(("chunk", "threads"), [(0, 3), (4096, 3), (10_000, 3), (0, 0), (4096, 0)])
+def test_reads_in_chunks_fill_the_same_bytes(example_q8: Path, chunk: int, threads: int) -> None:
     """``read_chunk`` splits each part of a missed expert into reads of at most that many bytes (0: one
-    read a part): the slot holds the same bytes either way."""
+    read a part): the slot holds the same bytes either way, read by reader threads or (0) by the requester
+    after asking the kernel for every range."""
     w = GGUFWeights(example_q8)
     layers = w.expert_layers()
     layer, used = max(layers), int(w.hparam("expert_used_count"))
     lay = layers[layer]
-    cache = ExpertCache(w.path, {layer: lay}, used + 1, used, "lru", read_threads=3, read_chunk=chunk)
+    cache = ExpertCache(w.path, {layer: lay}, used + 1, used, "lru", read_threads=threads, read_chunk=chunk)
     slots = cache.slots(layer, [1, 5])
     cache.release(slots)
     raw = np.fromfile(w.path, np.uint8)
@@ -376,6 +377,7 @@ def test_reads_in_chunks_fill_the_same_bytes(example_q8: Path, chunk: int) -> No
     parts = [n for _, _, n, _ in lay.reads]
     assert cache.stats.reads == 2 * sum(-(-n // chunk) if chunk else 1 for n in parts)
     assert chunk == 0 or max(parts) > chunk  # the chunked cases split something
+    assert (cache._readers is None) == (threads == 0)
     cache.close()
 
 
