@@ -197,9 +197,17 @@ class FrequencyPolicy(EvictionPolicy):
         return self.count[slot_keys] * (self.tick + 1) + self.last_use
 
 
-def _lowest(score: np.ndarray, where: np.ndarray, n: int) -> list[int]:
-    """At most ``n`` of the slots ``where`` (bool mask), those of the lowest ``score``."""
-    cand = np.flatnonzero(where)
+_NEVER = np.iinfo(np.int64).max
+_ELSEWHERE_FIRST = 1 << 62  # below any policy score (ticks and counts stay far under 2^61)
+
+
+def _lowest(score: np.ndarray, excluded: np.ndarray, n: int) -> list[int]:
+    """At most ``n`` slots not ``excluded`` (bool mask), those of the lowest ``score``."""
+    if n == 1:  # a decode step's usual miss: one pass, no index of the candidates
+        ranked = np.where(excluded, _NEVER, score)
+        i = int(np.argmin(ranked))
+        return [] if ranked[i] == _NEVER else [i]
+    cand = np.flatnonzero(~excluded)
     if len(cand) > n:
         cand = cand[np.argpartition(score[cand], n - 1)[:n]]
     return cand.tolist()
@@ -358,6 +366,7 @@ class ExpertCache:
         self.pinned = np.zeros(self.capacity, np.int32)
         self.loading = np.zeros(self.capacity, bool)  # slots being read (by any requester)
         self.reserved_for = np.full(self.capacity, -1, np.int64)  # layer a prefetched slot waits for
+        self._reserving = False  # some slot may be reserved (saves a pass over the slots per request)
         self.prefetched = np.zeros(self.capacity, bool)  # prefetched, not yet hit
         self.serving = -1  # the layer of the last request served
         # policy ticks at which the last two routing cycles (passes over the first layer) began: a prefetch
@@ -462,28 +471,31 @@ class ExpertCache:
             return self._readers
 
     def _free_slots(self, n: int, busy: np.ndarray, reserved_last: bool = True) -> list[int] | None:
-        """``n`` slots to fill, none ``busy``; None if there are fewer. First empty slots, then the least
-        recently used of the experts another cache holds (``elsewhere``), then the policy's choice; slots
-        reserved for a coming layer (prefetched) only when nothing else is left, or never when not
-        ``reserved_last``. One pass over the slots for all of a request's misses."""
+        """``n`` slots to fill, none ``busy`` (the caller's mask, marked here); None if there are fewer.
+        First empty slots, then the least recently used of the experts another cache holds (``elsewhere``),
+        then the policy's choice; slots reserved for a coming layer (prefetched) only when nothing else is
+        left, or never when not ``reserved_last``. One pass over the slots for all of a request's misses."""
         if n <= 0:
             return []
-        free = ~busy
-        reserved = self.reserved_for >= 0
-        if not reserved_last:
-            free &= ~reserved
-        if np.count_nonzero(free) < n:
+        reserved = self.reserved_for >= 0 if self._reserving else None
+        if reserved is not None and not reserved_last:
+            busy |= reserved
+        if self.capacity - np.count_nonzero(busy) < n:
             return None
-        empty = free & (self.slot_key < 0)
-        out = np.flatnonzero(empty)[:n].tolist()
+        out: list[int] = []
+        if len(self.slot_of) < self.capacity:  # some slot holds nothing
+            out = np.flatnonzero(~busy & (self.slot_key < 0))[:n].tolist()
+            busy[out] = True
         if len(out) < n:
-            filled = free & ~empty
-            gone = filled & ~reserved & self.elsewhere[self.slot_key]
-            out += _lowest(self.policy.last_use, gone, n - len(out))
-            if len(out) < n:
-                score = self.policy.score(self.slot_key)
-                out += _lowest(score, filled & ~gone & ~reserved, n - len(out))
-                out += _lowest(score, filled & reserved, n - len(out))
+            # one ranking: the experts held elsewhere first (by last use), then the policy's order
+            rank = self.policy.score(self.slot_key)
+            rank = np.where(self.elsewhere[self.slot_key], self.policy.last_use - _ELSEWHERE_FIRST, rank)
+            held = busy if reserved is None else busy | reserved
+            got = _lowest(rank, held, n - len(out))
+            out += got
+            if len(out) < n:  # only slots reserved for a coming layer are left
+                busy[got] = True
+                out += _lowest(rank, busy, n - len(out))
         return out
 
     def _busy(self) -> np.ndarray:
@@ -517,15 +529,16 @@ class ExpertCache:
         reading waits for that read, after this request's own.
         """
         lay = self.layers[layer]
-        if len(set(ids)) > self.capacity:
+        if len(ids) > self.capacity and len(set(ids)) > self.capacity:
             raise ForgeError(f"{len(ids)} experts requested at once, the cache holds {self.capacity}")
         with self._lock:
             if layer == self._first_layer and self.serving != layer:
                 self._cycle_ticks = [self._cycle_ticks[1], self.policy.tick]
             self.serving = layer
             out, misses, others = self._take(layer, ids)
-            # this layer's prefetched experts have had their chance
-            self.reserved_for[(self.reserved_for >= 0) & (self.reserved_for <= layer)] = -1
+            if self._reserving:  # this layer's prefetched experts have had their chance
+                self.reserved_for[(self.reserved_for >= 0) & (self.reserved_for <= layer)] = -1
+                self._reserving = bool((self.reserved_for >= 0).any())
         if not misses and not others:
             return out
         mine = [slot for _, slot in misses]
@@ -722,6 +735,7 @@ class ExpertCache:
             self.slot_of[key] = slot
             self.loading[slot] = True
             self.reserved_for[slot] = layer
+            self._reserving = True
             self.prefetched[slot] = True
             self.policy.use(slot, key)
         t0 = time.perf_counter()

@@ -483,3 +483,22 @@ def test_a_failed_read_caches_nothing_and_a_full_cache_waits(example_q8: Path) -
     assert len(got) == 1 and np.array_equal(cache.slab[got[0]], _record(w.path, lay, used + 1))
     cache.release(got)
     cache.close()
+
+
+def test_a_request_of_several_misses_takes_the_slots_one_at_a_time_would(example_q8: Path) -> None:
+    """One pass picks all of a request's free slots: the experts held elsewhere first (least recently used
+    first), then the least recently used, never a slot the request itself hits or another holds."""
+    w = GGUFWeights(example_q8)
+    layer = min(w.expert_layers())
+    lay, used = w.expert_layers()[layer], int(w.hparam("expert_used_count"))
+    assert lay.experts >= used + 6
+    cache = ExpertCache(w.path, {layer: lay}, used + 2, used, "lru")
+    for e in range(used + 2):  # least recently used first: 0, 1, ...
+        cache.release(cache.slots(layer, [e]))
+    other = cache.slots(layer, [1])  # held by another request
+    cache.elsewhere[cache.key(layer, 5)] = True
+    cache.release(cache.slots(layer, [0, used + 2, used + 3, used + 4]))  # hits 0, misses three
+    gone = {e for e in range(used + 2) if cache.key(layer, e) not in cache.slot_of}
+    assert gone == {5, 2, 3}
+    cache.release(other)
+    cache.close()
