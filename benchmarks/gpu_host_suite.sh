@@ -5,13 +5,15 @@
 #
 # WORK: a folder with ~60 GB free (synth files and the quantize benchmark model are written there once and
 # reused); LLAMA_BIN: the bin/ folder of a llama.cpp CUDA build (../shared/tools/build_llamacpp.sh build DEST
-# cuda SRC); PARTS: any of cuda,profile,cpu,threads,hybrid,quantize (default: all), comma-separated. Each part
-# prints its table and writes JSON under WORK/results/. The CPU rows hide the GPU from both programs
-# (CUDA_VISIBLE_DEVICES=), so llama.cpp's CUDA build runs its CPU code.
+# cuda SRC); PARTS: any of cuda,profile,cpu,threads,hybrid,uncached,quantize (default: all), comma-separated.
+# Each part prints its table and writes JSON under WORK/results/. The CPU rows hide the GPU from both programs
+# (CUDA_VISIBLE_DEVICES=), so llama.cpp's CUDA build runs its CPU code. uncached needs no llama.cpp: the hybrid
+# 4 GiB row over a host expert cache with the file's pages dropped (16 reader threads, then none), the disk's
+# rate for a decode step's reads, and the host cache's two requesters at once.
 set -eu
 WORK=${1:?usage: gpu_host_suite.sh WORK LLAMA_BIN [PARTS]}
 BIN=${2:?usage: gpu_host_suite.sh WORK LLAMA_BIN [PARTS]}
-PARTS=${3:-cuda,profile,cpu,threads,hybrid,quantize}
+PARTS=${3:-cuda,profile,cpu,threads,hybrid,uncached,quantize}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$WORK/results"
 cores=$(nproc)
@@ -20,7 +22,7 @@ synth() {  # synth NAME [--layers N]: the 35B-A3B-geometry Q4_K file, written on
   [ -f "$WORK/$1" ] || python3 -m forge synth -o "$WORK/$1" --geometry qwen3.6-35b-a3b --type q4_k "${@:2}"
 }
 cd "$HERE"
-if want cuda || want profile || want hybrid; then synth q35.gguf; fi
+if want cuda || want profile || want hybrid || want uncached; then synth q35.gguf; fi
 if want cpu || want threads; then synth q35-l4.gguf --layers 4; fi
 if want cuda; then
   echo "== resident on the GPU, pp512 / tg128, forge and llama.cpp"
@@ -50,6 +52,17 @@ if want hybrid; then
   echo "== the same hybrid 4 GiB row with the CPU side on 8-bit activations (--q8-activations)"
   FORGE_Q8_ACTIVATIONS=1 python3 benchmarks/hybrid_experts.py "$WORK/q35.gguf" --caches-gib 4 --rows hybrid \
     --json "$WORK/results/hybrid-q8.json"
+fi
+if want uncached; then
+  echo "== the file not in the page cache: hybrid 4 GiB over an 8 GiB host expert cache, trace routing"
+  for readers in 16 0; do
+    python3 benchmarks/hybrid_experts.py "$WORK/q35.gguf" --rows hybrid --routing trace --caches-gib 4 \
+      --host-cache-gib 8 --pp 32 --tg 32 --reps 2 --warmup 8 --warmup-prefills 1 --read-threads "$readers" \
+      --json "$WORK/results/uncached-readers$readers.json"
+  done
+  python3 benchmarks/disk_reads.py "$WORK/q35.gguf" --threads 0,4,16 --chunk-kb 0 --misses 1,4 \
+    --json "$WORK/results/disk_reads.json"
+  python3 benchmarks/cache_contention.py "$WORK/q35.gguf" --hot 16 --drop-pages --json "$WORK/results/contention.json"
 fi
 if want quantize; then
   echo "== quantize the 5 B-parameter benchmark model: forge on the CPU and the GPU, llama-quantize"
