@@ -502,3 +502,37 @@ def test_a_request_of_several_misses_takes_the_slots_one_at_a_time_would(example
     assert gone == {5, 2, 3}
     cache.release(other)
     cache.close()
+
+
+def test_requests_from_several_threads_see_their_own_records(example_q8: Path) -> None:
+    """Threads asking at once for overlapping experts of a cache too small for them all: every held slot
+    holds the record of the expert asked for (a read done or waited for, never one evicted under it), and
+    nothing stays held or loading after."""
+    import threading
+
+    w = GGUFWeights(example_q8)
+    layers, used = w.expert_layers(), int(w.hparam("expert_used_count"))
+    cache = ExpertCache(w.path, layers, len(layers) * used + 3, used, "lru", read_threads=2)
+    want = {(layer, e): _record(w.path, lay, e) for layer, lay in layers.items() for e in range(lay.experts)}
+    errors: list[str] = []
+
+    def requester(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(60):
+            layer = int(rng.choice(sorted(layers)))
+            ids = rng.choice(layers[layer].experts, int(rng.integers(1, used + 1)), replace=False).tolist()
+            with cache.held(layer, ids) as (slab, slots):
+                bad = [
+                    e for e, s in zip(ids, slots, strict=True) if not np.array_equal(slab[s], want[layer, e])
+                ]
+                if bad:
+                    errors.append(f"layer {layer} experts {bad}")
+
+    threads = [threading.Thread(target=requester, args=(seed,)) for seed in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads) and not errors, errors[:3]
+    assert not cache.pinned.any() and not cache.loading.any() and cache.stats.misses > 0
+    cache.close()
