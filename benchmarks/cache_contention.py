@@ -1,16 +1,20 @@
 """Two requesters on one host expert cache, as in a hybrid run: the CPU side and the GPU pool's copier.
 
-    python benchmarks/cache_contention.py F.gguf --slots 600 --worker 6 --copier 2 --compute-us 400 \\
-        --tokens 20 [--drop-pages] [--simulate] [--json out.json]
+    python benchmarks/cache_contention.py F.gguf [--slots 600 --worker 6 --copier 2 --compute-us 400] \
+        [--hot 16] [--tokens 20 --warmup 4] [--drop-pages] [--simulate] [--json out.json]
 
 Each token walks the file's layers. The worker (the hybrid CPU side) holds ``--worker`` experts of the
-layer (``ExpertCache.held``) for ``--compute-us`` microseconds, as its kernel computes them in the slab;
-the copier (the thread that fills the GPU pool) copies ``--copier`` other experts of the layer out of
-their held slots into staging rows, as ``runtime.hybrid.host_records`` does. Experts are drawn uniformly, so most are misses read from the file
-(``--drop-pages``: from the device, as when the file is not in the page cache). Reported: milliseconds a
-token of each alone and of both at once, and ``overlap``, the two alone over both at once (1.0: the two
-wait for each other throughout; 2.0 at best for equal halves). ``--simulate`` leaves out the reads,
-which leaves the cache's own bookkeeping: microseconds a request and a miss.
+layer (``ExpertCache.held``) for ``--compute-us`` microseconds, as its kernel computes them in the slab
+(sleeping: the compiled kernel lets the GIL go); the copier (the thread that fills the GPU pool) copies
+``--copier`` other experts of the layer out of their held slots into staging rows, as
+``runtime.hybrid.host_records`` does. Each has its own long-lived thread. Experts are drawn uniformly
+(``--hot N``: the worker's from each layer's first N, so that it hits once they are read), and misses
+are read from the file (``--drop-pages``: from the device, as when the file is not in the page cache).
+
+Reported for the worker alone, the copier alone and both at once, over the tokens after ``--warmup``:
+milliseconds a token, each requester's own milliseconds a token, the hit rate, microseconds a miss and
+MB read a token; and ``overlap``, the two alone over both at once. ``--simulate`` leaves out the reads,
+which leaves the cache's own bookkeeping.
 """
 
 from __future__ import annotations
