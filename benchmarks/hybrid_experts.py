@@ -337,7 +337,9 @@ def row_hybrid(
               "pin_seconds": round(h.pinned.seconds, 2) if h.pinned else 0, "rates": vars(h.rates) if hasattr(h.rates, "__dict__") else str(h.rates),
               "stats": s.to_json()}  # fmt: skip
         by_misses = _cpu_by_misses(t)
-        if host_gib:  # the host cache in the timed decode: its hits, and its reads' time and rate
+        # the host cache in the timed decode: its hits, and its reads' time and rate (summed over the two
+        # requesters, the CPU side and the copier, whose reads may overlap: the rate is a request's)
+        if host_gib:
             c0, c1, n = warm[1], w.expert_cache.stats, args.reps * args.tg
             secs, got = c1.read_seconds - c0.read_seconds, c1.bytes_read - c0.bytes_read
             r["host_cache_decode"] = {
