@@ -510,15 +510,18 @@ class ExpertCache:
             self.prefetched[slot] = False
         self.reserved_for[slot] = -1
 
-    def _forget(self, slots: list[int]) -> None:
-        """Slots whose read failed: empty again, their experts no longer cached."""
-        for slot in slots:
+    def _read_ended(self, slots: list[int], failed: bool = False) -> None:
+        """Under the lock: the reads into ``slots`` are over (their waiters woken); ``failed``: the slots are
+        empty again, their experts no longer cached."""
+        self.loading[slots] = False
+        for slot in slots if failed else ():
             key = int(self.slot_key[slot])
             if self.slot_of.get(key) == slot:
                 del self.slot_of[key]
             self.slot_key[slot] = -1
             self.prefetched[slot] = False
             self.reserved_for[slot] = -1
+        self._changed.notify_all()
 
     def slots(self, layer: int, ids: list[int]) -> list[int]:
         """Slots holding experts ``ids`` of ``layer`` (at most ``capacity``), reading misses.
@@ -546,14 +549,12 @@ class ExpertCache:
             reads = self._read_misses(lay, misses) if misses and not self.simulate else 0
         except BaseException:
             with self._lock:
-                self.loading[mine] = False
-                self._forget(mine)
+                self._read_ended(mine, failed=True)
                 self._let_go(out)
             raise
         with self._lock:
             if misses:
-                self.loading[mine] = False
-                self._changed.notify_all()
+                self._read_ended(mine)
                 if not self.simulate:
                     self.stats.reads += reads
                     self.stats.bytes_read += lay.record_bytes * len(misses)
@@ -742,13 +743,10 @@ class ExpertCache:
             reads = self._fill(lay, expert, slot)
         except BaseException:
             with self._lock:
-                self.loading[slot] = False
-                self._forget([slot])
-                self._changed.notify_all()
+                self._read_ended([slot], failed=True)
             raise
         with self._lock:
-            self.loading[slot] = False
-            self._changed.notify_all()
+            self._read_ended([slot])
             self.stats.reads += reads
             self.stats.bytes_read += lay.record_bytes
             self.stats.prefetch_issued += 1
