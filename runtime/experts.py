@@ -85,6 +85,14 @@ class LayerExperts:
     def record_bytes(self) -> int:
         return sum(c.expert_bytes for c in self.components)
 
+    def views(self, rows: Any) -> dict[str, Any]:
+        """Per role, the (n, rows, row bytes) view of each of slot rows ``rows`` (n, slot bytes; a numpy
+        array or a tensor), no copy."""
+        return {
+            c.role: rows[:, c.slot_offset : c.slot_offset + c.expert_bytes].reshape(len(rows), c.rows, -1)
+            for c in self.components
+        }
+
 
 def _component(role: str, qtype: GGMLQuantizationType, rows: int, cols: int, offset: int) -> Component:
     block, size = GGML_QUANT_SIZES[qtype]
@@ -664,12 +672,12 @@ class ExpertCache:
         lay = self.layers[layer]
         rows = self.rows(layer, ids)
         self.stats.peak_decoded = max(self.stats.peak_decoded, len(ids))
-        out: dict[str, list[torch.Tensor]] = {}
-        for c in lay.components:
-            if c.role in roles:
-                raw = rows[:, c.slot_offset : c.slot_offset + c.expert_bytes].reshape(len(ids), c.rows, -1)
-                out[c.role] = list(dequantize(raw, c.qtype, c.cols).unbind(0))
-        return out
+        views = lay.views(rows)
+        return {
+            c.role: list(dequantize(views[c.role], c.qtype, c.cols).unbind(0))
+            for c in lay.components
+            if c.role in roles
+        }
 
     def tensor(self, layer: int, role: str) -> StreamedExperts:
         return StreamedExperts(self, layer, role)

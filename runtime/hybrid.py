@@ -1119,16 +1119,13 @@ def host_records(layer: HybridLayer, experts: torch.Tensor, out: list[torch.Tens
             torch.index_select(getattr(layer.host, c.role).raw, 0, experts, out=dst)
         return out
     cache = layer.host.cache
-    slab = torch.from_numpy(cache.slab)
-    where = {c.role: c for c in cache.layers[layer.layer].components}
+    views = cache.layers[layer.layer].views(torch.from_numpy(cache.slab))
     ids = experts.tolist()
     for a in range(0, len(ids), cache.capacity):
         with cache.held(layer.layer, ids[a : a + cache.capacity]) as (_, slots):  # copied straight out
             index = torch.tensor(slots)
             for c, dst in zip(comps, out, strict=True):
-                part = where[c.role]
-                src = slab[:, part.slot_offset : part.slot_offset + part.expert_bytes]
-                torch.index_select(src.view(len(slab), *dst.shape[1:]), 0, index, out=dst[a : a + len(slots)])
+                torch.index_select(views[c.role], 0, index, out=dst[a : a + len(slots)])
     return out
 
 

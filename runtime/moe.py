@@ -395,15 +395,8 @@ class ExpertSource:
             cache.stats.peak_decoded = max(cache.stats.peak_decoded, k)
             with cache.held(self.layer, ids.tolist()) as (slab, slots):
                 if self._slab_records is None:  # the slab is the cache's for its life: viewed once
-                    part = {
-                        c.role: (
-                            slab[:, c.slot_offset : c.slot_offset + c.expert_bytes].reshape(
-                                len(slab), c.rows, -1
-                            ),
-                            c.qtype,
-                        )
-                        for c in lay.components
-                    }
+                    views = lay.views(slab)
+                    part = {c.role: (views[c.role], c.qtype) for c in lay.components}
                     self._slab_records = cpu_kernels.EncodedExperts(*part["gate"], *part["up"], *part["down"])
                 yield self._slab_records, torch.tensor(slots)
             return
