@@ -69,7 +69,7 @@ from streaming import drop_cache, read_ceiling  # noqa: E402
 
 from runtime import cpu_kernels, hybrid  # noqa: E402
 from runtime.backends import triton_launch  # noqa: E402
-from runtime.experts import READ_CHUNK, ExpertCache  # noqa: E402
+from runtime.experts import READ_CHUNK, CacheStats, ExpertCache  # noqa: E402
 from runtime.layers import rms_norm_row  # noqa: E402
 from runtime.models import build_model  # noqa: E402
 from runtime.planner import geometry  # noqa: E402
@@ -309,13 +309,14 @@ def row_hybrid(
     h.admit_per_call = args.admit_per_call
     try:
         warm: list[hybrid.HybridStats] = []
+        host_warm: list[CacheStats] = []  # the host cache's figures when the timed decode began
         cpu0: dict = {}
 
         def before_tg() -> None:
             warm.append(h.stats.snapshot())
             cpu0.update(thread_cpu())
             if host_gib:
-                warm.append(copy.copy(w.expert_cache.stats))
+                host_warm.append(copy.copy(w.expert_cache.stats))
 
         r = timed(model, routing, "cuda", args, path, counter, before_tg)
         cpu1 = thread_cpu()
@@ -340,7 +341,7 @@ def row_hybrid(
         # the host cache in the timed decode: its hits, and its reads' time and rate (summed over the two
         # requesters, the CPU side and the copier, whose reads may overlap: the rate is a request's)
         if host_gib:
-            c0, c1, n = warm[1], w.expert_cache.stats, args.reps * args.tg
+            c0, c1, n = host_warm[0], w.expert_cache.stats, args.reps * args.tg
             secs, got = c1.read_seconds - c0.read_seconds, c1.bytes_read - c0.bytes_read
             r["host_cache_decode"] = {
                 "hit_rate": round((c1.hits - c0.hits) / max(c1.lookups - c0.lookups, 1), 4),
