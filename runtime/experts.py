@@ -352,11 +352,10 @@ class ExpertCache:
         if self.slab_device is None:
             self.slab = np.empty((self.capacity, self.slot_bytes), np.uint8)
             self._slab_t = torch.from_numpy(self.slab)
-        else:  # reads land in host staging rows (the model's, the prefetcher's), then are copied over
+        else:  # reads land in each requester's host staging rows, then are copied over
             self._slab_t = torch.empty(
                 (self.capacity, self.slot_bytes), dtype=torch.uint8, device=self.slab_device
             )
-            self._prefetch_stage = self._host_rows(1)[0]
         self._stages = threading.local()  # a requester's host staging rows for a device slab
         self.slot_key = np.full(self.capacity, -1, np.int64)  # -1: empty (never filled, or its read failed)
         self.slot_of: dict[int, int] = {}
@@ -427,18 +426,14 @@ class ExpertCache:
                 os.posix_fadvise(self._fd, start + expert * step, n, os.POSIX_FADV_DONTNEED)
         return reads
 
-    def _fill(self, lay: LayerExperts, expert: int, slot: int) -> int:
-        """The prefetcher's read of one expert into ``slot`` (through its own staging row on a device)."""
-        if self.slab_device is None:
-            return self._pread(lay, expert, self.slab[slot])
-        reads = self._pread(lay, expert, self._prefetch_stage.numpy())
-        self._slab_t[slot].copy_(self._prefetch_stage)
-        return reads
-
-    def _read_misses(self, lay: LayerExperts, misses: list[tuple[int, int]]) -> int:
+    def _read_misses(
+        self, lay: LayerExperts, misses: list[tuple[int, int]], threads: int | None = None
+    ) -> int:
         """Read the (expert, slot) records of one request, without the lock; returns the reads made. Several
         preads are in flight at once (an SSD serves scattered reads faster in parallel; pread releases the
-        GIL). A device slab is filled through the requester's pinned host rows with one copy."""
+        GIL): ``threads`` of them (default ``read_threads``). A device slab is filled through the
+        requester's pinned host rows with one copy."""
+        threads = self.read_threads if threads is None else threads
         if self.slab_device is None:
             rows = [self.slab[slot] for _, slot in misses]
         else:
@@ -449,10 +444,10 @@ class ExpertCache:
         # a job per chunk of each part of each expert: as many reads in flight as there are threads
         pieces = [piece for part in lay.reads for piece in _chunks(part, self.read_chunk)]
         jobs = [(e, row, (piece,)) for (e, _), row in zip(misses, rows, strict=True) for piece in pieces]
-        if self.read_threads == 0 and len(jobs) > 1:  # every range asked for first: no hand-offs
+        if threads == 0 and len(jobs) > 1:  # every range asked for first: no hand-offs
             for e, _, ((start, step, n, _),) in jobs:
                 os.posix_fadvise(self._fd, start + e * step, n, os.POSIX_FADV_WILLNEED)
-        if len(jobs) == 1 or self.read_threads <= 1:
+        if len(jobs) == 1 or threads <= 1:
             reads = sum(self._pread(lay, *job) for job in jobs)
         else:  # every read ends before an error is raised: none may land in a slot given up for it
             pool = self._pool()
@@ -476,16 +471,14 @@ class ExpertCache:
                 self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="expert-read")
             return self._readers
 
-    def _free_slots(self, n: int, busy: np.ndarray, reserved_last: bool = True) -> list[int] | None:
+    def _free_slots(self, n: int, busy: np.ndarray) -> list[int] | None:
         """``n`` slots to fill, none ``busy`` (the caller's mask, marked here); None if there are fewer.
         First empty slots, then the least recently used of the experts another cache holds (``elsewhere``),
         then the policy's choice; slots reserved for a coming layer (prefetched) only when nothing else is
-        left, or never when not ``reserved_last``. One pass over the slots for all of a request's misses."""
+        left. One pass over the slots for all of a request's misses."""
         if n <= 0:
             return []
         reserved = self.reserved_for >= 0 if self._reserving else None
-        if reserved is not None and not reserved_last:
-            busy |= reserved
         if self.capacity - np.count_nonzero(busy) < n:
             return None
         out: list[int] = []
@@ -530,24 +523,43 @@ class ExpertCache:
             self.reserved_for[slot] = -1
         self._changed.notify_all()
 
-    def slots(self, layer: int, ids: list[int]) -> list[int]:
+    def serve(self, layer: int, ids: list[int]) -> None:
+        """The model has routed ``layer`` to experts ``ids`` (before it asks for them): a read ahead leaves
+        them alone, and one for an earlier layer is stale from now on."""
+        keys = np.asarray(ids, np.int64) + self._key_base[layer]
+        with self._lock:
+            self._serving(layer)
+            self._unreserve(layer - 1)
+            self.protected_keys = keys
+
+    def _serving(self, layer: int) -> None:
+        if layer == self._first_layer and self.serving != layer:
+            self._cycle_ticks = [self._cycle_ticks[1], self.policy.tick]
+        self.serving = layer
+
+    def _unreserve(self, layer: int) -> None:
+        """Slots prefetched for ``layer`` or an earlier one have had their chance."""
+        if self._reserving:
+            self.reserved_for[(self.reserved_for >= 0) & (self.reserved_for <= layer)] = -1
+            self._reserving = bool((self.reserved_for >= 0).any())
+
+    def slots(self, layer: int, ids: list[int], serve: bool = True) -> list[int]:
         """Slots holding experts ``ids`` of ``layer`` (at most ``capacity``), reading misses.
 
         The slots stay held until :meth:`release` of them (none if this fails). The lookups are made under
         the cache's lock, the misses read without it; a hit on an expert another requester is still
-        reading waits for that read, after this request's own.
+        reading waits for that read, after this request's own. ``serve=False``: a request that is not the
+        model's own (a hybrid run's copier): it moves no read ahead's clock.
         """
         lay = self.layers[layer]
         if len(ids) > self.capacity and len(set(ids)) > self.capacity:
             raise ForgeError(f"{len(ids)} experts requested at once, the cache holds {self.capacity}")
         with self._lock:
-            if layer == self._first_layer and self.serving != layer:
-                self._cycle_ticks = [self._cycle_ticks[1], self.policy.tick]
-            self.serving = layer
+            if serve:
+                self._serving(layer)
             out, misses, others = self._take(layer, ids)
-            if self._reserving:  # this layer's prefetched experts have had their chance
-                self.reserved_for[(self.reserved_for >= 0) & (self.reserved_for <= layer)] = -1
-                self._reserving = bool((self.reserved_for >= 0).any())
+            if serve:
+                self._unreserve(layer)
         if not misses and not others:
             return out
         mine = [slot for _, slot in misses]
@@ -645,11 +657,12 @@ class ExpertCache:
         self._changed.notify_all()
 
     @contextmanager
-    def held(self, layer: int, ids: list[int]) -> Iterator[tuple[np.ndarray, list[int]]]:
+    def held(self, layer: int, ids: list[int], serve: bool = True) -> Iterator[tuple[np.ndarray, list[int]]]:
         """The host slab (slots, slot bytes) and the slots holding experts ``ids`` (misses read), pinned
-        for the block: nothing is evicted or prefetched into them until it ends. Host slabs only."""
+        for the block: nothing is evicted or prefetched into them until it ends. Host slabs only.
+        ``serve``: as :meth:`slots`'."""
         assert self.slab_device is None, "a device slab has no host view"
-        slots = self.slots(layer, ids)
+        slots = self.slots(layer, ids, serve)
         try:
             yield self.slab, slots
         finally:
@@ -712,53 +725,54 @@ class ExpertCache:
         return g.decoded[role]
 
     # prefetch -------------------------------------------------------------------------------------------
-    def protect(self, layer: int, ids: list[int]) -> None:
-        """Experts of ``layer`` the model is about to use: the prefetcher leaves them alone."""
-        keys = np.asarray(ids, np.int64) + self._key_base[layer]
-        with self._lock:
-            self.protected_keys = keys
-
-    def prefetch_one(self, layer: int, expert: int, issued_at: int) -> bool:
-        """Read expert ``expert`` of ``layer`` ahead of use (prefetcher thread). Returns False when the
-        request is stale (the model has moved past ``issued_at`` + 1) or no slot may be taken."""
+    def prefetch(self, layer: int, experts: list[int], issued_at: int) -> int:
+        """Read experts ``experts`` of ``layer`` ahead of use (a read-ahead thread), those not cached yet
+        and as many as free slots allow. Returns how many were read: 0 when the request is stale (the model
+        has moved past ``issued_at`` + 1). The reads are this thread's own (all ranges hinted first, as
+        with ``read_threads=0``): they never queue in the pool that serves the model's misses."""
         lay = self.layers.get(layer)
-        if lay is None:
-            return False
-        key = self._key_base[layer] + expert
+        if lay is None or not experts:
+            return 0
+        base = self._key_base[layer]
         with self._lock:
-            if not issued_at - 1 <= self.serving <= issued_at or key in self.slot_of:
-                return key in self.slot_of
+            if not issued_at - 1 <= self.serving <= issued_at:
+                return 0
+            want = list(dict.fromkeys(e for e in experts if base + e not in self.slot_of))
             busy = (
                 self._busy()
                 | np.isin(self.slot_key, self.protected_keys)
                 | ((self.slot_key >= 0) & (self.policy.last_use > self._cycle_ticks[0]))
             )
-            free = self._free_slots(1, busy, reserved_last=False)
-            if not free:
-                return False
-            slot = free[0]
-            self._evict(slot)
-            self.slot_key[slot] = key
-            self.slot_of[key] = slot
-            self.loading[slot] = True
-            self.reserved_for[slot] = layer
-            self._reserving = True
-            self.prefetched[slot] = True
-            self.policy.use(slot, key)
+            if self._reserving:
+                busy |= self.reserved_for >= 0
+            want = want[: self.capacity - int(np.count_nonzero(busy))]
+            fresh = self._free_slots(len(want), busy) or []
+            for e, slot in zip(want, fresh, strict=True):
+                self._evict(slot)
+                self.slot_key[slot] = base + e
+                self.slot_of[base + e] = slot
+                self.loading[slot] = True
+                self.reserved_for[slot] = layer
+                self.prefetched[slot] = True
+                self.policy.use(slot, base + e)
+            self._reserving |= bool(fresh)
+        if not fresh:
+            return 0
+        misses = list(zip(want, fresh, strict=True))
         t0 = time.perf_counter()
         try:
-            reads = self._fill(lay, expert, slot)
+            reads = self._read_misses(lay, misses, threads=0)
         except BaseException:
             with self._lock:
-                self._read_ended([slot], failed=True)
+                self._read_ended(fresh, failed=True)
             raise
         with self._lock:
-            self._read_ended([slot])
+            self._read_ended(fresh)
             self.stats.reads += reads
-            self.stats.bytes_read += lay.record_bytes
-            self.stats.prefetch_issued += 1
+            self.stats.bytes_read += lay.record_bytes * len(misses)
+            self.stats.prefetch_issued += len(misses)
             self.stats.prefetch_seconds += time.perf_counter() - t0
-        return True
+        return len(misses)
 
 
 class StreamedExperts(ExpertTensor):

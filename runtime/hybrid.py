@@ -54,6 +54,7 @@ from runtime import cpu_kernels, host_pin, omp_team
 from runtime.backends import cpu_backend, cuda_backend, cuda_graph, host_wait, torch_backend
 from runtime.experts import Component, ExpertCache, LayerExperts
 from runtime.observers import expert_output_observers
+from runtime.prefetch import ReadAhead, RouterGuess
 from runtime.weights import ExpertTensor
 
 #: experts admitted into the pool per one-token layer call at most (each is one record's copy on the side
@@ -507,6 +508,10 @@ class HybridExperts:
         # the CPU side's kernel threads: one core left to the thread that launches the GPU's work
         self.cpu_threads = max(1, torch.get_num_threads() - (self.device.type == "cuda"))
         self.exchange: Exchange | None = None  # the decode steps' mailbox, made at the first step
+        # over a host expert cache: the next layer's guessed experts read into it while a decode step's layer
+        # is served (``read_ahead``); ``guess``: (layer, its router input) -> (next layer, experts)
+        self.read_ahead: ReadAhead | None = None
+        self.guess: Callable[[int, torch.Tensor], tuple[int, list[int]] | None] | None = None
         self.batch_call = False  # the forward call under way routes a batch (set at its first routed layer)
         self._step_job: Future | None = None  # the worker serving the decode step under way
         self.pinned = self._pin() if cuda else None
@@ -515,6 +520,31 @@ class HybridExperts:
         self.rates = rates or measure_rates(self, next(iter(self.hybrid_layers.values())))
         if cuda:  # the libraries the model's thread lets its OpenMP team go in (``begin_step``)
             omp_team.find()
+
+    def prefetch(self, model: Any, background: bool = True) -> ReadAhead | None:
+        """Read ahead in decode steps: at each routed layer, the next layer's experts that its router guesses
+        from this layer's input (``runtime.prefetch.RouterGuess``) and the pools do not hold are read into
+        the host expert cache. None (nothing done) when every layer is in host memory."""
+        if self._host_cache is None:
+            return None
+        if self.read_ahead is None:
+            self.guess = RouterGuess(model, sorted(self.hybrid_layers))
+            self.read_ahead = ReadAhead(self._host_cache, background)
+        return self.read_ahead
+
+    def _read_ahead(self, layer: HybridLayer, ids: np.ndarray, x: np.ndarray) -> None:
+        """The worker at ``layer``'s post (routed to ``ids``, input ``x``): the next layer's guessed experts
+        that no pool holds, read ahead into the host cache."""
+        assert self._host_cache is not None and self.read_ahead is not None and self.guess is not None
+        self._host_cache.serve(layer.layer, ids.tolist())
+        guess = self.guess(layer.layer, torch.from_numpy(x))
+        if guess is None:
+            return
+        nxt, experts = guess
+        base = self.hybrid_layers[nxt].base
+        experts = [e for e in experts if self.slot_of[base + e] < 0]
+        if experts:
+            self.read_ahead.submit(nxt, experts, layer.layer)
 
     def _streamed_keys(self, order: list[int], n_keys: int) -> tuple[ExpertCache | None, np.ndarray]:
         """The host expert cache that layers stream through (None: every layer in host memory), and per key
@@ -947,6 +977,8 @@ class HybridExperts:
                     os.sched_yield()
                 stamps[i, 0] = time.perf_counter()
                 ids = mail[i, :k].astype(np.int64)
+                if self.read_ahead is not None:
+                    self._read_ahead(layer, ids, mail[i, 2 * k :])
                 miss = np.flatnonzero(self.slot_of[layer.base + ids] < 0)
                 missed[i] = miss.size
                 if not miss.size:
@@ -1102,6 +1134,8 @@ class HybridExperts:
         finally:
             self.worker.shutdown()
             self.copier.shutdown()
+            if self.read_ahead is not None:
+                self.read_ahead.close()
             self._prefetched.clear()
             if self.pinned is not None:
                 self.pinned.release()
@@ -1122,7 +1156,7 @@ def host_records(layer: HybridLayer, experts: torch.Tensor, out: list[torch.Tens
     views = cache.layers[layer.layer].views(torch.from_numpy(cache.slab))
     ids = experts.tolist()
     for a in range(0, len(ids), cache.capacity):
-        with cache.held(layer.layer, ids[a : a + cache.capacity]) as (_, slots):  # copied straight out
+        with cache.held(layer.layer, ids[a : a + cache.capacity], serve=False) as (_, slots):
             index = torch.tensor(slots)
             for c, dst in zip(comps, out, strict=True):
                 torch.index_select(views[c.role], 0, index, out=dst[a : a + len(slots)])

@@ -21,24 +21,40 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from runtime import omp_team
 from runtime.experts import ExpertCache
 from runtime.observers import Observer
 
 _ROUTER = ".ffn_gate_inp.weight"
 
 
-class Prefetcher(Observer):
-    """Attach with :func:`attach_prefetcher`; ``background=False`` reads in the caller (deterministic)."""
+class RouterGuess:
+    """Layer L+1's likely experts from layer L's router input: L+1's router applied to it (its top k)."""
 
-    def __init__(self, model: Any, cache: ExpertCache, background: bool = True) -> None:
+    def __init__(self, model: Any, layers: list[int]) -> None:
+        self.n_used = int(model.n_expert_used)
+        self.routers = {i: model.blocks[i].moe.router.proj.weight.float() for i in layers}
+        self.next_layer = dict(zip(layers, layers[1:], strict=False))
+
+    def __call__(self, layer: int, x: torch.Tensor) -> tuple[int, list[int]] | None:
+        """(the layer after ``layer``, its guessed experts) from ``layer``'s router input ``x`` (one row);
+        None after the last layer."""
+        nxt = self.next_layer.get(layer)
+        if nxt is None:
+            return None
+        w = self.routers[nxt]
+        logits = F.linear(x.reshape(1, -1).to(w.device, w.dtype), w)
+        return nxt, torch.topk(logits, self.n_used, dim=-1).indices[0].tolist()
+
+
+class ReadAhead:
+    """Reads guessed experts into an :class:`ExpertCache` on a thread of its own (``background=False``: in
+    the caller, deterministic). A guess the model has moved past is dropped by the cache."""
+
+    def __init__(self, cache: ExpertCache, background: bool = True) -> None:
         self.cache = cache
         cache.prefetching = True
-        self.n_used = int(model.n_expert_used)
-        layers = [i for i in model.routed_layers() if i in cache.layers]
-        self.routers = {i: model.blocks[i].moe.router.proj.weight for i in layers}
-        self.next_layer = dict(zip(layers, layers[1:], strict=False))
-        self.predicted = 0  # experts predicted (whether already cached or not)
-        self._x: tuple[int, torch.Tensor] | None = None
+        self.predicted = 0  # experts guessed (whether already cached or not)
         self._queue: queue.SimpleQueue[tuple[int, list[int], int] | None] | None = None
         self._thread: threading.Thread | None = None
         if background:
@@ -46,37 +62,20 @@ class Prefetcher(Observer):
             self._thread = threading.Thread(target=self._work, name="expert-prefetch", daemon=True)
             self._thread.start()
 
-    def on_matmul_input(self, tensor_name: str, x: torch.Tensor, expert_ids: torch.Tensor | None) -> None:
-        if expert_ids is None and x.shape[0] == 1 and tensor_name.endswith(_ROUTER):
-            self._x = (int(tensor_name.split(".")[1]), x)
-
-    def on_routing(
-        self, layer: int, experts: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor
-    ) -> None:
-        if experts.shape[0] != 1 or self._x is None or self._x[0] != layer:
-            return
-        self.cache.protect(layer, experts[0].tolist())
-        nxt = self.next_layer.get(layer)
-        if nxt is None:
-            return
-        w = self.routers[nxt]
-        guess = torch.topk(F.linear(self._x[1].to(w.device), w), self.n_used, dim=-1).indices[0].tolist()
-        self.predicted += len(guess)
+    def submit(self, layer: int, experts: list[int], issued_at: int) -> None:
+        """Read experts ``experts`` of ``layer``, guessed while the model was at layer ``issued_at``."""
+        self.predicted += len(experts)
         if self._queue is None:
-            self._fetch(nxt, guess, layer)
+            self.cache.prefetch(layer, experts, issued_at)
         else:
-            self._queue.put((nxt, guess, layer))
-
-    def _fetch(self, layer: int, experts: list[int], issued_at: int) -> None:
-        for e in experts:
-            if not self.cache.prefetch_one(layer, e, issued_at):
-                break
+            self._queue.put((layer, experts, issued_at))
 
     def _work(self) -> None:
+        omp_team.serial("expert-prefetch")
         assert self._queue is not None
         while (job := self._queue.get()) is not None:
             try:
-                self._fetch(*job)
+                self.cache.prefetch(*job)
             except Exception:  # noqa: BLE001 - a failed read ahead is retried by the model's own read
                 continue
 
@@ -88,11 +87,46 @@ class Prefetcher(Observer):
             self._queue = self._thread = None
 
 
-def attach_prefetcher(model: Any, background: bool = True) -> Prefetcher | None:
-    """Register a prefetcher on ``model`` when its weights stream experts; None otherwise."""
+class Prefetcher(Observer):
+    """The read ahead of a model whose every layer runs on the host (an observer of its routing); attach
+    with :func:`attach_prefetcher`."""
+
+    def __init__(self, model: Any, cache: ExpertCache, background: bool = True) -> None:
+        self.cache = cache
+        self.guess = RouterGuess(model, [i for i in model.routed_layers() if i in cache.layers])
+        self.read_ahead = ReadAhead(cache, background)
+        self._x: tuple[int, torch.Tensor] | None = None
+
+    @property
+    def predicted(self) -> int:
+        return self.read_ahead.predicted
+
+    def on_matmul_input(self, tensor_name: str, x: torch.Tensor, expert_ids: torch.Tensor | None) -> None:
+        if expert_ids is None and x.shape[0] == 1 and tensor_name.endswith(_ROUTER):
+            self._x = (int(tensor_name.split(".")[1]), x)
+
+    def on_routing(
+        self, layer: int, experts: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor
+    ) -> None:
+        if experts.shape[0] != 1 or self._x is None or self._x[0] != layer:
+            return
+        self.cache.serve(layer, experts[0].tolist())
+        guess = self.guess(layer, self._x[1])
+        if guess is not None:
+            self.read_ahead.submit(*guess, layer)
+
+    def close(self) -> None:
+        self.read_ahead.close()
+
+
+def attach_prefetcher(model: Any, background: bool = True) -> Prefetcher | ReadAhead | None:
+    """Register a prefetcher on ``model`` when its weights stream experts (with hybrid experts, the
+    executor's read ahead in its decode steps); None otherwise."""
     cache = getattr(model.weights, "expert_cache", None)
     if cache is None:
         return None
+    if getattr(model, "hybrid", None) is not None:
+        return model.hybrid.prefetch(model, background)
     p = Prefetcher(model, cache, background)
     model.observers.append(p)
     return p

@@ -596,6 +596,48 @@ def test_misses_streamed_through_a_host_expert_cache(example_q8: Path, rates: st
     assert pooled and marked == pooled
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_decode_steps_read_the_next_layers_guess_ahead(example_q8: Path, background: bool) -> None:
+    """``--prefetch`` over a host expert cache: each decode layer's worker reads the next layer's guessed
+    experts (its router on this layer's input) that the pool does not hold into the host cache; logits
+    as without, the cache's counters consistent, and no expert output observer in the way of the decode
+    steps' mailbox."""
+    from runtime.experts import ExpertCache
+    from runtime.prefetch import ReadAhead, attach_prefetcher
+
+    want = _logits(load_model(example_q8))
+    w = load_weights(example_q8, "cpu", 0)
+    w.host_experts = True
+    layers = w.expert_layers()
+    used = int(w.hparam("expert_used_count"))
+    w.expert_cache = cache = ExpertCache(example_q8, layers, len(layers) * used * 4, used, "lfu", "cpu")
+    m = build_model(w)
+    h = HybridExperts(m, 16 * layers[0].record_bytes, "cpu")
+    m.hybrid = h  # type: ignore[attr-defined]
+    guessed: list[tuple[int, list[int]]] = []
+    read_ahead = attach_prefetcher(m, background)
+    assert isinstance(read_ahead, ReadAhead) and read_ahead is h.read_ahead and not m.observers  # type: ignore[attr-defined]
+    submit = read_ahead.submit
+
+    def spy(layer: int, experts: list[int], issued_at: int) -> None:
+        guessed.append((layer, experts))
+        assert all(h.slot_of[h.key_base[layer] + e] < 0 for e in experts)  # none the pool holds
+        submit(layer, experts, issued_at)
+
+    read_ahead.submit = spy  # type: ignore[method-assign]
+    _close(_logits(m), want)
+    h.close()
+    s = cache.stats
+    first = min(m.routed_layers())  # type: ignore[attr-defined]
+    assert guessed and all(layer != first for layer, _ in guessed)
+    assert (
+        s.prefetch_issued > 0
+        and s.prefetch_used > 0
+        and s.prefetch_used + s.prefetch_wasted <= s.prefetch_issued
+    )
+    assert s.bytes_read == layers[0].record_bytes * (s.misses + s.prefetch_issued)
+
+
 def test_planned_hybrid_over_a_host_cache(example_q8: Path) -> None:
     """``--gpu-expert-cache`` with ``--ssd-streaming --cache-experts``, through the planner's loader."""
     from runtime.planner import load_planned_model

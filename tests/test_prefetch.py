@@ -87,20 +87,22 @@ def test_prefetch_never_evicts_protected_or_pinned(files: dict[str, Path]) -> No
         cache.release(held)
         held = cache.slots(layer, list(ids))  # two routing cycles; the cache is full
     # layer 0's experts stay pinned (as while being copied out); layer 1 routed to expert 0
-    cache.protect(1, [0])
-    cache.serving = 1
-    fetched = [e for e in range(16, 32) if cache.prefetch_one(2, e, issued_at=1)]
+    cache.serve(1, [0])
+    n = cache.prefetch(2, list(range(16, 32)), issued_at=1)
+    fetched = [e for e in range(16, 32) if cache.key(2, e) in cache.slot_of]
     keys = set(cache.slot_of)
     assert {cache.key(0, e) for e in range(USED)} <= keys  # pinned
     assert cache.key(1, 0) in keys  # protected
     assert cache.key(1, 1) in keys  # used during the last routing cycle
     # the experts unused since may go, once: the prefetched experts themselves are reserved for layer 2
-    assert len(fetched) == FLOOR - USED - 2
-    assert cache.stats.prefetch_issued == len(fetched) and cache.stats.prefetch_wasted == 0
+    assert n == len(fetched) == FLOOR - USED - 2
+    assert fetched == list(range(16, 16 + n))  # in the order guessed
+    assert cache.stats.prefetch_issued == n and cache.stats.prefetch_wasted == 0
+    assert cache.prefetch(2, fetched, issued_at=1) == 0  # cached already: nothing read twice
     # a request from a layer the model has moved past is dropped
     cache.release(held)
-    cache.serving = 3
-    assert not cache.prefetch_one(2, 31, issued_at=1)
+    cache.serve(3, [])
+    assert cache.prefetch(2, [31], issued_at=1) == 0 and cache.key(2, 31) not in cache.slot_of
     # serving layer 2 hits the prefetched experts and frees their reservations
     hits = cache.stats.hits
     cache.release(cache.slots(2, fetched[:3]))
