@@ -72,7 +72,9 @@ from runtime.backends import triton_launch  # noqa: E402
 from runtime.experts import READ_CHUNK, CacheStats, ExpertCache  # noqa: E402
 from runtime.layers import rms_norm_row  # noqa: E402
 from runtime.models import build_model  # noqa: E402
+from runtime.observers import notify_matmul  # noqa: E402
 from runtime.planner import geometry  # noqa: E402
+from runtime.prefetch import attach_prefetcher  # noqa: E402
 from runtime.weights import load_weights  # noqa: E402
 
 GIB = 1 << 30
@@ -86,31 +88,49 @@ def uniform_table(layers: int, n: int, experts: int, k: int, seed: int = 0) -> l
 
 
 def scaled_trace(trace: dict[int, np.ndarray], trace_experts: int, layers: int, experts: int, k: int,
-                 seed: int = 0) -> list[np.ndarray]:  # fmt: skip
+                 seed: int = 0, guesses: dict[int, np.ndarray] | None = None,
+                 ) -> tuple[list[np.ndarray], list[np.ndarray | None]]:  # fmt: skip
     """A trained router's trace (per layer (n, k_t) over ``trace_experts``) as a table of the file's geometry
-    (see the module's docstring)."""
-    rows = list(trace.values())
+    (see the module's docstring), and its ``guesses`` (per trace layer after the first, ``record``'s) as
+    the guess tables of the file's layers that replay such a layer (None for the others: their layer before
+    replays no trace layer before theirs). A guessed trace expert that was chosen stands for the same
+    experts of the file as the choice; another for experts drawn as a choice's are."""
+    rows, names = list(trace.values()), list(trace)
     n, kt = rows[0].shape
     if experts % trace_experts or k % kt or k // kt > experts // trace_experts:
         raise SystemExit(
             f"a trace of {trace_experts} experts (top {kt}) does not scale to {experts} experts (top {k})"
         )
     block, per = experts // trace_experts, k // kt
-    rng = np.random.default_rng(seed)
-    out = []
+    rng, other = np.random.default_rng(seed), np.random.default_rng(seed + 1)
+    out, guessed = [], []
     for layer in range(layers):
         t = rows[layer % len(rows)]
         sub = np.argsort(rng.random((n, kt, block), dtype=np.float32), axis=-1)[..., :per]
-        out.append(rng.permutation(experts)[(t[..., None] * block + sub).reshape(n, kt * per)])
-    return out
+        perm = rng.permutation(experts)
+        out.append(perm[(t[..., None] * block + sub).reshape(n, kt * per)])
+        g = (guesses or {}).get(names[layer % len(rows)]) if layer else None
+        if g is None:
+            guessed.append(None)
+            continue
+        same = g[:, :, None] == t[:, None, :]
+        g_sub = np.where(
+            same.any(-1)[..., None],
+            sub[np.arange(n)[:, None], same.argmax(-1)],
+            np.argsort(other.random((n, kt, block), dtype=np.float32), axis=-1)[..., :per],
+        )
+        guessed.append(perm[(g[..., None] * block + g_sub).reshape(n, kt * per)])
+    return out, guessed
 
 
 class Routing:
     """A routing table and the position of the next token in it (wrapping around), kept on the device of
-    the model it routes (so that a captured decode step reads the position from there)."""
+    the model it routes (so that a captured decode step reads the position from there); ``guesses``: per
+    routed layer the trained router's guesses of it (``scaled_trace``), or None. ``guessing``: a read ahead
+    takes them (``TableGuess``), so a decode step ends before the position moves on."""
 
-    def __init__(self, table: list[np.ndarray]) -> None:
-        self.table, self.cursor = table, 0
+    def __init__(self, table: list[np.ndarray], guesses: list[np.ndarray | None] | None = None) -> None:
+        self.table, self.cursor, self.guesses, self.guessing = table, 0, guesses, False
         self.on: dict[torch.device, tuple[list[torch.Tensor], torch.Tensor]] = {}
 
     def advance(self, n: int) -> None:
@@ -134,10 +154,13 @@ class TableRouter:
 
     rows = None
 
-    def __init__(self, routing: Routing, pos: int, n_expert: int, weight: torch.Tensor) -> None:
-        self.routing, self.pos, self.n_out, self.weight = routing, pos, n_expert, weight
+    def __init__(self, routing: Routing, pos: int, n_expert: int, proj: Any) -> None:
+        self.routing, self.pos, self.n_out, self.weight = routing, pos, n_expert, proj.weight
+        self.name, self.observers = proj.name, proj.observers  # its input reported as the projection's
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.observers:
+            notify_matmul(self.observers, self.name, x)
         ids = self.routing.ids(self.pos, x.shape[0], x.device)
         return torch.zeros(x.shape[0], self.n_out, device=x.device).scatter_(1, ids, 1.0)
 
@@ -148,8 +171,57 @@ class TableRouter:
         return x, self(x)
 
 
-def _routing(table: list[np.ndarray] | None) -> Routing | None:
-    return None if table is None else Routing(table)
+class TableGuess:
+    """``--prefetch``'s guess (``runtime.prefetch.RouterGuess``'s call) from a routing's guess tables: the
+    guess of the layer after ``layer`` for the token being decoded (None where the table has none)."""
+
+    def __init__(self, routing: Routing, layers: list[int]) -> None:
+        self.routing, self.layers = routing, layers
+        self.next_layer = dict(zip(layers, layers[1:], strict=False))
+        routing.guessing = True
+
+    def __call__(self, layer: int, x: torch.Tensor) -> tuple[int, list[int]] | None:
+        nxt = self.next_layer.get(layer)
+        table = (
+            None
+            if nxt is None or self.routing.guesses is None
+            else self.routing.guesses[self.layers.index(nxt)]
+        )
+        return None if table is None else (nxt, table[self.routing.cursor % len(table)].tolist())
+
+
+def read_ahead(model: Any, routing: Routing | None) -> str:
+    """``--prefetch`` on ``model`` (hybrid or streaming) with the guesses of ``routing`` (the file's own
+    routers: their guess; a table: its guess tables; none for uniform routing); what was done."""
+    if routing is not None and routing.guesses is None:
+        return "no read ahead: no guesses for this routing (only a trained router's are replayed)"
+    ra = attach_prefetcher(model)
+    if ra is None:
+        return "no read ahead: no expert cache"
+    if routing is not None:
+        owner = getattr(model, "hybrid", None) or ra
+        owner.guess = TableGuess(routing, sorted(model.routed_layers()))
+    return "the next layer's guessed experts read ahead"
+
+
+def prefetch_figures(c0: CacheStats, c1: CacheStats, tokens: int, record_bytes: int) -> dict:
+    """A cache's read ahead between two snapshots, per decoded token: experts read ahead, used and evicted
+    unused; the MB of the experts the decode found uncached (its misses and the read ahead's used: what it
+    reads without a read ahead) against all MB read."""
+    needed = c1.misses - c0.misses + c1.prefetch_used - c0.prefetch_used
+    return {
+        "needed_mb_per_token": round(needed * record_bytes / tokens / 1e6, 2),
+        "read_ahead_per_token": round((c1.prefetch_issued - c0.prefetch_issued) / tokens, 2),
+        "used_per_token": round((c1.prefetch_used - c0.prefetch_used) / tokens, 2),
+        "wasted_per_token": round((c1.prefetch_wasted - c0.prefetch_wasted) / tokens, 2),
+        "read_mb_per_token": round((c1.bytes_read - c0.bytes_read) / tokens / 1e6, 2),
+    }
+
+
+def _routing(
+    table: list[np.ndarray] | None, guesses: list[np.ndarray | None] | None = None
+) -> Routing | None:
+    return None if table is None else Routing(table, guesses)
 
 
 def route_by(model: Any, routing: Routing | None) -> None:
@@ -158,7 +230,7 @@ def route_by(model: Any, routing: Routing | None) -> None:
         return
     for pos, layer in enumerate(model.routed_layers()):
         r = model.blocks[layer].moe.router
-        r.proj = TableRouter(routing, pos, r.n_expert, r.proj.weight)
+        r.proj = TableRouter(routing, pos, r.n_expert, r.proj)
 
 
 # timing --------------------------------------------------------------------------------------------------
@@ -179,6 +251,8 @@ def timed(model: Any, routing: Routing | None, device: str, args: argparse.Names
 
     def advance(n: int) -> None:
         if routing is not None:
+            if routing.guessing:  # the worker reads the decode step's guesses at the position: not past it
+                _sync(device)
             routing.advance(n)
 
     # prefills first: each new (pair count) specialization of a Triton kernel compiles on first use (seconds
@@ -286,10 +360,12 @@ def row_resident(path: Path, device: str, args: argparse.Namespace) -> dict:
 
 
 def row_hybrid(
-    path: Path, gib: float, routing: Routing | None, args: argparse.Namespace, host_gib: float = 0
-) -> dict:
+    path: Path, gib: float, routing: Routing | None, args: argparse.Namespace, host_gib: float = 0,
+    prefetch: bool = False,
+) -> dict:  # fmt: skip
     """``host_gib``: the CPU side's experts streamed from the file through a host expert cache of that size,
-    every range read dropped from the page cache again (each miss a disk read)."""
+    every range read dropped from the page cache again (each miss a disk read); ``prefetch``: with the
+    next layer's guessed experts read ahead into it (``read_ahead``)."""
     w = load_weights(path, "cuda", 0, verify_experts=False)
     w.host_experts = True
     counter = None
@@ -307,6 +383,7 @@ def row_hybrid(
     route_by(model, routing)
     h = hybrid.attach(model, int(gib * GIB), args.profile)
     h.admit_per_call = args.admit_per_call
+    ahead = read_ahead(model, routing) if prefetch else None
     try:
         warm: list[hybrid.HybridStats] = []
         host_warm: list[CacheStats] = []  # the host cache's figures when the timed decode began
@@ -343,11 +420,14 @@ def row_hybrid(
         if host_gib:
             c0, c1, n = host_warm[0], w.expert_cache.stats, args.reps * args.tg
             secs, got = c1.read_seconds - c0.read_seconds, c1.bytes_read - c0.bytes_read
+            ahead_secs = c1.prefetch_seconds - c0.prefetch_seconds  # its bytes are in bytes_read too
             r["host_cache_decode"] = {
                 "hit_rate": round((c1.hits - c0.hits) / max(c1.lookups - c0.lookups, 1), 4),
                 "read_ms_per_token": round(secs / n * 1e3, 2),
-                "read_gb_s": round(got / secs / 1e9, 3) if secs else None,
-            }
+                "read_gb_s": round(got / (secs + ahead_secs) / 1e9, 3) if secs + ahead_secs else None,
+                "wait_ms_per_token": round((c1.wait_seconds - c0.wait_seconds) / n * 1e3, 2),
+            } | prefetch_figures(c0, c1, n, w.expert_cache.slot_bytes)
+            r["read_ahead"] = ahead
         us = 1e6 / max(t.step_layers, 1)
         r |= {"decode_hit_rate": round(t.step_hit_rate, 4),
               "decode_layer_us": {"device": round(t.step_device_seconds * us, 1),
@@ -389,19 +469,37 @@ def _cpu_by_misses(s: hybrid.HybridStats) -> dict:
 
 
 def row_streaming(
-    path: Path, device: str, gib: float, routing: Routing | None, args: argparse.Namespace
-) -> dict:
+    path: Path, device: str, gib: float, routing: Routing | None, args: argparse.Namespace,
+    prefetch: bool = False,
+) -> dict:  # fmt: skip
+    """``--drop-pages``: every range the cache reads is dropped from the page cache again (each miss a disk
+    read); ``prefetch``: the next layer's guessed experts read ahead (``read_ahead``)."""
     w0 = load_weights(path, verify_experts=False)
     g = geometry(w0)
     capacity = min(max(g.floor, int(gib * GIB) // g.slot_bytes), g.experts)
     del w0
     w = load_weights(path, device, 0, stream_experts=capacity, verify_experts=False)
+    cache = w.expert_cache
+    assert cache is not None
+    cache.drop_pages, cache.read_threads = args.drop_pages, args.read_threads
+    if args.drop_pages:
+        drop_cache(path)
     model = build_model(w)
     route_by(model, routing)
+    ahead = read_ahead(model, routing) if prefetch else None
+    stats: list[CacheStats] = []
     try:
-        r = timed(model, routing, device, args, path)
-        s = w.expert_cache.stats  # type: ignore[union-attr]
-        return r | {"capacity": capacity, "hit_rate": round(s.hit_rate, 4), "note": f"{capacity} experts cached, hits {s.hit_rate:.0%}"}  # fmt: skip
+        r = timed(model, routing, device, args, path, lambda: cache.stats.bytes_read,
+                  lambda: stats.append(copy.copy(cache.stats)))  # fmt: skip
+        s, n = cache.stats, args.reps * args.tg
+        r |= {"capacity": capacity, "hit_rate": round(s.hit_rate, 4),
+              "decode": {"hit_rate": round((s.hits - stats[0].hits) / max(s.lookups - stats[0].lookups, 1), 4),
+                         "read_ms_per_token": round((s.read_seconds - stats[0].read_seconds) / n * 1e3, 2),
+                         "read_gb_s": round((s.bytes_read - stats[0].bytes_read) / max(s.read_seconds + s.prefetch_seconds - stats[0].read_seconds - stats[0].prefetch_seconds, 1e-9) / 1e9, 3),
+                         "wait_ms_per_token": round((s.wait_seconds - stats[0].wait_seconds) / n * 1e3, 2)}
+                        | prefetch_figures(stats[0], s, n, cache.slot_bytes),
+              "note": f"{capacity} experts cached, hits {s.hit_rate:.0%}" + (f"; {ahead}" if ahead else "")}  # fmt: skip
+        return r
     finally:
         _free(model)
 
@@ -452,11 +550,14 @@ def warm_page_cache(path: Path, chunk: int = 64 << 20) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def routing_tables(args: argparse.Namespace, path: Path, n: int) -> dict[str, list[np.ndarray] | None]:
+def routing_tables(
+    args: argparse.Namespace, path: Path, n: int
+) -> tuple[dict[str, list[np.ndarray] | None], dict[str, list[np.ndarray | None]]]:
+    """Per ``--routing`` kind its table (None: the file's routers), and the guess tables of a trace."""
     w = load_weights(path, verify_experts=False)
     lays = w.expert_layers()
     experts, k = next(iter(lays.values())).experts, int(w.hparam("expert_used_count"))
-    tables = {}
+    tables, guesses = {}, {}
     for kind in args.routing:
         if kind == "file":
             tables[kind] = None
@@ -473,12 +574,32 @@ def routing_tables(args: argparse.Namespace, path: Path, n: int) -> dict[str, li
                     model = gguf
                 # the recording runs forge's CPU kernels: not on this thread, which would keep their OpenMP
                 # team and make the hybrid worker's sleep between calls
+                guessed: dict[int, np.ndarray] = {}
                 tlays, trace = cpu_kernels.on_own_thread(
-                    record, model, args.text.read_text(), args.trace_tokens
+                    record, model, args.text.read_text(), args.trace_tokens, 512, guessed
                 )
             t_experts = next(iter(tlays.values())).experts
-            tables[kind] = scaled_trace(trace, t_experts, len(lays), experts, k)
-    return tables
+            tables[kind], guesses[kind] = scaled_trace(
+                trace, t_experts, len(lays), experts, k, guesses=guessed
+            )
+    return tables, guesses
+
+
+def uncached_note(r: dict, c: dict, disk_gb_s: float, cached: dict | None) -> str:
+    """A row whose misses were disk reads: MB read a token, the bound (missed MB / the disk's sequential rate
+    + the compute of the same row with the file cached, when there is one) and the row against it, the
+    cache's hits and read time, and its read ahead."""
+    note = f"{r['tg_bytes_read_per_token'] / 1e6:,.1f} MB read a token ({c['needed_mb_per_token']} needed)"
+    if cached:
+        bound = 1 / (c["needed_mb_per_token"] * 1e6 / (disk_gb_s * 1e9) + 1 / cached["tg"])
+        r["expected_tg"] = round(bound, 1)
+        note += f"; bound (needed / disk + the cached row's compute) {bound:.1f} tok/s, ratio {bound / r['tg']:.2f}"
+    note += (f"; cache hits {c['hit_rate']:.0%}, reads {c['read_ms_per_token']} ms a token at {c['read_gb_s']} GB/s, "
+             f"waits {c['wait_ms_per_token']} ms")  # fmt: skip
+    if c["read_ahead_per_token"]:
+        note += (f"; read ahead {c['read_ahead_per_token']} a token: {c['used_per_token']} used, "
+                 f"{c['wasted_per_token']} evicted unused")  # fmt: skip
+    return note
 
 
 def print_table(rows: list[dict], header: str) -> None:
@@ -513,6 +634,15 @@ def main() -> None:
         default=READ_CHUNK >> 10,
         help="the most KiB of one of its reads (0: a part)",
     )
+    ap.add_argument(
+        "--prefetch", action="store_true",
+        help="also run each streamed row (--host-cache-gib; SSD streaming without CUDA) with the next layer's "
+        "guessed experts read ahead (trace routing: the trained router's guesses, scaled as its choices)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--drop-pages", action="store_true",
+        help="the SSD streaming row's cache drops every range it reads from the page cache (each miss a disk read)",
+    )  # fmt: skip
     ap.add_argument("--routing", default="trace,uniform")
     ap.add_argument("--trace-model", type=Path, default=ROOT / "examples" / "tiny-qwen3moe")
     ap.add_argument("--text", type=Path, default=FIXTURES / "text" / "val.txt")
@@ -568,7 +698,7 @@ def main() -> None:
         machine["page_cache_read_gb_s"] = round(warm_page_cache(path) / 1e9, 2)
     n_tokens = args.pp + args.warmup + args.reps * (args.pp + args.tg) + 1
     forge_rows = want & {"hybrid", "streaming"} or (not cuda and "resident" in want) or args.host_cache_gib
-    tables = routing_tables(args, path, min(n_tokens, 1 << 14)) if forge_rows else {}
+    tables, guesses = routing_tables(args, path, min(n_tokens, 1 << 14)) if forge_rows else ({}, {})
     rows: list[dict] = []
     if cuda:
         free = torch.cuda.mem_get_info()[0]
@@ -590,19 +720,16 @@ def main() -> None:
                     (r for r in rows if r["mode"] == "hybrid 4 GiB" and r["routing"] == kind and "tg" in r),
                     None,
                 )
-                r = guarded(f"hybrid 4 GiB, host {args.host_cache_gib:g} GiB", kind, row_hybrid, path, 4.0,
-                            _routing(table), args, args.host_cache_gib)  # fmt: skip
-                if "tg" in r:
-                    ceiling = machine.setdefault("disk_read_gb_s", round(read_ceiling(path) / 1e9, 2)) * 1e9
-                    expect = r["tg_bytes_read_per_token"] / ceiling + (1 / cached["tg"] if cached else 0.0)
-                    r["expected_tg"] = round(1 / expect, 1) if expect else None
-                    r["note"] = (f"{r['tg_bytes_read_per_token'] / 1e6:,.1f} MB read per token; bound (read / "
-                                 f"disk + compute of the cached row) {r['expected_tg']} tok/s, ratio "
-                                 f"{r['expected_tg'] / r['tg']:.2f}" if r["expected_tg"] and cached else "")  # fmt: skip
-                    c = r["host_cache_decode"]
-                    r["note"] += (f"; host cache hits {c['hit_rate']:.0%}, reads {c['read_ms_per_token']} ms a "
-                                  f"token at {c['read_gb_s']} GB/s")  # fmt: skip
-                rows.append(r)
+                for ahead in (False, True) if args.prefetch else (False,):
+                    label = f"hybrid 4 GiB, host {args.host_cache_gib:g} GiB" + (
+                        ", read ahead" if ahead else ""
+                    )
+                    r = guarded(label, kind, row_hybrid, path, 4.0, _routing(table, guesses.get(kind)), args,
+                                args.host_cache_gib, ahead)  # fmt: skip
+                    if "tg" in r:
+                        disk = machine.setdefault("disk_read_gb_s", round(read_ceiling(path) / 1e9, 2))
+                        r["note"] = uncached_note(r, r["host_cache_decode"], disk, cached)
+                    rows.append(r)
     else:
         notes.append(
             "no CUDA device: the GPU rows (resident GPU, hybrid) are skipped; forge's rows run on the CPU"
@@ -610,9 +737,18 @@ def main() -> None:
         for kind, table in tables.items():
             if "resident" in want:
                 rows.append(guarded("CPU, mapped file", kind, row_cpu, path, _routing(table), args))
-            if "streaming" in want:
-                rows.append(guarded(f"SSD streaming {args.stream_gib:g} GiB", kind, row_streaming, path, "cpu",
-                                    args.stream_gib, _routing(table), args))  # fmt: skip
+            for ahead in (
+                (False, True)
+                if args.prefetch and "streaming" in want
+                else ((False,) if "streaming" in want else ())
+            ):
+                label = f"SSD streaming {args.stream_gib:g} GiB" + (", read ahead" if ahead else "")
+                r = guarded(label, kind, row_streaming, path, "cpu", args.stream_gib,
+                            _routing(table, guesses.get(kind)), args, ahead)  # fmt: skip
+                if "tg" in r and args.drop_pages:
+                    disk = machine.setdefault("disk_read_gb_s", round(read_ceiling(path) / 1e9, 2))
+                    r["note"] += "; " + uncached_note(r, r["decode"], disk, None)
+                rows.append(r)
     if args.llama_bench is not None and "llama" in want:
         modes = [("llama.cpp -ot exps=CPU", ("-ot", "exps=CPU")), ("llama.cpp all on GPU", ())] if cuda else [("llama.cpp CPU", ())]  # fmt: skip
         for label, extra in modes:

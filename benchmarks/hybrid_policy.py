@@ -145,7 +145,7 @@ def main() -> None:
         synthesize(path, args.geometry, "q4_k", None, 4096, 0, hidden=256, expert_ff=256, heads=4, kv_heads=2,
                    head_dim=64)  # fmt: skip
         args.routing, args.trace_tokens = [args.routing], 2048
-        table = next(iter(hb.routing_tables(args, path, 4096).values()))
+        table = next(iter(hb.routing_tables(args, path, 4096)[0].values()))
         print(f"{args.geometry} experts, width 256; {args.slots} slots; routing {args.routing[0]}")
         if args.bounds:
             experts = next(iter(load_weights(path).expert_layers().values())).experts

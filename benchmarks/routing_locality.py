@@ -28,6 +28,7 @@ from forge.convert import convert_checkpoint
 from runtime.experts import ExpertCache
 from runtime.models import build_model
 from runtime.observers import Observer
+from runtime.prefetch import RouterGuess
 from runtime.synth import GEOMETRIES
 from runtime.tokenizer import Tokenizer
 from runtime.weights import load_weights
@@ -41,26 +42,46 @@ SHARES = {f"{g} GiB": (g << 30) // Q36_RECORD / (Q36.layers * Q36.experts) for g
 
 
 class RoutingRecorder(Observer):
-    def __init__(self) -> None:
+    """Each layer's chosen experts; with ``guess`` (``runtime.prefetch.RouterGuess``) also, per layer after
+    the first, what its router guessed from the layer before's input (``--prefetch``'s guess)."""
+
+    def __init__(self, guess: RouterGuess | None = None) -> None:
         self.ids: dict[int, list[np.ndarray]] = {}
+        self.guess, self.guesses = guess, {}
+        self._x: tuple[int, torch.Tensor] | None = None
+
+    def on_matmul_input(self, tensor_name: str, x: torch.Tensor, expert_ids: torch.Tensor | None) -> None:
+        if self.guess is not None and expert_ids is None and tensor_name.endswith(".ffn_gate_inp.weight"):
+            self._x = (int(tensor_name.split(".")[1]), x)
 
     def on_routing(
         self, layer: int, experts: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor
     ) -> None:
         self.ids.setdefault(layer, []).append(experts.cpu().numpy())
+        if self.guess is not None and self._x is not None and self._x[0] == layer:
+            guess = self.guess.rows(layer, self._x[1])
+            if guess is not None:
+                self.guesses.setdefault(guess[0], []).append(guess[1].cpu().numpy())
 
 
-def record(model_path: Path, text: str, n_tokens: int, ctx: int = 512) -> tuple[dict, dict[int, np.ndarray]]:
+def record(
+    model_path: Path, text: str, n_tokens: int, ctx: int = 512, guesses: dict[int, np.ndarray] | None = None
+) -> tuple[dict, dict[int, np.ndarray]]:
     """The model's routed expert layers, and per layer the (n_tokens, k) expert ids of each token, from
-    prefill chunks of ``ctx`` tokens."""
+    prefill chunks of ``ctx`` tokens; ``guesses``: filled with the (n_tokens, k) guesses of each layer
+    after the first (``RoutingRecorder``)."""
     w = load_weights(model_path)
     rec = RoutingRecorder()
     model = build_model(w, [rec])
+    if guesses is not None:
+        rec.guess = RouterGuess(model, list(model.routed_layers()))
     tokens = Tokenizer.from_metadata(w).encode(text)[:n_tokens]
     with torch.inference_mode():
         for s in range(0, len(tokens), ctx):
             chunk = torch.tensor(tokens[s : s + ctx])
             model.forward(chunk, model.new_state(len(chunk)))
+    if guesses is not None:
+        guesses.update({layer: np.concatenate(v) for layer, v in sorted(rec.guesses.items())})
     return w.expert_layers(), {layer: np.concatenate(v) for layer, v in sorted(rec.ids.items())}
 
 

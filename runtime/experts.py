@@ -248,9 +248,8 @@ class CacheStats:
     def to_json(self) -> dict[str, float | int]:
         out: dict[str, float | int] = dict(self.__dict__)
         out["hit_rate"] = round(self.hit_rate, 6)
-        out["read_mb_per_s"] = (
-            round(self.bytes_read / self.read_seconds / 1e6, 1) if self.read_seconds else 0.0
-        )
+        secs = self.read_seconds + self.prefetch_seconds  # bytes_read counts both
+        out["read_mb_per_s"] = round(self.bytes_read / secs / 1e6, 1) if secs else 0.0
         return out
 
 
@@ -292,6 +291,8 @@ class GroupedExperts(Sequence[torch.Tensor]):
 #: the most bytes of one read of a missed expert (``ExpertCache.read_chunk``; 0: a whole part). Smaller reads
 #: did not serve a decode step's misses faster on the disks measured (``benchmarks/disk_reads.py``)
 READ_CHUNK = 0
+#: the most bytes of one read of a read ahead: a model's read that comes meanwhile waits for at most one
+AHEAD_CHUNK = 256 << 10
 
 
 def _chunks(part: tuple[int, int, int, int], chunk: int) -> list[tuple[int, int, int, int]]:
@@ -382,6 +383,7 @@ class ExpertCache:
         self._first_layer = min(layers)
         self.protected_keys = np.empty(0, np.int64)  # keys the prefetcher must not evict
         self.prefetching = False  # a Prefetcher is attached
+        self._model_reading = 0  # the model's requests reading their misses now (a read ahead waits for none)
         self.simulate = False  # benchmarks: fill the bookkeeping of misses without reading them
         #: preads in flight at once for the misses of one request
         self.read_threads = max(0, read_threads)
@@ -426,14 +428,12 @@ class ExpertCache:
                 os.posix_fadvise(self._fd, start + expert * step, n, os.POSIX_FADV_DONTNEED)
         return reads
 
-    def _read_misses(
-        self, lay: LayerExperts, misses: list[tuple[int, int]], threads: int | None = None
-    ) -> int:
+    def _read_misses(self, lay: LayerExperts, misses: list[tuple[int, int]], ahead: bool = False) -> int:
         """Read the (expert, slot) records of one request, without the lock; returns the reads made. Several
         preads are in flight at once (an SSD serves scattered reads faster in parallel; pread releases the
-        GIL): ``threads`` of them (default ``read_threads``). A device slab is filled through the
-        requester's pinned host rows with one copy."""
-        threads = self.read_threads if threads is None else threads
+        GIL): ``read_threads`` of them. ``ahead``: a read ahead's, one piece of ``AHEAD_CHUNK`` bytes at a
+        time and each only while the model reads nothing (so that its reads never queue behind guesses).
+        A device slab is filled through the requester's pinned host rows with one copy."""
         if self.slab_device is None:
             rows = [self.slab[slot] for _, slot in misses]
         else:
@@ -442,12 +442,21 @@ class ExpertCache:
                 stage = self._stages.rows = self._host_rows(max(len(misses), self.group_size))
             rows = list(stage.numpy()[: len(misses)])
         # a job per chunk of each part of each expert: as many reads in flight as there are threads
-        pieces = [piece for part in lay.reads for piece in _chunks(part, self.read_chunk)]
+        pieces = [
+            piece for part in lay.reads for piece in _chunks(part, AHEAD_CHUNK if ahead else self.read_chunk)
+        ]
         jobs = [(e, row, (piece,)) for (e, _), row in zip(misses, rows, strict=True) for piece in pieces]
-        if threads == 0 and len(jobs) > 1:  # every range asked for first: no hand-offs
-            for e, _, ((start, step, n, _),) in jobs:
-                os.posix_fadvise(self._fd, start + e * step, n, os.POSIX_FADV_WILLNEED)
-        if len(jobs) == 1 or threads <= 1:
+        if ahead:
+            reads = 0
+            for job in jobs:
+                with self._lock:
+                    while self._model_reading:
+                        self._changed.wait()
+                reads += self._pread(lay, *job)
+        elif len(jobs) == 1 or self.read_threads <= 1:
+            if self.read_threads == 0 and len(jobs) > 1:  # every range asked for first: no hand-offs
+                for e, _, ((start, step, n, _),) in jobs:
+                    os.posix_fadvise(self._fd, start + e * step, n, os.POSIX_FADV_WILLNEED)
             reads = sum(self._pread(lay, *job) for job in jobs)
         else:  # every read ends before an error is raised: none may land in a slot given up for it
             pool = self._pool()
@@ -560,6 +569,7 @@ class ExpertCache:
             out, misses, others = self._take(layer, ids)
             if serve:
                 self._unreserve(layer)
+                self._model_reading += bool(misses)
         if not misses and not others:
             return out
         mine = [slot for _, slot in misses]
@@ -568,11 +578,13 @@ class ExpertCache:
             reads = self._read_misses(lay, misses) if misses and not self.simulate else 0
         except BaseException:
             with self._lock:
+                self._model_reading -= serve and bool(misses)
                 self._read_ended(mine, failed=True)
                 self._let_go(out)
             raise
         with self._lock:
             if misses:
+                self._model_reading -= serve
                 self._read_ended(mine)
                 if not self.simulate:
                     self.stats.reads += reads
@@ -761,7 +773,7 @@ class ExpertCache:
         misses = list(zip(want, fresh, strict=True))
         t0 = time.perf_counter()
         try:
-            reads = self._read_misses(lay, misses, threads=0)
+            reads = self._read_misses(lay, misses, ahead=True)
         except BaseException:
             with self._lock:
                 self._read_ended(fresh, failed=True)

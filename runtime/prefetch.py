@@ -39,12 +39,16 @@ class RouterGuess:
     def __call__(self, layer: int, x: torch.Tensor) -> tuple[int, list[int]] | None:
         """(the layer after ``layer``, its guessed experts) from ``layer``'s router input ``x`` (one row);
         None after the last layer."""
+        guess = self.rows(layer, x.reshape(1, -1))
+        return None if guess is None else (guess[0], guess[1][0].tolist())
+
+    def rows(self, layer: int, x: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """The same for each row of ``x`` (n, n_embd): the next layer and its guesses (n, k)."""
         nxt = self.next_layer.get(layer)
         if nxt is None:
             return None
         w = self.routers[nxt]
-        logits = F.linear(x.reshape(1, -1).to(w.device, w.dtype), w)
-        return nxt, torch.topk(logits, self.n_used, dim=-1).indices[0].tolist()
+        return nxt, torch.topk(F.linear(x.to(w.device, w.dtype), w), self.n_used, dim=-1).indices
 
 
 class ReadAhead:
