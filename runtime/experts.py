@@ -291,8 +291,6 @@ class GroupedExperts(Sequence[torch.Tensor]):
 #: the most bytes of one read of a missed expert (``ExpertCache.read_chunk``; 0: a whole part). Smaller reads
 #: did not serve a decode step's misses faster on the disks measured (``benchmarks/disk_reads.py``)
 READ_CHUNK = 0
-#: the most bytes of one read of a read ahead: a model's read that comes meanwhile waits for at most one
-AHEAD_CHUNK = 256 << 10
 
 
 def _chunks(part: tuple[int, int, int, int], chunk: int) -> list[tuple[int, int, int, int]]:
@@ -383,7 +381,6 @@ class ExpertCache:
         self._first_layer = min(layers)
         self.protected_keys = np.empty(0, np.int64)  # keys the prefetcher must not evict
         self.prefetching = False  # a Prefetcher is attached
-        self._model_reading = 0  # the model's requests reading their misses now (a read ahead waits for none)
         self.simulate = False  # benchmarks: fill the bookkeeping of misses without reading them
         #: preads in flight at once for the misses of one request
         self.read_threads = max(0, read_threads)
@@ -431,8 +428,8 @@ class ExpertCache:
     def _read_misses(self, lay: LayerExperts, misses: list[tuple[int, int]], ahead: bool = False) -> int:
         """Read the (expert, slot) records of one request, without the lock; returns the reads made. Several
         preads are in flight at once (an SSD serves scattered reads faster in parallel; pread releases the
-        GIL): ``read_threads`` of them. ``ahead``: a read ahead's, one piece of ``AHEAD_CHUNK`` bytes at a
-        time and each only while the model reads nothing (so that its reads never queue behind guesses).
+        GIL): ``read_threads`` of them. ``ahead``: a read ahead's, one read at a time on the calling thread
+        (one more read in flight beside the model's, none queued ahead of them in the reader threads).
         A device slab is filled through the requester's pinned host rows with one copy."""
         if self.slab_device is None:
             rows = [self.slab[slot] for _, slot in misses]
@@ -442,19 +439,12 @@ class ExpertCache:
                 stage = self._stages.rows = self._host_rows(max(len(misses), self.group_size))
             rows = list(stage.numpy()[: len(misses)])
         # a job per chunk of each part of each expert: as many reads in flight as there are threads
-        pieces = [
-            piece for part in lay.reads for piece in _chunks(part, AHEAD_CHUNK if ahead else self.read_chunk)
-        ]
+        pieces = [piece for part in lay.reads for piece in _chunks(part, self.read_chunk)]
         jobs = [(e, row, (piece,)) for (e, _), row in zip(misses, rows, strict=True) for piece in pieces]
-        if ahead:
-            reads = 0
-            for job in jobs:
-                with self._lock:
-                    while self._model_reading:
-                        self._changed.wait()
-                reads += self._pread(lay, *job)
-        elif len(jobs) == 1 or self.read_threads <= 1:
-            if self.read_threads == 0 and len(jobs) > 1:  # every range asked for first: no hand-offs
+        if ahead or len(jobs) == 1 or self.read_threads <= 1:
+            if (
+                self.read_threads == 0 and not ahead and len(jobs) > 1
+            ):  # every range asked first: no hand-offs
                 for e, _, ((start, step, n, _),) in jobs:
                     os.posix_fadvise(self._fd, start + e * step, n, os.POSIX_FADV_WILLNEED)
             reads = sum(self._pread(lay, *job) for job in jobs)
@@ -569,7 +559,6 @@ class ExpertCache:
             out, misses, others = self._take(layer, ids)
             if serve:
                 self._unreserve(layer)
-                self._model_reading += bool(misses)
         if not misses and not others:
             return out
         mine = [slot for _, slot in misses]
@@ -578,13 +567,11 @@ class ExpertCache:
             reads = self._read_misses(lay, misses) if misses and not self.simulate else 0
         except BaseException:
             with self._lock:
-                self._model_reading -= serve and bool(misses)
                 self._read_ended(mine, failed=True)
                 self._let_go(out)
             raise
         with self._lock:
             if misses:
-                self._model_reading -= serve
                 self._read_ended(mine)
                 if not self.simulate:
                     self.stats.reads += reads
@@ -740,8 +727,8 @@ class ExpertCache:
     def prefetch(self, layer: int, experts: list[int], issued_at: int) -> int:
         """Read experts ``experts`` of ``layer`` ahead of use (a read-ahead thread), those not cached yet
         and as many as free slots allow. Returns how many were read: 0 when the request is stale (the model
-        has moved past ``issued_at`` + 1). The reads are this thread's own (all ranges hinted first, as
-        with ``read_threads=0``): they never queue in the pool that serves the model's misses."""
+        has moved past ``issued_at`` + 1). The reads are this thread's own, one at a time: they never queue
+        in the pool that serves the model's misses."""
         lay = self.layers.get(layer)
         if lay is None or not experts:
             return 0

@@ -97,3 +97,44 @@ def test_cache_contention_benchmark_times_two_requesters(example_q8: Path, tmp_p
     )
     assert got["overlap"] > 0
     assert contention.main([str(tmp_path / "none.gguf")]) == 1
+
+
+def test_read_ahead_benchmark_replays_the_uncached_host_side(example_q8: Path, tmp_path: Path) -> None:
+    read_ahead = load("read_ahead")
+    out = tmp_path / "ahead.json"
+    args = ["--tokens", "6", "--warmup", "2", "--compute-us", "10", "--host-share", "1", "--json", str(out)]
+    assert read_ahead.main([str(example_q8), *args]) == 0
+    off, on = json.loads(out.read_text())["rows"]
+    assert not off["prefetch"] and on["prefetch"] and off["read_ahead_per_token"] == 0
+    assert on["read_ahead_per_token"] > 0 and on["used_per_token"] > 0
+    # every expert fits: each one the decode needs is read once, by its miss or ahead of it
+    assert on["needed_mb_per_token"] == off["needed_mb_per_token"] > 0
+    assert off["read_mb_per_token"] == off["needed_mb_per_token"]
+    assert read_ahead.main([str(example_q8), "--pool-share", "1"]) == 1
+    assert read_ahead.main([str(tmp_path / "none.gguf")]) == 1
+
+
+def test_pool_of_the_most_chosen_experts() -> None:
+    read_ahead = load("read_ahead")
+    table = [np.array([[0, 1], [0, 2], [0, 1]]), np.array([[3, 2], [3, 2], [1, 0]])]
+    got = read_ahead.hottest(table, experts=4, share=0.5)  # 4 of 8: counts 3, then the three 2s
+    assert got.tolist() == [[True, True, False, False], [False, False, True, True]]
+
+
+def test_scaled_guesses_stand_for_the_experts_their_choices_stand_for() -> None:
+    """A guess that was chosen becomes the same experts of the file as the choice, one that was not others; the
+    choices' table is the same with guesses or without; layers replaying the trace's first have none."""
+    hb = load("hybrid_experts")
+    rng = np.random.default_rng(3)
+    trace = {layer: np.stack([rng.permutation(8)[:2] for _ in range(50)]) for layer in range(2)}
+    right = {1: trace[1]}
+    wrong = {1: np.stack([np.setdiff1d(np.arange(8), row)[:2] for row in trace[1]])}
+    plain, none = hb.scaled_trace(trace, 8, 4, 32, 4)
+    table, guessed = hb.scaled_trace(trace, 8, 4, 32, 4, guesses=right)
+    _, missed = hb.scaled_trace(trace, 8, 4, 32, 4, guesses=wrong)
+    assert all(np.array_equal(a, b) for a, b in zip(plain, table, strict=True)) and none == [None] * 4
+    assert guessed[0] is None and guessed[2] is None  # file layers 0 and 2 replay trace layer 0
+    for layer in (1, 3):
+        assert np.array_equal(guessed[layer], table[layer])
+        assert not (missed[layer][:, :, None] == table[layer][:, None, :]).any()
+        assert all(len(set(row)) == 4 for row in missed[layer])
