@@ -8,8 +8,9 @@
 # cuda SRC); PARTS: any of cuda,profile,cpu,threads,hybrid,uncached,quantize (default: all), comma-separated.
 # Each part prints its table and writes JSON under WORK/results/. The CPU rows hide the GPU from both programs
 # (CUDA_VISIBLE_DEVICES=), so llama.cpp's CUDA build runs its CPU code. uncached needs no llama.cpp: the hybrid
-# 4 GiB row over a host expert cache with the file's pages dropped (16 reader threads, then none), the disk's
-# rate for a decode step's reads, and the host cache's two requesters at once.
+# 4 GiB row over a host expert cache with the file's pages dropped (16 reader threads with and without read
+# ahead, then none), its host side replayed with and without read ahead, the disk's rate for a decode step's
+# reads, and the host cache's two requesters at once.
 set -eu
 WORK=${1:?usage: gpu_host_suite.sh WORK LLAMA_BIN [PARTS]}
 BIN=${2:?usage: gpu_host_suite.sh WORK LLAMA_BIN [PARTS]}
@@ -55,11 +56,13 @@ if want hybrid; then
 fi
 if want uncached; then
   echo "== the file not in the page cache: hybrid 4 GiB over an 8 GiB host expert cache, trace routing"
-  for readers in 16 0; do
-    python3 benchmarks/hybrid_experts.py "$WORK/q35.gguf" --rows hybrid --routing trace --caches-gib 4 \
-      --host-cache-gib 8 --pp 32 --tg 32 --reps 2 --warmup 8 --warmup-prefills 1 --read-threads "$readers" \
-      --json "$WORK/results/uncached-readers$readers.json"
-  done
+  python3 benchmarks/hybrid_experts.py "$WORK/q35.gguf" --rows hybrid --routing trace --caches-gib 4 \
+    --host-cache-gib 8 --pp 32 --tg 32 --reps 2 --warmup 8 --warmup-prefills 1 --read-threads 16 --prefetch \
+    --json "$WORK/results/uncached-readers16.json"
+  python3 benchmarks/hybrid_experts.py "$WORK/q35.gguf" --rows hybrid --routing trace --caches-gib 4 \
+    --host-cache-gib 8 --pp 32 --tg 32 --reps 2 --warmup 8 --warmup-prefills 1 --read-threads 0 \
+    --json "$WORK/results/uncached-readers0.json"
+  python3 benchmarks/read_ahead.py "$WORK/q35.gguf" --tokens 64 --warmup 16 --json "$WORK/results/read_ahead.json"
   python3 benchmarks/disk_reads.py "$WORK/q35.gguf" --threads 0,4,16 --chunk-kb 0 --misses 1,4 \
     --json "$WORK/results/disk_reads.json"
   python3 benchmarks/cache_contention.py "$WORK/q35.gguf" --hot 16 --drop-pages --json "$WORK/results/contention.json"

@@ -753,7 +753,9 @@ class ExpertCache:
                 self.loading[slot] = True
                 self.reserved_for[slot] = layer
                 self.prefetched[slot] = True
-                self.policy.use(slot, base + e)
+                # a guess ranks as the least recently used until the model uses it: kept by its reservation
+                # until its layer is served, then, if the guess was wrong, the first to go
+                self.policy.last_use[slot] = 0
             self._reserving |= bool(fresh)
         if not fresh:
             return 0
