@@ -108,3 +108,21 @@ def test_prefetch_never_evicts_protected_or_pinned(files: dict[str, Path]) -> No
     cache.release(cache.slots(2, fetched[:3]))
     assert cache.stats.prefetch_used == 3 and cache.stats.hits - hits == 3
     assert (cache.reserved_for < 0).all()
+
+
+def test_a_wrong_guess_is_the_first_to_go(files: dict[str, Path]) -> None:
+    """A guessed expert the model never used ranks as the least recently used once its layer is served (a
+    guess counted as a use would stay, under LRU, a whole cycle and push out experts the model uses)."""
+    from runtime.weights import GGUFWeights
+
+    w = GGUFWeights(files["canonical"])
+    cache = ExpertCache(w.path, w.expert_layers(), FLOOR + 2, USED, "lru")
+    for layer in range(LAYERS):
+        cache.release(cache.slots(layer, list(range(USED))))
+    cache.serve(1, list(range(USED)))
+    assert cache.prefetch(2, [20], issued_at=1) == 1
+    cache.release(cache.slots(0, [8, 9]))  # the cache is full now
+    cache.release(cache.slots(2, list(range(USED))))  # layer 2 served: the guess was wrong
+    cache.release(cache.slots(3, [30]))
+    assert cache.key(2, 20) not in cache.slot_of and cache.stats.prefetch_wasted == 1
+    assert all(cache.key(layer, e) in cache.slot_of for layer in range(LAYERS) for e in range(USED))
