@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hybrid_experts as hb  # noqa: E402
 
 from runtime import hybrid  # noqa: E402
+from runtime.experts import ExpertCache  # noqa: E402
 from runtime.models import build_model  # noqa: E402
 from runtime.synth import synthesize  # noqa: E402
 from runtime.weights import load_weights  # noqa: E402
@@ -56,10 +57,19 @@ from runtime.weights import load_weights  # noqa: E402
 SEQUENCE = argparse.Namespace(pp=512, tg=64, warmup=16, warmup_prefills=2, reps=2, cold=False, cprofile=None)
 
 
-def replay(path: Path, table: list, slots: int, window: float, margin: float, admit: int) -> dict:
-    """``hybrid_experts.timed``'s sequence through a fresh executor; its decode-step figures."""
+def replay(path: Path, table: list, slots: int, window: float, margin: float, admit: int,
+           host_share: float = 0.0) -> dict:  # fmt: skip
+    """``hybrid_experts.timed``'s sequence through a fresh executor; its decode-step figures. ``host_share``:
+    the CPU side's experts through a host expert cache of that share of all experts (the records it reads a
+    decode token counted)."""
     w = load_weights(path, "cpu", 0)
     w.host_experts = True
+    if host_share:
+        lays, k = w.expert_layers(), int(w.hparam("expert_used_count"))
+        total = sum(lay.experts for lay in lays.values())
+        w.expert_cache = ExpertCache(
+            path, lays, max(int(host_share * total), len(lays) * k + 1), k, "lfu", "cpu"
+        )
     model = build_model(w)
     routing = hb.Routing(table)
     hb.route_by(model, routing)
@@ -72,15 +82,23 @@ def replay(path: Path, table: list, slots: int, window: float, margin: float, ad
             model, slots * record, "cpu", rates=hybrid.Rates.never(), admit_per_call=admit,
             window=int(window * n_keys),
         )  # fmt: skip
-        t0 = time.perf_counter()
-        hb.timed(model, routing, "cpu", SEQUENCE, path)  # the benchmark's own sequence, its times unused
+        t0, misses = time.perf_counter(), []
+        cache = w.expert_cache
+        before_tg = (lambda: misses.append(cache.stats.misses)) if cache is not None else None  # noqa: E731
+        # the benchmark's own sequence, its times unused
+        hb.timed(model, routing, "cpu", SEQUENCE, path, None, before_tg)
         s = h.stats
         h.close()
     finally:
         hybrid.ADMIT_MARGIN = old
-    return {"window": window, "margin": margin, "admit_per_call": admit, "decode_hit_rate": round(s.step_hit_rate, 4),
-            "admissions": s.admissions, "step_admissions": s.step_admissions,
-            "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+    row = {"window": window, "margin": margin, "admit_per_call": admit, "decode_hit_rate": round(s.step_hit_rate, 4),
+           "admissions": s.admissions, "step_admissions": s.step_admissions,
+           "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+    if cache is not None:
+        tokens = SEQUENCE.reps * SEQUENCE.tg
+        row |= {"host_share": host_share,
+                "host_records_read_per_token": round((cache.stats.misses - misses[0]) / tokens, 2)}  # fmt: skip
+    return row
 
 
 def bounds(table: list, slots: int, experts: int) -> dict:
@@ -136,6 +154,11 @@ def main() -> None:
     ap.add_argument("--trace-model", type=Path, default=hb.ROOT / "examples" / "tiny-qwen3moe")
     ap.add_argument("--text", type=Path, default=hb.ROOT / "tests" / "fixtures" / "text" / "val.txt")
     ap.add_argument("--bounds", action="store_true")
+    ap.add_argument(
+        "--host-share", type=float, default=0.0,
+        help="the CPU side through a host expert cache of this share of all experts (0.474: 8 GiB of the 35B "
+        "file): the records it reads a decode token",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -154,11 +177,13 @@ def main() -> None:
             args.windows = ""
         for window in (float(v) for v in args.windows.split(",") if v):
             for margin in (float(v) for v in args.margins.split(",")):
-                row = replay(path, table, args.slots, window, margin, args.admit_per_call)
+                row = replay(path, table, args.slots, window, margin, args.admit_per_call, args.host_share)
                 rows.append(row)
+                host = (f"; host cache: {row['host_records_read_per_token']} records read a decode token"
+                        if args.host_share else "")  # fmt: skip
                 print(f"window {window:g} margin {margin:g}: decode hits {row['decode_hit_rate']:.1%}, "
                       f"{row['admissions']} admissions ({row['step_admissions']} in decode steps), "
-                      f"{row['seconds']} s", flush=True)  # fmt: skip
+                      f"{row['seconds']} s{host}", flush=True)  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

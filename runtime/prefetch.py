@@ -29,11 +29,13 @@ _ROUTER = ".ffn_gate_inp.weight"
 
 
 class RouterGuess:
-    """Layer L+1's likely experts from layer L's router input: L+1's router applied to it (its top k)."""
+    """Layer L+1's likely experts from layer L's router input: L+1's router applied to it (its top k), on the
+    host (a hybrid decode step's worker guesses while the device waits for its answer: work queued on the
+    device there would wait behind that wait)."""
 
     def __init__(self, model: Any, layers: list[int]) -> None:
         self.n_used = int(model.n_expert_used)
-        self.routers = {i: model.blocks[i].moe.router.proj.weight.float() for i in layers}
+        self.routers = {i: model.blocks[i].moe.router.proj.weight.detach().float().cpu() for i in layers}
         self.next_layer = dict(zip(layers, layers[1:], strict=False))
 
     def __call__(self, layer: int, x: torch.Tensor) -> tuple[int, list[int]] | None:
@@ -48,7 +50,7 @@ class RouterGuess:
         if nxt is None:
             return None
         w = self.routers[nxt]
-        return nxt, torch.topk(F.linear(x.to(w.device, w.dtype), w), self.n_used, dim=-1).indices
+        return nxt, torch.topk(F.linear(x.to("cpu", w.dtype), w), self.n_used, dim=-1).indices
 
 
 class ReadAhead:

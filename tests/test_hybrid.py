@@ -596,23 +596,32 @@ def test_misses_streamed_through_a_host_expert_cache(example_q8: Path, rates: st
     assert pooled and marked == pooled
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_decode_steps_read_the_next_layers_guess_ahead(example_q8: Path, background: bool) -> None:
+_ON_CUDA = pytest.param(
+    "cuda",
+    True,
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+)
+
+
+@pytest.mark.parametrize(("device", "background"), [("cpu", False), ("cpu", True), _ON_CUDA])
+def test_decode_steps_read_the_next_layers_guess_ahead(
+    example_q8: Path, device: str, background: bool
+) -> None:
     """``--prefetch`` over a host expert cache: each decode layer's worker reads the next layer's guessed
     experts (its router on this layer's input) that the pool does not hold into the host cache; logits
     as without, the cache's counters consistent, and no expert output observer in the way of the decode
-    steps' mailbox."""
+    steps' mailbox (on a GPU: the steps captured)."""
     from runtime.experts import ExpertCache
     from runtime.prefetch import ReadAhead, attach_prefetcher
 
     want = _logits(load_model(example_q8))
-    w = load_weights(example_q8, "cpu", 0)
+    w = load_weights(example_q8, device, 0)
     w.host_experts = True
     layers = w.expert_layers()
     used = int(w.hparam("expert_used_count"))
     w.expert_cache = cache = ExpertCache(example_q8, layers, len(layers) * used * 4, used, "lfu", "cpu")
     m = build_model(w)
-    h = HybridExperts(m, 16 * layers[0].record_bytes, "cpu")
+    h = HybridExperts(m, 16 * layers[0].record_bytes, device)
     m.hybrid = h  # type: ignore[attr-defined]
     guessed: list[tuple[int, list[int]]] = []
     read_ahead = attach_prefetcher(m, background)
