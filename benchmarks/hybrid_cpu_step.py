@@ -90,7 +90,7 @@ class Bench:
             t0 = time.perf_counter_ns()
             ids = self.mail[i, :K].astype(np.int64)
             miss = np.flatnonzero(self.missed[i * self.experts + ids])
-            answer_missed(self.mail[i], ids, miss, self.records[i], zeros, self.result[i])
+            answer_missed(self.mail[i], ids[miss], miss, self.records[i], zeros, self.result[i])
             self.stamps[i] = t0, time.perf_counter_ns()
             self.done[i] = gen
 

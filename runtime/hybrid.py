@@ -984,7 +984,10 @@ class HybridExperts:
                 if not miss.size:
                     result[i] = 0.0
                 elif layer.encoded is not None:
-                    answer_missed(mail[i], ids, miss, layer.encoded, zeros, result[i])
+                    answer_missed(mail[i], ids[miss], miss, layer.encoded, zeros, result[i])
+                elif layer.host.kind == "streamed":  # in the host cache's slots, held while computed there
+                    with layer.host.records(torch.from_numpy(ids[miss])) as (records, slots):
+                        answer_missed(mail[i], slots.numpy(), miss, records, zeros, result[i])
                 else:
                     result[i] = layer.host_backend.routed_ffn(
                         torch.from_numpy(mail[i, 2 * k :])[None], torch.from_numpy(ids[miss])[None],
@@ -1273,13 +1276,14 @@ def _finished(copied: Any, wait: bool = False) -> bool:
 
 
 @torch.inference_mode()  # as the model's forward pass (the mode is per thread)
-def answer_missed(row: np.ndarray, ids: np.ndarray, miss: np.ndarray, records: cpu_kernels.EncodedExperts,
+def answer_missed(row: np.ndarray, index: np.ndarray, miss: np.ndarray, records: cpu_kernels.EncodedExperts,
                   h: np.ndarray, out: np.ndarray) -> None:  # fmt: skip
-    """A decode step's CPU answer to one mailbox row (k ids, k weights, the input; ``ids`` its ids as int64):
-    ``out`` = h + the weighted sum of the pairs at positions ``miss``, computed from the encoded ``records``."""
-    k = ids.size
+    """A decode step's CPU answer to one mailbox row (k ids, k weights, the input): ``out`` = h + the weighted
+    sum of the pairs at positions ``miss``, computed from the encoded ``records``, whose rows ``index`` (int64)
+    hold those pairs' experts."""
+    k = (row.size - h.size) // 2
     act = np.empty((miss.size, records.n_ff), np.float32)
-    cpu_kernels.routed_ffn_into(row[2 * k :], ids[miss], row[k : 2 * k][miss], records, h, act, out)
+    cpu_kernels.routed_ffn_into(row[2 * k :], index, row[k : 2 * k][miss], records, h, act, out)
 
 
 def _stage_and_copy(pool: SlotPool, i: int, slot: int, layer: HybridLayer, expert: int, queued: Any) -> Any:
