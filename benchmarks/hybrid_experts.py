@@ -207,7 +207,7 @@ def read_ahead(model: Any, routing: Routing | None) -> str:
 def prefetch_figures(c0: CacheStats, c1: CacheStats, tokens: int, record_bytes: int) -> dict:
     """A cache's read ahead between two snapshots, per decoded token: experts read ahead, used and evicted
     unused; the MB of the experts the decode found uncached (its misses and the read ahead's used: what it
-    reads without a read ahead) against all MB read."""
+    reads without a read ahead; at ``record_bytes`` each) against all MB read."""
     needed = c1.misses - c0.misses + c1.prefetch_used - c0.prefetch_used
     return {
         "needed_mb_per_token": round(needed * record_bytes / tokens / 1e6, 2),
