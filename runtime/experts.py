@@ -441,12 +441,12 @@ class ExpertCache:
         # a job per chunk of each part of each expert: as many reads in flight as there are threads
         pieces = [piece for part in lay.reads for piece in _chunks(part, self.read_chunk)]
         jobs = [(e, row, (piece,)) for (e, _), row in zip(misses, rows, strict=True) for piece in pieces]
+        if (
+            self.read_threads == 0 and not ahead and len(jobs) > 1
+        ):  # every range asked for first: no hand-offs
+            for e, _, ((start, step, n, _),) in jobs:
+                os.posix_fadvise(self._fd, start + e * step, n, os.POSIX_FADV_WILLNEED)
         if ahead or len(jobs) == 1 or self.read_threads <= 1:
-            if (
-                self.read_threads == 0 and not ahead and len(jobs) > 1
-            ):  # every range asked first: no hand-offs
-                for e, _, ((start, step, n, _),) in jobs:
-                    os.posix_fadvise(self._fd, start + e * step, n, os.POSIX_FADV_WILLNEED)
             reads = sum(self._pread(lay, *job) for job in jobs)
         else:  # every read ends before an error is raised: none may land in a slot given up for it
             pool = self._pool()

@@ -1,12 +1,14 @@
 """Prefetch of the next layer's likely experts into an :class:`runtime.experts.ExpertCache`.
 
-An observer: when a decode step routes layer L, layer L+1's router is applied to layer L's router
-input (the residual stream changes little from one layer to the next, so this predicts much of
-L+1's choice for the price of one small matmul) and the predicted experts are read into the cache by a
-background thread (``os.preadv`` releases the GIL) while the model computes layer L and L+1's
-attention. The cache never lets a prefetch evict a slot the model has pinned or an expert layer L
-routed to, and the model waits for a read in flight instead of reading the expert twice, so logits are
-unchanged. Prefill steps (several tokens) are not prefetched: they route to most experts anyway.
+When a decode step routes layer L, layer L+1's router is applied to layer L's router input
+(``RouterGuess``: the residual stream changes little from one layer to the next, so this predicts much of
+L+1's choice for the price of one small matmul) and the guessed experts are read into the cache by a
+thread of its own (``ReadAhead``; ``os.preadv`` releases the GIL) while the model reads and computes layer L
+and L+1's attention. Who guesses: on the host path an observer of the routing (``Prefetcher``); with
+hybrid experts the decode step's CPU worker at each layer's post (``runtime.hybrid``). The cache never lets
+a read ahead evict a slot the model has pinned or an expert layer L routed to, and the model waits for a
+read in flight instead of reading the expert twice, so logits are unchanged. Prefill steps (several
+tokens) are not read ahead: they route to most experts anyway.
 
 Counters (in the cache's stats): ``prefetch_issued`` experts read ahead, ``prefetch_used`` of them hit
 by the model, ``prefetch_wasted`` evicted unused.
