@@ -204,17 +204,24 @@ def read_ahead(model: Any, routing: Routing | None) -> str:
     return "the next layer's guessed experts read ahead"
 
 
-def prefetch_figures(c0: CacheStats, c1: CacheStats, tokens: int, record_bytes: int) -> dict:
-    """A cache's read ahead between two snapshots, per decoded token: experts read ahead, used and evicted
-    unused; the MB of the experts the decode found uncached (its misses and the read ahead's used: what it
-    reads without a read ahead; at ``record_bytes`` each) against all MB read."""
+def cache_figures(c0: CacheStats, c1: CacheStats, tokens: int, record_bytes: int) -> dict:
+    """An expert cache's decode between two snapshots, per decoded token: its hit rate; the model's own read
+    time and waits for reads ahead; the read rate (all reads, ahead too); the MB of the experts the decode
+    found uncached (its misses and the read ahead's used: what it reads without a read ahead; at
+    ``record_bytes`` each) against all MB read; experts read ahead, used and evicted unused."""
+    reads = c1.read_seconds - c0.read_seconds
+    all_reads = reads + c1.prefetch_seconds - c0.prefetch_seconds
     needed = c1.misses - c0.misses + c1.prefetch_used - c0.prefetch_used
     return {
+        "hit_rate": round((c1.hits - c0.hits) / max(c1.lookups - c0.lookups, 1), 4),
+        "read_ms_per_token": round(reads / tokens * 1e3, 2),
+        "wait_ms_per_token": round((c1.wait_seconds - c0.wait_seconds) / tokens * 1e3, 2),
+        "read_gb_s": round((c1.bytes_read - c0.bytes_read) / all_reads / 1e9, 3) if all_reads else None,
         "needed_mb_per_token": round(needed * record_bytes / tokens / 1e6, 2),
+        "read_mb_per_token": round((c1.bytes_read - c0.bytes_read) / tokens / 1e6, 2),
         "read_ahead_per_token": round((c1.prefetch_issued - c0.prefetch_issued) / tokens, 2),
         "used_per_token": round((c1.prefetch_used - c0.prefetch_used) / tokens, 2),
         "wasted_per_token": round((c1.prefetch_wasted - c0.prefetch_wasted) / tokens, 2),
-        "read_mb_per_token": round((c1.bytes_read - c0.bytes_read) / tokens / 1e6, 2),
     }
 
 
@@ -419,14 +426,7 @@ def row_hybrid(
         # requesters, the CPU side and the copier, whose reads may overlap: the rate is a request's)
         if host_gib:
             c0, c1, n = host_warm[0], w.expert_cache.stats, args.reps * args.tg
-            secs, got = c1.read_seconds - c0.read_seconds, c1.bytes_read - c0.bytes_read
-            ahead_secs = c1.prefetch_seconds - c0.prefetch_seconds  # its bytes are in bytes_read too
-            r["host_cache_decode"] = {
-                "hit_rate": round((c1.hits - c0.hits) / max(c1.lookups - c0.lookups, 1), 4),
-                "read_ms_per_token": round(secs / n * 1e3, 2),
-                "read_gb_s": round(got / (secs + ahead_secs) / 1e9, 3) if secs + ahead_secs else None,
-                "wait_ms_per_token": round((c1.wait_seconds - c0.wait_seconds) / n * 1e3, 2),
-            } | prefetch_figures(c0, c1, n, w.expert_cache.slot_bytes)
+            r["host_cache_decode"] = cache_figures(c0, c1, n, w.expert_cache.slot_bytes)
             r["read_ahead"] = ahead
         us = 1e6 / max(t.step_layers, 1)
         r |= {"decode_hit_rate": round(t.step_hit_rate, 4),
@@ -493,11 +493,7 @@ def row_streaming(
                   lambda: stats.append(copy.copy(cache.stats)))  # fmt: skip
         s, n = cache.stats, args.reps * args.tg
         r |= {"capacity": capacity, "hit_rate": round(s.hit_rate, 4),
-              "decode": {"hit_rate": round((s.hits - stats[0].hits) / max(s.lookups - stats[0].lookups, 1), 4),
-                         "read_ms_per_token": round((s.read_seconds - stats[0].read_seconds) / n * 1e3, 2),
-                         "read_gb_s": round((s.bytes_read - stats[0].bytes_read) / max(s.read_seconds + s.prefetch_seconds - stats[0].read_seconds - stats[0].prefetch_seconds, 1e-9) / 1e9, 3),
-                         "wait_ms_per_token": round((s.wait_seconds - stats[0].wait_seconds) / n * 1e3, 2)}
-                        | prefetch_figures(stats[0], s, n, cache.slot_bytes),
+              "decode": cache_figures(stats[0], s, n, cache.slot_bytes),
               "note": f"{capacity} experts cached, hits {s.hit_rate:.0%}" + (f"; {ahead}" if ahead else "")}  # fmt: skip
         return r
     finally:
@@ -586,7 +582,7 @@ def routing_tables(
 
 
 def uncached_note(r: dict, c: dict, disk_gb_s: float, cached: dict | None) -> str:
-    """A row whose misses were disk reads: MB read a token, the bound (missed MB / the disk's sequential rate
+    """A row whose misses were disk reads: MB read a token, the bound (needed MB / the disk's sequential rate
     + the compute of the same row with the file cached, when there is one) and the row against it, the
     cache's hits and read time, and its read ahead."""
     note = f"{r['tg_bytes_read_per_token'] / 1e6:,.1f} MB read a token ({c['needed_mb_per_token']} needed)"

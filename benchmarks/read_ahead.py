@@ -41,7 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hybrid_experts import routing_tables  # noqa: E402
+from hybrid_experts import cache_figures, routing_tables  # noqa: E402
 from routing_locality import FIXTURES, ROOT  # noqa: E402
 from streaming import drop_cache, expert_layers  # noqa: E402
 
@@ -96,20 +96,15 @@ def replay(path: Path, layers: dict, table: list, guesses: list, pooled: np.ndar
 
 
 def figures(c0: CacheStats, c1: CacheStats, n: int, seconds: float, slept: float, record: int) -> dict:
-    needed = c1.misses - c0.misses + c1.prefetch_used - c0.prefetch_used
-    reads = c1.read_seconds - c0.read_seconds
     return {
         "ms_per_token": round(seconds / n * 1e3, 2),
         "compute_ms_per_token": round(slept / n * 1e3, 2),
-        "read_ms_per_token": round(reads / n * 1e3, 2),
-        "wait_ms_per_token": round((c1.wait_seconds - c0.wait_seconds) / n * 1e3, 2),
-        "read_mb_per_token": round((c1.bytes_read - c0.bytes_read) / n / 1e6, 2),
-        "needed_mb_per_token": round(needed * record / n / 1e6, 2),
-        "model_read_gb_s": round((c1.misses - c0.misses) * record / reads / 1e9, 3) if reads else None,
-        "read_ahead_per_token": round((c1.prefetch_issued - c0.prefetch_issued) / n, 2),
-        "used_per_token": round((c1.prefetch_used - c0.prefetch_used) / n, 2),
-        "wasted_per_token": round((c1.prefetch_wasted - c0.prefetch_wasted) / n, 2),
-    }
+        "model_read_gb_s": round(
+            (c1.misses - c0.misses) * record / (c1.read_seconds - c0.read_seconds) / 1e9, 3
+        )
+        if c1.read_seconds > c0.read_seconds
+        else None,
+    } | cache_figures(c0, c1, n, record)
 
 
 def main(argv: list[str] | None = None) -> int:
