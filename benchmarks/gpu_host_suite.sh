@@ -62,7 +62,8 @@ if want uncached; then
   python3 benchmarks/hybrid_experts.py "$WORK/q35.gguf" --rows hybrid --routing trace --caches-gib 4 \
     --host-cache-gib 8 --pp 32 --tg 32 --reps 2 --warmup 8 --warmup-prefills 1 --read-threads 0 \
     --json "$WORK/results/uncached-readers0.json"
-  python3 benchmarks/read_ahead.py "$WORK/q35.gguf" --tokens 64 --warmup 16 --json "$WORK/results/read_ahead.json"
+  python3 benchmarks/read_ahead.py "$WORK/q35.gguf" --tokens 64 --warmup 16 --unhinted \
+    --json "$WORK/results/read_ahead.json"
   python3 benchmarks/disk_reads.py "$WORK/q35.gguf" --threads 0,4,16 --chunk-kb 0 --misses 1,4 \
     --json "$WORK/results/disk_reads.json"
   python3 benchmarks/cache_contention.py "$WORK/q35.gguf" --hot 16 --drop-pages --json "$WORK/results/contention.json"

@@ -59,12 +59,13 @@ def hottest(table: list[np.ndarray], experts: int, share: float) -> np.ndarray:
 
 
 def replay(path: Path, layers: dict, table: list, guesses: list, pooled: np.ndarray, args: argparse.Namespace,
-           prefetch: bool) -> dict:  # fmt: skip
+           prefetch: bool, hints: bool = True) -> dict:  # fmt: skip
     order = sorted(layers)
     k = table[0].shape[1]
     total = sum(lay.experts for lay in layers.values())
     cache = ExpertCache(path, layers, max(int(args.host_share * total), len(layers) * k + 1), k, "lfu", "cpu",
                         drop_pages=True, read_threads=args.read_threads)  # fmt: skip
+    cache.ahead_hints = hints
     ahead = ReadAhead(cache) if prefetch else None
     drop_cache(path)
     compute = args.compute_us * 1e-6
@@ -92,7 +93,10 @@ def replay(path: Path, layers: dict, table: list, guesses: list, pooled: np.ndar
         if ahead is not None:
             ahead.close()
         cache.close()
-    return figures(c0, cache.stats, args.tokens, seconds, slept, cache.slot_bytes) | {"prefetch": prefetch}
+    return figures(c0, cache.stats, args.tokens, seconds, slept, cache.slot_bytes) | {
+        "prefetch": prefetch,
+        "ahead_hints": hints,
+    }
 
 
 def figures(c0: CacheStats, c1: CacheStats, n: int, seconds: float, slept: float, record: int) -> dict:
@@ -116,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--read-threads", type=int, default=4)
+    ap.add_argument(
+        "--unhinted", action="store_true",
+        help="a third row: the read ahead's reads one at a time, its ranges not asked for first (ahead_hints off)",
+    )  # fmt: skip
     ap.add_argument("--disk-gb-s", type=float, help="the bound's read rate (default: the plain row's own)")
     ap.add_argument("--trace-model", type=Path, default=ROOT / "examples" / "tiny-qwen3moe")
     ap.add_argument("--text", type=Path, default=FIXTURES / "text" / "val.txt")
@@ -132,14 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     tables, guesses = routing_tables(args, args.file, n)
     table, guessed = tables["trace"], guesses["trace"]
     pooled = hottest(table, next(iter(layers.values())).experts, args.pool_share)
-    rows = [replay(args.file, layers, table, guessed, pooled, args, p) for p in (False, True)]
+    variants = [(False, True), (True, True)] + [(True, False)] * args.unhinted
+    rows = [replay(args.file, layers, table, guessed, pooled, args, p, h) for p, h in variants]
     disk = args.disk_gb_s or rows[0]["model_read_gb_s"]
     print(f"{args.file.name}: {len(layers)} layers, pool {args.pool_share:.1%}, host cache {args.host_share:.1%}, "
           f"compute {args.compute_us:g} us a layer, {args.tokens} tokens after {args.warmup}")  # fmt: skip
     for r in rows:
         r["bound_ms_per_token"] = round(r["needed_mb_per_token"] / disk + r["compute_ms_per_token"], 2)
         r["ratio"] = round(r["ms_per_token"] / r["bound_ms_per_token"], 2)
-        print(f"  read ahead {'on ' if r['prefetch'] else 'off'}: {r['ms_per_token']} ms a token (bound "
+        label = ("on" if r["ahead_hints"] else "on, unhinted") if r["prefetch"] else "off"
+        print(f"  read ahead {label}: {r['ms_per_token']} ms a token (bound "
               f"{r['bound_ms_per_token']}, ratio {r['ratio']}): reads {r['read_ms_per_token']}, waits "
               f"{r['wait_ms_per_token']}, compute {r['compute_ms_per_token']}; MB read {r['read_mb_per_token']}, "
               f"needed {r['needed_mb_per_token']}; read ahead {r['read_ahead_per_token']}, used "

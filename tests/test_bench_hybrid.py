@@ -102,13 +102,19 @@ def test_cache_contention_benchmark_times_two_requesters(example_q8: Path, tmp_p
 def test_read_ahead_benchmark_replays_the_uncached_host_side(example_q8: Path, tmp_path: Path) -> None:
     read_ahead = load("read_ahead")
     out = tmp_path / "ahead.json"
-    args = ["--tokens", "6", "--warmup", "2", "--compute-us", "10", "--host-share", "1", "--json", str(out)]
-    assert read_ahead.main([str(example_q8), *args]) == 0
-    off, on = json.loads(out.read_text())["rows"]
-    assert not off["prefetch"] and on["prefetch"] and off["read_ahead_per_token"] == 0
-    assert on["read_ahead_per_token"] > 0 and on["used_per_token"] > 0
-    # every expert fits: each one the decode needs is read once, by its miss or ahead of it
-    assert on["needed_mb_per_token"] == off["needed_mb_per_token"] > 0
+    args = ["--tokens", "6", "--warmup", "2", "--compute-us", "10", "--host-share", "1", "--unhinted"]
+    assert read_ahead.main([str(example_q8), *args, "--json", str(out)]) == 0
+    off, on, unhinted = json.loads(out.read_text())["rows"]
+    assert [(r["prefetch"], r["ahead_hints"]) for r in (off, on, unhinted)] == [
+        (False, True),
+        (True, True),
+        (True, False),
+    ]
+    assert off["read_ahead_per_token"] == 0
+    for r in (on, unhinted):
+        assert r["read_ahead_per_token"] > 0 and r["used_per_token"] > 0
+        # every expert fits: each one the decode needs is read once, by its miss or ahead of it
+        assert r["needed_mb_per_token"] == off["needed_mb_per_token"] > 0
     assert off["read_mb_per_token"] == off["needed_mb_per_token"]
     assert read_ahead.main([str(example_q8), "--pool-share", "1"]) == 1
     assert read_ahead.main([str(tmp_path / "none.gguf")]) == 1
