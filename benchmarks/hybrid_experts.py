@@ -172,15 +172,18 @@ class TableRouter:
 
 
 class TableGuess:
-    """``--prefetch``'s guess (``runtime.prefetch.RouterGuess``'s call) from a routing's guess tables: the
-    guess of the layer after ``layer`` for the token being decoded (None where the table has none)."""
+    """``--prefetch``'s guess from a routing's guess tables, in place of ``router`` (the
+    ``runtime.prefetch.RouterGuess`` it stands in for, whose product is still computed: its time is the
+    guess's): the guess of the layer after ``layer`` for the token being decoded (None where the table has
+    none)."""
 
-    def __init__(self, routing: Routing, layers: list[int]) -> None:
-        self.routing, self.layers = routing, layers
+    def __init__(self, routing: Routing, layers: list[int], router: Any) -> None:
+        self.routing, self.layers, self.router = routing, layers, router
         self.next_layer = dict(zip(layers, layers[1:], strict=False))
         routing.guessing = True
 
     def __call__(self, layer: int, x: torch.Tensor) -> tuple[int, list[int]] | None:
+        self.router(layer, x)
         nxt = self.next_layer.get(layer)
         table = (
             None
@@ -200,7 +203,7 @@ def read_ahead(model: Any, routing: Routing | None) -> str:
         return "no read ahead: no expert cache"
     if routing is not None:
         owner = getattr(model, "hybrid", None) or ra
-        owner.guess = TableGuess(routing, sorted(model.routed_layers()))
+        owner.guess = TableGuess(routing, sorted(model.routed_layers()), owner.guess)
     return "the next layer's guessed experts read ahead"
 
 

@@ -61,7 +61,7 @@ class RoutingRecorder(Observer):
         if self.guess is not None and self._x is not None and self._x[0] == layer:
             guess = self.guess.rows(layer, self._x[1])
             if guess is not None:
-                self.guesses.setdefault(guess[0], []).append(guess[1].cpu().numpy())
+                self.guesses.setdefault(guess[0], []).append(guess[1])
 
 
 def record(

@@ -20,10 +20,10 @@ import queue
 import threading
 from typing import Any
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
-from runtime import omp_team
+from runtime import cpu_kernels, omp_team
 from runtime.experts import ExpertCache
 from runtime.observers import Observer
 
@@ -32,12 +32,16 @@ _ROUTER = ".ffn_gate_inp.weight"
 
 class RouterGuess:
     """Layer L+1's likely experts from layer L's router input: L+1's router applied to it (its top k), on the
-    host (a hybrid decode step's worker guesses while the device waits for its answer: work queued on the
-    device there would wait behind that wait)."""
+    host by the CPU kernels (a hybrid decode step's worker guesses while the device waits for its answer: work
+    queued on the device there would wait behind that wait; and the worker's kernel threads are the one
+    OpenMP team of a decode step, which a torch product there could add to)."""
 
     def __init__(self, model: Any, layers: list[int]) -> None:
         self.n_used = int(model.n_expert_used)
-        self.routers = {i: model.blocks[i].moe.router.proj.weight.detach().float().cpu() for i in layers}
+        self.routers = {
+            i: cpu_kernels.Rows.floats(model.blocks[i].moe.router.proj.weight.detach().float().cpu().numpy())
+            for i in layers
+        }
         self.next_layer = dict(zip(layers, layers[1:], strict=False))
 
     def __call__(self, layer: int, x: torch.Tensor) -> tuple[int, list[int]] | None:
@@ -46,13 +50,14 @@ class RouterGuess:
         guess = self.rows(layer, x.reshape(1, -1))
         return None if guess is None else (guess[0], guess[1][0].tolist())
 
-    def rows(self, layer: int, x: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+    def rows(self, layer: int, x: torch.Tensor) -> tuple[int, np.ndarray] | None:
         """The same for each row of ``x`` (n, n_embd): the next layer and its guesses (n, k)."""
         nxt = self.next_layer.get(layer)
         if nxt is None:
             return None
         w = self.routers[nxt]
-        return nxt, torch.topk(F.linear(x.to("cpu", w.dtype), w), self.n_used, dim=-1).indices
+        logits = np.stack([cpu_kernels.gemv(row[None], w).numpy()[0] for row in x.to("cpu", torch.float32)])
+        return nxt, np.argsort(-logits, axis=-1, kind="stable")[:, : self.n_used]
 
 
 class ReadAhead:
