@@ -603,12 +603,13 @@ def uncached_note(r: dict, c: dict, disk_gb_s: float, cached: dict | None) -> st
 
 def print_table(rows: list[dict], header: str) -> None:
     print(header)
-    print(f"{'mode':<28} {'routing':<8} | {'pp tok/s':>9} | {'tg tok/s':>9} | note")
+    width = max([28] + [len(r["mode"]) for r in rows])
+    print(f"{'mode':<{width}} {'routing':<8} | {'pp tok/s':>9} | {'tg tok/s':>9} | note")
     for r in rows:
         pp = f"{r['pp']:>9.1f}" if "pp" in r else f"{'-':>9}"
         tg = f"{r['tg']:>9.1f}" if "tg" in r else f"{'-':>9}"
         note = r.get("error") or r.get("note", "")
-        print(f"{r['mode']:<28} {r['routing']:<8} | {pp} | {tg} | {note}")
+        print(f"{r['mode']:<{width}} {r['routing']:<8} | {pp} | {tg} | {note}")
 
 
 def main() -> None:
