@@ -28,7 +28,7 @@ from forge.convert import convert_checkpoint
 from runtime.experts import ExpertCache
 from runtime.models import build_model
 from runtime.observers import Observer
-from runtime.prefetch import RouterGuess
+from runtime.prefetch import ROUTER, RouterGuess
 from runtime.synth import GEOMETRIES
 from runtime.tokenizer import Tokenizer
 from runtime.weights import load_weights
@@ -51,7 +51,7 @@ class RoutingRecorder(Observer):
         self._x: tuple[int, torch.Tensor] | None = None
 
     def on_matmul_input(self, tensor_name: str, x: torch.Tensor, expert_ids: torch.Tensor | None) -> None:
-        if self.guess is not None and expert_ids is None and tensor_name.endswith(".ffn_gate_inp.weight"):
+        if self.guess is not None and expert_ids is None and tensor_name.endswith(ROUTER):
             self._x = (int(tensor_name.split(".")[1]), x)
 
     def on_routing(

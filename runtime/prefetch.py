@@ -27,7 +27,7 @@ from runtime import cpu_kernels, omp_team
 from runtime.experts import ExpertCache
 from runtime.observers import Observer
 
-_ROUTER = ".ffn_gate_inp.weight"
+ROUTER = ".ffn_gate_inp.weight"  # the router projection's name ends so: its input is a guess's
 
 
 class RouterGuess:
@@ -115,7 +115,7 @@ class Prefetcher(Observer):
         return self.read_ahead.predicted
 
     def on_matmul_input(self, tensor_name: str, x: torch.Tensor, expert_ids: torch.Tensor | None) -> None:
-        if expert_ids is None and x.shape[0] == 1 and tensor_name.endswith(_ROUTER):
+        if expert_ids is None and x.shape[0] == 1 and tensor_name.endswith(ROUTER):
             self._x = (int(tensor_name.split(".")[1]), x)
 
     def on_routing(
