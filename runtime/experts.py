@@ -512,6 +512,13 @@ class ExpertCache:
             self.prefetched[slot] = False
         self.reserved_for[slot] = -1
 
+    def _claim(self, slot: int, key: int) -> None:
+        """Under the lock: ``slot``'s expert evicted, the slot given to ``key`` and marked being read."""
+        self._evict(slot)
+        self.slot_key[slot] = key
+        self.slot_of[key] = slot
+        self.loading[slot] = True
+
     def _read_ended(self, slots: list[int], failed: bool = False) -> None:
         """Under the lock: the reads into ``slots`` are over (their waiters woken); ``failed``: the slots are
         empty again, their experts no longer cached."""
@@ -613,10 +620,7 @@ class ExpertCache:
                 self.stats.misses += 1
                 slot = next(fresh_slots)
                 reading.add(slot)
-                self._evict(slot)
-                self.slot_key[slot] = key
-                self.slot_of[key] = slot
-                self.loading[slot] = True
+                self._claim(slot, key)
                 misses.append((e, slot))
             else:
                 self.stats.hits += 1
@@ -750,10 +754,7 @@ class ExpertCache:
             want = want[: self.capacity - int(np.count_nonzero(busy))]
             fresh = self._free_slots(len(want), busy) or []
             for e, slot in zip(want, fresh, strict=True):
-                self._evict(slot)
-                self.slot_key[slot] = base + e
-                self.slot_of[base + e] = slot
-                self.loading[slot] = True
+                self._claim(slot, base + e)
                 self.reserved_for[slot] = layer
                 self.prefetched[slot] = True
                 # a guess ranks as the least recently used until the model uses it: kept by its reservation
