@@ -178,18 +178,16 @@ class TableGuess:
     none)."""
 
     def __init__(self, routing: Routing, layers: list[int], router: Any) -> None:
-        self.routing, self.layers, self.router = routing, layers, router
+        self.routing, self.router = routing, router
         self.next_layer = dict(zip(layers, layers[1:], strict=False))
+        self.pos = {layer: i for i, layer in enumerate(layers)}  # a layer's row of the tables
         routing.guessing = True
 
     def __call__(self, layer: int, x: torch.Tensor) -> tuple[int, list[int]] | None:
         self.router(layer, x)
         nxt = self.next_layer.get(layer)
-        table = (
-            None
-            if nxt is None or self.routing.guesses is None
-            else self.routing.guesses[self.layers.index(nxt)]
-        )
+        guesses = self.routing.guesses
+        table = None if nxt is None or guesses is None else guesses[self.pos[nxt]]
         return None if table is None else (nxt, table[self.routing.cursor % len(table)].tolist())
 
 
@@ -202,8 +200,7 @@ def read_ahead(model: Any, routing: Routing | None) -> str:
     if ra is None:
         return "no read ahead: no expert cache"
     if routing is not None:
-        owner = getattr(model, "hybrid", None) or ra
-        owner.guess = TableGuess(routing, sorted(model.routed_layers()), owner.guess)
+        ra.guess = TableGuess(routing, sorted(model.routed_layers()), ra.guess)
     return "the next layer's guessed experts read ahead"
 
 

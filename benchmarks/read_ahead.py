@@ -37,11 +37,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hybrid_experts import cache_figures, routing_tables  # noqa: E402
+from hybrid_experts import Routing, TableGuess, cache_figures, routing_tables  # noqa: E402
 from routing_locality import FIXTURES, ROOT  # noqa: E402
 from streaming import drop_cache, expert_layers  # noqa: E402
 
@@ -66,7 +67,15 @@ def replay(path: Path, layers: dict, table: list, guesses: list, pooled: np.ndar
     cache = ExpertCache(path, layers, max(int(args.host_share * total), len(layers) * k + 1), k, "lfu", "cpu",
                         drop_pages=True, read_threads=args.read_threads)  # fmt: skip
     cache.ahead_hints = hints
-    ahead = ReadAhead(cache) if prefetch else None
+    routing = Routing(table, guesses)
+    # the tables' guesses at the token replayed (no router product: the sleep stands for the layer's compute)
+    ahead = ReadAhead(cache, TableGuess(routing, order, lambda layer, x: None)) if prefetch else None
+
+    pos = {layer: i for i, layer in enumerate(order)}
+
+    def not_pooled(layer: int, experts: list[int]) -> list[int]:
+        return [e for e in experts if not pooled[pos[layer], e]]
+
     drop_cache(path)
     compute = args.compute_us * 1e-6
     slept = 0.0
@@ -76,11 +85,10 @@ def replay(path: Path, layers: dict, table: list, guesses: list, pooled: np.ndar
                 c0, t0, slept = copy.copy(cache.stats), time.perf_counter(), 0.0
             for i, layer in enumerate(order):
                 ids = table[i][t % len(table[i])].tolist()
-                cache.serve(layer, ids)
-                if ahead is not None and i + 1 < len(order) and guesses[i + 1] is not None:
-                    g = guesses[i + 1][t % len(guesses[i + 1])].tolist()
-                    if g := [e for e in g if not pooled[i + 1, e]]:
-                        ahead.submit(order[i + 1], g, layer)
+                if ahead is None:
+                    cache.serve(layer, ids)
+                else:  # as the hybrid worker at the layer's post
+                    ahead.routed(layer, ids, torch.empty(0), not_pooled)
                 need = [e for e in ids if not pooled[i, e]]
                 if need:
                     with cache.held(layer, need):
@@ -88,6 +96,7 @@ def replay(path: Path, layers: dict, table: list, guesses: list, pooled: np.ndar
                 s0 = time.perf_counter()
                 time.sleep(compute)
                 slept += time.perf_counter() - s0
+            routing.advance(1)
         seconds = time.perf_counter() - t0
     finally:
         if ahead is not None:

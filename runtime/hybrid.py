@@ -509,9 +509,8 @@ class HybridExperts:
         self.cpu_threads = max(1, torch.get_num_threads() - (self.device.type == "cuda"))
         self.exchange: Exchange | None = None  # the decode steps' mailbox, made at the first step
         # over a host expert cache: the next layer's guessed experts read into it while a decode step's layer
-        # is served (``read_ahead``); ``guess``: (layer, its router input) -> (next layer, experts)
+        # is served (``prefetch``)
         self.read_ahead: ReadAhead | None = None
-        self.guess: Callable[[int, torch.Tensor], tuple[int, list[int]] | None] | None = None
         self.batch_call = False  # the forward call under way routes a batch (set at its first routed layer)
         self._step_job: Future | None = None  # the worker serving the decode step under way
         self.pinned = self._pin() if cuda else None
@@ -528,23 +527,14 @@ class HybridExperts:
         if self._host_cache is None:
             return None
         if self.read_ahead is None:
-            self.guess = RouterGuess(model, sorted(self.hybrid_layers))
-            self.read_ahead = ReadAhead(self._host_cache, background)
+            guess = RouterGuess(model, sorted(self.hybrid_layers))
+            self.read_ahead = ReadAhead(self._host_cache, guess, background)
         return self.read_ahead
 
-    def _read_ahead(self, layer: HybridLayer, ids: np.ndarray, x: np.ndarray) -> None:
-        """The worker at ``layer``'s post (routed to ``ids``, input ``x``): the next layer's guessed experts
-        that no pool holds, read ahead into the host cache."""
-        assert self._host_cache is not None and self.read_ahead is not None and self.guess is not None
-        self._host_cache.serve(layer.layer, ids.tolist())
-        guess = self.guess(layer.layer, torch.from_numpy(x))
-        if guess is None:
-            return
-        nxt, experts = guess
-        base = self.hybrid_layers[nxt].base
-        experts = [e for e in experts if self.slot_of[base + e] < 0]
-        if experts:
-            self.read_ahead.submit(nxt, experts, layer.layer)
+    def _not_pooled(self, layer: int, experts: list[int]) -> list[int]:
+        """Of ``experts`` of ``layer``, those no pool holds (the CPU side's, which a read ahead may fetch)."""
+        base = self.hybrid_layers[layer].base
+        return [e for e in experts if self.slot_of[base + e] < 0]
 
     def _streamed_keys(self, order: list[int], n_keys: int) -> tuple[ExpertCache | None, np.ndarray]:
         """The host expert cache that layers stream through (None: every layer in host memory), and per key
@@ -977,8 +967,9 @@ class HybridExperts:
                     os.sched_yield()
                 stamps[i, 0] = time.perf_counter()
                 ids = mail[i, :k].astype(np.int64)
-                if self.read_ahead is not None:
-                    self._read_ahead(layer, ids, mail[i, 2 * k :])
+                if self.read_ahead is not None:  # the next layer's guesses read while this one is served
+                    x = torch.from_numpy(mail[i, 2 * k :])
+                    self.read_ahead.routed(layer.layer, ids.tolist(), x, self._not_pooled)
                 miss = np.flatnonzero(self.slot_of[layer.base + ids] < 0)
                 missed[i] = miss.size
                 if not miss.size:

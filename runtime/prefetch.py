@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,10 @@ from runtime.experts import ExpertCache
 from runtime.observers import Observer
 
 ROUTER = ".ffn_gate_inp.weight"  # the router projection's name ends so: its input is a guess's
+#: (layer, its router input) -> (the next layer, its guessed experts), or None after the last layer
+Guess = Callable[[int, torch.Tensor], tuple[int, list[int]] | None]
+#: (layer, experts guessed of it) -> those worth reading
+Keep = Callable[[int, list[int]], list[int]]
 
 
 class RouterGuess:
@@ -55,17 +60,17 @@ class RouterGuess:
         nxt = self.next_layer.get(layer)
         if nxt is None:
             return None
-        w = self.routers[nxt]
-        logits = np.stack([cpu_kernels.gemv(row[None], w).numpy()[0] for row in x.to("cpu", torch.float32)])
+        logits = cpu_kernels.product(x.to("cpu", torch.float32), self.routers[nxt]).numpy()
         return nxt, np.argsort(-logits, axis=-1, kind="stable")[:, : self.n_used]
 
 
 class ReadAhead:
-    """Reads guessed experts into an :class:`ExpertCache` on a thread of its own (``background=False``: in
-    the caller, deterministic). A guess the model has moved past is dropped by the cache."""
+    """Reads the experts ``guess`` (a ``RouterGuess``, or what stands in for one) expects of the next layer into
+    an :class:`ExpertCache`, on a thread of its own (``background=False``: in the caller, deterministic). A
+    guess the model has moved past is dropped by the cache."""
 
-    def __init__(self, cache: ExpertCache, background: bool = True) -> None:
-        self.cache = cache
+    def __init__(self, cache: ExpertCache, guess: Guess, background: bool = True) -> None:
+        self.cache, self.guess = cache, guess
         cache.prefetching = True
         self.predicted = 0  # experts guessed (whether already cached or not)
         self._queue: queue.SimpleQueue[tuple[int, list[int], int] | None] | None = None
@@ -74,6 +79,20 @@ class ReadAhead:
             self._queue = queue.SimpleQueue()
             self._thread = threading.Thread(target=self._work, name="expert-prefetch", daemon=True)
             self._thread.start()
+
+    def routed(self, layer: int, ids: list[int], x: torch.Tensor, keep: Keep | None = None) -> None:
+        """The model has routed ``layer`` (its router input ``x``) to experts ``ids``, before asking for them:
+        the cache is told, and the next layer's guessed experts are read (``keep``: of (layer, experts), those
+        worth reading)."""
+        self.cache.serve(layer, ids)
+        guess = self.guess(layer, x)
+        if guess is None:
+            return
+        nxt, experts = guess
+        if keep is not None:
+            experts = keep(nxt, experts)
+        if experts:
+            self.submit(nxt, experts, layer)
 
     def submit(self, layer: int, experts: list[int], issued_at: int) -> None:
         """Read experts ``experts`` of ``layer``, guessed while the model was at layer ``issued_at``."""
@@ -101,18 +120,12 @@ class ReadAhead:
 
 
 class Prefetcher(Observer):
-    """The read ahead of a model whose every layer runs on the host (an observer of its routing); attach
-    with :func:`attach_prefetcher`."""
+    """The read ahead of a model whose every layer runs on the host: an observer of its routing (attached by
+    :func:`attach_prefetcher`)."""
 
-    def __init__(self, model: Any, cache: ExpertCache, background: bool = True) -> None:
-        self.cache = cache
-        self.guess = RouterGuess(model, [i for i in model.routed_layers() if i in cache.layers])
-        self.read_ahead = ReadAhead(cache, background)
+    def __init__(self, read_ahead: ReadAhead) -> None:
+        self.read_ahead = read_ahead
         self._x: tuple[int, torch.Tensor] | None = None
-
-    @property
-    def predicted(self) -> int:
-        return self.read_ahead.predicted
 
     def on_matmul_input(self, tensor_name: str, x: torch.Tensor, expert_ids: torch.Tensor | None) -> None:
         if expert_ids is None and x.shape[0] == 1 and tensor_name.endswith(ROUTER):
@@ -121,25 +134,20 @@ class Prefetcher(Observer):
     def on_routing(
         self, layer: int, experts: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor
     ) -> None:
-        if experts.shape[0] != 1 or self._x is None or self._x[0] != layer:
-            return
-        self.cache.serve(layer, experts[0].tolist())
-        guess = self.guess(layer, self._x[1])
-        if guess is not None:
-            self.read_ahead.submit(*guess, layer)
-
-    def close(self) -> None:
-        self.read_ahead.close()
+        if experts.shape[0] == 1 and self._x is not None and self._x[0] == layer:
+            self.read_ahead.routed(layer, experts[0].tolist(), self._x[1])
 
 
-def attach_prefetcher(model: Any, background: bool = True) -> Prefetcher | ReadAhead | None:
-    """Register a prefetcher on ``model`` when its weights stream experts (with hybrid experts, the
-    executor's read ahead in its decode steps); None otherwise."""
+def attach_prefetcher(model: Any, background: bool = True) -> ReadAhead | None:
+    """Read ahead on ``model`` when its weights stream experts (with hybrid experts, in the executor's decode
+    steps; else by an observer of the routing); None otherwise."""
     cache = getattr(model.weights, "expert_cache", None)
     if cache is None:
         return None
     if getattr(model, "hybrid", None) is not None:
         return model.hybrid.prefetch(model, background)
-    p = Prefetcher(model, cache, background)
-    model.observers.append(p)
-    return p
+    read_ahead = ReadAhead(
+        cache, RouterGuess(model, [i for i in model.routed_layers() if i in cache.layers]), background
+    )
+    model.observers.append(Prefetcher(read_ahead))
+    return read_ahead
