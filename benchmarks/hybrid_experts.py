@@ -697,6 +697,11 @@ def main() -> None:
     forge_rows = want & {"hybrid", "streaming"} or (not cuda and "resident" in want) or args.host_cache_gib
     tables, guesses = routing_tables(args, path, min(n_tokens, 1 << 14)) if forge_rows else ({}, {})
     rows: list[dict] = []
+    aheads = (False, True) if args.prefetch else (False,)  # the streamed rows without, then with, read ahead
+
+    def disk_gb_s() -> float:  # the disk's sequential rate, measured once
+        return machine.setdefault("disk_read_gb_s", round(read_ceiling(path) / 1e9, 2))
+
     if cuda:
         free = torch.cuda.mem_get_info()[0]
         fits = path.stat().st_size + (2 << 30) <= free
@@ -717,15 +722,14 @@ def main() -> None:
                     (r for r in rows if r["mode"] == "hybrid 4 GiB" and r["routing"] == kind and "tg" in r),
                     None,
                 )
-                for ahead in (False, True) if args.prefetch else (False,):
+                for ahead in aheads:
                     label = f"hybrid 4 GiB, host {args.host_cache_gib:g} GiB" + (
                         ", read ahead" if ahead else ""
                     )
                     r = guarded(label, kind, row_hybrid, path, 4.0, _routing(table, guesses.get(kind)), args,
                                 args.host_cache_gib, ahead)  # fmt: skip
                     if "tg" in r:
-                        disk = machine.setdefault("disk_read_gb_s", round(read_ceiling(path) / 1e9, 2))
-                        r["note"] = uncached_note(r, r["host_cache_decode"], disk, cached)
+                        r["note"] = uncached_note(r, r["host_cache_decode"], disk_gb_s(), cached)
                     rows.append(r)
     else:
         notes.append(
@@ -734,17 +738,12 @@ def main() -> None:
         for kind, table in tables.items():
             if "resident" in want:
                 rows.append(guarded("CPU, mapped file", kind, row_cpu, path, _routing(table), args))
-            for ahead in (
-                (False, True)
-                if args.prefetch and "streaming" in want
-                else ((False,) if "streaming" in want else ())
-            ):
+            for ahead in aheads if "streaming" in want else ():
                 label = f"SSD streaming {args.stream_gib:g} GiB" + (", read ahead" if ahead else "")
                 r = guarded(label, kind, row_streaming, path, "cpu", args.stream_gib,
                             _routing(table, guesses.get(kind)), args, ahead)  # fmt: skip
                 if "tg" in r and args.drop_pages:
-                    disk = machine.setdefault("disk_read_gb_s", round(read_ceiling(path) / 1e9, 2))
-                    r["note"] += "; " + uncached_note(r, r["decode"], disk, None)
+                    r["note"] += "; " + uncached_note(r, r["decode"], disk_gb_s(), None)
                 rows.append(r)
     if args.llama_bench is not None and "llama" in want:
         modes = [("llama.cpp -ot exps=CPU", ("-ot", "exps=CPU")), ("llama.cpp all on GPU", ())] if cuda else [("llama.cpp CPU", ())]  # fmt: skip
