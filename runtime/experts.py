@@ -379,7 +379,7 @@ class ExpertCache:
         # only evicts an expert unused since the earlier one (one that the last full cycle did not need)
         self._cycle_ticks = [0, 0]
         self._first_layer = min(layers)
-        self.protected_keys = np.empty(0, np.int64)  # keys the prefetcher must not evict
+        self.protected_keys: list[int] = []  # keys the prefetcher must not evict
         self.prefetching = False  # a Prefetcher is attached
         self.simulate = False  # benchmarks: fill the bookkeeping of misses without reading them
         #: preads in flight at once for the misses of one request
@@ -535,7 +535,7 @@ class ExpertCache:
     def serve(self, layer: int, ids: list[int]) -> None:
         """The model has routed ``layer`` to experts ``ids`` (before it asks for them): a read ahead leaves
         them alone, and one for an earlier layer is stale from now on."""
-        keys = np.asarray(ids, np.int64) + self._key_base[layer]
+        keys = [self._key_base[layer] + e for e in ids]
         with self._lock:
             self._serving(layer)
             self._unreserve(layer - 1)
@@ -744,11 +744,9 @@ class ExpertCache:
             if not issued_at - 1 <= self.serving <= issued_at:
                 return 0
             want = list(dict.fromkeys(e for e in experts if base + e not in self.slot_of))
-            busy = (
-                self._busy()
-                | np.isin(self.slot_key, self.protected_keys)
-                | ((self.slot_key >= 0) & (self.policy.last_use > self._cycle_ticks[0]))
-            )
+            busy = self._busy() | ((self.slot_key >= 0) & (self.policy.last_use > self._cycle_ticks[0]))
+            # the routed layer's experts (a lookup each, not a search of every slot)
+            busy[[self.slot_of[k] for k in self.protected_keys if k in self.slot_of]] = True
             if self._reserving:
                 busy |= self.reserved_for >= 0
             want = want[: self.capacity - int(np.count_nonzero(busy))]
